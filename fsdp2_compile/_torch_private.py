@@ -1,0 +1,30 @@
+"""Every private torch API the project uses, wrapped in one place.
+
+If a torch upgrade moves one of these, this is the only file to change.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch._functorch.aot_autograd import aot_module_simplified
+from torch._functorch.partitioners import min_cut_rematerialization_partition
+from torch._guards import detect_fake_mode
+from torch.utils.checkpoint import CheckpointPolicy
+
+__all__ = [
+    "CheckpointPolicy",
+    "aot_module_simplified",
+    "detect_fake_mode",
+    "fake_process_group",
+    "min_cut_rematerialization_partition",
+]
+
+
+def fake_process_group(rank: int, world_size: int) -> None:
+    """Initialise the default process group with the in-process fake backend (any world size, no peers)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    torch.distributed.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+

@@ -1,0 +1,75 @@
+"""The torch.compile backend "fsdp2": Dynamo graph → AOTAutograd joint graph → partition → pass pipeline.
+
+The partitioner is torch's min-cut partitioner, after tagging each `fsdp2::unshard` node MUST_RECOMPUTE
+(`reshard_after_forward=True`: no gathered parameter is saved for backward, backward gathers again what it needs)
+or MUST_SAVE (`False`: gathered once, kept until backward).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import fx, nn
+from torch.distributed.tensor import DTensor
+
+from ._torch_private import CheckpointPolicy, aot_module_simplified, min_cut_rematerialization_partition
+from .config import CompileConfig
+from .graph import nodes_calling
+from .ops import UNSHARD
+from .pipeline import PassContext, run_pipeline
+from .shard import is_known_param
+
+__all__ = ["fsdp2_backend", "make_backend"]
+
+
+def _check_sharded(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:
+    """Refuse graphs that read parameters `shard` does not manage (the module was never sharded)."""
+    params = [p for p in list(gm.parameters()) + list(example_inputs) if isinstance(p, nn.Parameter)]
+    for p in params:
+        if isinstance(p, DTensor) or is_known_param(p):
+            continue
+        shape = tuple(p.shape)
+        raise RuntimeError(
+            f"torch.compile(backend='fsdp2') found a parameter of shape {shape} that is not sharded; "
+            "call fsdp2_compile.shard(model, mesh) (or use fsdp2_compile.shard_compile) before compiling"
+        )
+
+
+def _tag_unshards(joint: fx.GraphModule) -> None:
+    for node in nodes_calling(joint.graph, UNSHARD):
+        reshard = node.args[7]
+        node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE if reshard else CheckpointPolicy.MUST_SAVE
+
+
+def _partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any):
+    _tag_unshards(joint)
+    return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+
+
+def _compiler(kind: str, config: CompileConfig) -> Callable[[fx.GraphModule, Any], Callable]:
+    def compile_graph(gm: fx.GraphModule, example_inputs: Any) -> Callable:
+        return run_pipeline(gm, PassContext(kind=kind, config=config))
+
+    return compile_graph
+
+
+def fsdp2_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], config: CompileConfig | None = None):
+    """torch.compile backend: lowers the fsdp2 ops of a captured graph of a sharded module into collectives."""
+    config = config or CompileConfig()
+    _check_sharded(gm, example_inputs)
+    return aot_module_simplified(
+        gm,
+        example_inputs,
+        fw_compiler=_compiler("forward", config),
+        bw_compiler=_compiler("backward", config),
+        inference_compiler=_compiler("inference", config),
+        partition_fn=_partition,
+    )
+
+
+def make_backend(config: CompileConfig) -> Callable:
+    """The backend with a non-default config (what `shard_compile` passes to torch.compile)."""
+    return functools.partial(fsdp2_backend, config=config)

@@ -1,0 +1,93 @@
+"""The two custom ops the capture sees: `fsdp2::unshard` and its autograd twin `fsdp2::reduce_grad`.
+
+`unshard(shard)` returns the full parameter (all ranks' shards, cast to `param_dtype`); its backward is
+`reduce_grad(grad)`, which returns this rank's shard of the averaged gradient in the parameter's dtype.
+Both run eagerly (through the functional collectives, so eager and compiled runs issue the same collectives)
+and have fake implementations, so Dynamo/AOTAutograd trace them as single opaque nodes that the lowering
+passes later expand into cast / pad / collective / wait / unpad nodes.
+
+Every argument besides the tensor is static metadata, carried in the op so each node names its parameter
+(`fqn`) and the partitioner can read `reshard_after_forward` off the node itself.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["unshard", "reduce_grad", "UNSHARD", "REDUCE_GRAD", "padded_rows", "pad_rows"]
+
+_funcol = torch.ops._c10d_functional
+
+
+def padded_rows(dim0: int, world_size: int) -> int:
+    """Rows of every rank's padded shard: ceil(dim0 / world_size), the chunk size of `torch.chunk`."""
+    return -(-dim0 // world_size)
+
+
+def pad_rows(t: Tensor, rows: int) -> Tensor:
+    """`t` zero-padded on dim 0 to `rows` rows (returned as is when it already has them)."""
+    missing = rows - t.shape[0]
+    if missing == 0:
+        return t
+    return torch.constant_pad_nd(t, [0, 0] * (t.dim() - 1) + [0, missing])
+
+
+@torch.library.custom_op("fsdp2::unshard", mutates_args=())
+def unshard(
+    shard: Tensor,
+    dim0: int,
+    world_size: int,
+    group_name: str,
+    param_dtype: torch.dtype | None,
+    reduce_dtype: torch.dtype,
+    fqn: str,
+    reshard_after_forward: bool,
+) -> Tensor:
+    """All-gather a dim-0 shard into the full parameter of `dim0` rows, cast to `param_dtype` first."""
+    x = shard if param_dtype is None else shard.to(param_dtype)
+    x = pad_rows(x, padded_rows(dim0, world_size)).contiguous()
+    full = _funcol.wait_tensor(_funcol.all_gather_into_tensor(x, world_size, group_name))
+    return full[:dim0].clone() if full.shape[0] != dim0 else full
+
+
+@unshard.register_fake
+def _(shard, dim0, world_size, group_name, param_dtype, reduce_dtype, fqn, reshard_after_forward):
+    return shard.new_empty((dim0, *shard.shape[1:]), dtype=param_dtype or shard.dtype)
+
+
+@torch.library.custom_op("fsdp2::reduce_grad", mutates_args=())
+def reduce_grad(
+    grad: Tensor,
+    local_rows: int,
+    world_size: int,
+    group_name: str,
+    reduce_dtype: torch.dtype,
+    out_dtype: torch.dtype,
+    fqn: str,
+) -> Tensor:
+    """Average a full gradient over the group and return this rank's `local_rows`-row shard in `out_dtype`."""
+    x = grad.to(reduce_dtype)
+    x = pad_rows(x, padded_rows(grad.shape[0], world_size) * world_size).contiguous()
+    out = _funcol.wait_tensor(_funcol.reduce_scatter_tensor(x, "avg", world_size, group_name))
+    return out[:local_rows].to(out_dtype).clone()
+
+
+@reduce_grad.register_fake
+def _(grad, local_rows, world_size, group_name, reduce_dtype, out_dtype, fqn):
+    return grad.new_empty((local_rows, *grad.shape[1:]), dtype=out_dtype)
+
+
+def _unshard_setup_context(ctx, inputs, output) -> None:
+    shard, _, world_size, group_name, _, reduce_dtype, fqn, _ = inputs
+    ctx.reduce_args = (shard.shape[0], world_size, group_name, reduce_dtype, shard.dtype, fqn)
+
+
+def _unshard_backward(ctx, grad: Tensor):
+    return (torch.ops.fsdp2.reduce_grad(grad, *ctx.reduce_args),) + (None,) * 7
+
+
+unshard.register_autograd(_unshard_backward, setup_context=_unshard_setup_context)
+
+UNSHARD = torch.ops.fsdp2.unshard.default
+REDUCE_GRAD = torch.ops.fsdp2.reduce_grad.default

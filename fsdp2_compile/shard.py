@@ -1,0 +1,240 @@
+"""`shard(module, mesh)`: FSDP2's parameter layout, applied in place.
+
+Every managed parameter becomes an `nn.Parameter` holding a `DTensor` sharded on dim 0 (`Shard(0)`, uneven
+rows follow `torch.chunk`, so a rank's shard may be empty). The module's class is swapped for a subclass with
+one property per managed parameter name, so that `module.weight` returns `unshard(shard)` — the gathered
+parameter, eager-correct and traceable — while `named_parameters()` / `state_dict()` keep the original names and
+show the sharded DTensors with their logical shapes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.utils.weak import WeakIdKeyDictionary
+
+from .config import MixedPrecisionPolicy
+from .ops import unshard
+
+__all__ = ["shard", "ShardState", "ParamInfo", "is_known_param", "is_sharded", "managed_param_info"]
+
+_STATE_ATTR = "_fsdp2_state"
+
+
+@dataclass
+class ParamInfo:
+    """What the property of a managed parameter needs to gather it (the static args of `fsdp2::unshard`)."""
+
+    fqn: str
+    dim0: int
+    world_size: int
+    group_name: str
+    param_dtype: torch.dtype | None
+    reduce_dtype: torch.dtype
+    reshard_after_forward: bool
+
+    def gather(self, param: nn.Parameter) -> torch.Tensor:
+        if not isinstance(param, DTensor):
+            raise TypeError(
+                f"parameter '{self.fqn}' was replaced by a {type(param).__name__} after shard(); "
+                "assign parameters before calling fsdp2_compile.shard, or load values with load_state_dict"
+            )
+        return unshard(
+            param.to_local(),
+            self.dim0,
+            self.world_size,
+            self.group_name,
+            self.param_dtype,
+            self.reduce_dtype,
+            self.fqn,
+            self.reshard_after_forward,
+        )
+
+
+@dataclass(frozen=True)
+class ShardState:
+    """Recorded on every module passed to `shard` (one FSDP2 "parameter group")."""
+
+    mesh: DeviceMesh
+    mp_policy: MixedPrecisionPolicy
+    reshard_after_forward: bool
+    param_fqns: tuple[str, ...]
+    """The parameters this call took over, named relative to the module it was given."""
+
+
+# sharded parameter -> its info; original parameter -> sharded one (for parameters tied across shard() calls).
+_INFO: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_REPLACED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_IGNORED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def is_sharded(module: nn.Module) -> bool:
+    """True when `shard` was called on exactly this module."""
+    return isinstance(getattr(module, _STATE_ATTR, None), ShardState)
+
+
+def managed_param_info(param: nn.Parameter) -> ParamInfo | None:
+    """The info of a parameter that `shard` manages, else None."""
+    return _INFO.get(param)
+
+
+def is_known_param(param: nn.Parameter) -> bool:
+    """True for parameters `shard` manages or was told to ignore."""
+    return param in _INFO or param in _IGNORED
+
+
+def _default_mesh(mesh: DeviceMesh | None) -> DeviceMesh:
+    if mesh is None:
+        if not torch.distributed.is_initialized():
+            raise RuntimeError(
+                "fsdp2_compile.shard(mesh=None) needs an initialised default process group; "
+                "call torch.distributed.init_process_group first or pass a DeviceMesh"
+            )
+        accelerator = torch.accelerator.current_accelerator()
+        gloo = torch.distributed.get_backend() == "gloo"
+        device_type = "cpu" if gloo or accelerator is None else accelerator.type
+        return init_device_mesh(device_type, (torch.distributed.get_world_size(),))
+    if mesh.ndim > 2:
+        raise ValueError(
+            f"fsdp2_compile.shard got a {mesh.ndim}-D mesh {tuple(mesh.shape)}; FSDP uses a 1-D mesh (shard) "
+            "or a 2-D mesh (replicate, shard). Slice the mesh, e.g. mesh['dp'], before passing it"
+        )
+    if mesh.ndim == 2:
+        raise NotImplementedError(
+            f"fsdp2_compile.shard got a 2-D mesh {tuple(mesh.shape)} (HSDP), which is not supported yet; "
+            "pass a 1-D mesh"
+        )
+    return mesh
+
+
+def _check_param(fqn: str, param: nn.Parameter, mesh: DeviceMesh) -> None:
+    if param.dim() == 0:
+        raise ValueError(
+            f"parameter '{fqn}' is 0-dimensional; FSDP shards parameters on dim 0. "
+            "Give it shape (1,) or pass it in ignored_params"
+        )
+    if param.device.type not in (mesh.device_type, "meta"):
+        raise ValueError(
+            f"parameter '{fqn}' is on device '{param.device}' but the mesh is on '{mesh.device_type}'; "
+            f"move the module with module.to('{mesh.device_type}') before calling shard"
+        )
+    if isinstance(param, DTensor):
+        raise ValueError(
+            f"parameter '{fqn}' is already a DTensor not managed by fsdp2_compile; "
+            "only plain parameters can be sharded"
+        )
+
+
+def _shard_param(param: nn.Parameter, mesh: DeviceMesh) -> nn.Parameter:
+    world_size, rank = mesh.size(), mesh.get_local_rank()
+    chunks = torch.chunk(param.detach(), world_size, dim=0)
+    local = chunks[rank] if rank < len(chunks) else param.new_empty((0, *param.shape[1:]))
+    dtensor = DTensor.from_local(
+        local.clone(), mesh, [Shard(0)], run_check=False, shape=param.shape, stride=param.stride()
+    )
+    return nn.Parameter(dtensor, requires_grad=param.requires_grad)
+
+
+def _install_properties(module: nn.Module, infos: dict[str, ParamInfo]) -> None:
+    """Swap `module`'s class for a subclass whose `name` attributes return the gathered parameters."""
+    cls = type(module)
+    base = cls.__bases__[0] if getattr(cls, "_fsdp2_generated", False) else cls
+    existing = dict(getattr(cls, "_fsdp2_infos", {}))
+    existing.update(infos)
+
+    def make(name: str, info: ParamInfo) -> property:
+        return property(lambda self: info.gather(self._parameters[name]))
+
+    namespace = {name: make(name, info) for name, info in existing.items()}
+    namespace.update(_fsdp2_generated=True, _fsdp2_infos=existing, __module__=base.__module__)
+    module.__class__ = type(f"Sharded{base.__name__}", (base,), namespace)
+
+
+def _cast_tree(obj, dtype: torch.dtype):
+    if isinstance(obj, torch.Tensor):
+        return obj.to(dtype) if obj.is_floating_point() else obj
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_cast_tree(o, dtype) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _cast_tree(v, dtype) for k, v in obj.items()}
+    return obj
+
+
+def _register_mp_hooks(module: nn.Module, mp: MixedPrecisionPolicy) -> None:
+    if mp.cast_forward_inputs and mp.param_dtype is not None:
+        dtype = mp.param_dtype
+        module.register_forward_pre_hook(
+            lambda _m, args, kwargs: (_cast_tree(args, dtype), _cast_tree(kwargs, dtype)), with_kwargs=True
+        )
+    if mp.output_dtype is not None:
+        out_dtype = mp.output_dtype
+        module.register_forward_hook(lambda _m, _args, output: _cast_tree(output, out_dtype))
+
+
+def shard(
+    module: nn.Module,
+    mesh: DeviceMesh | None = None,
+    *,
+    reshard_after_forward: bool = True,
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+    ignored_params: Iterable[nn.Parameter] | None = None,
+) -> nn.Module:
+    """Shard `module`'s parameters on dim 0 over `mesh`, in place, like FSDP2's `fully_shard`.
+
+    Call it on each block first and on the root last: parameters already taken over by an earlier call stay in
+    that call's group. `mesh=None` means a 1-D mesh over the default process group. Parameters in
+    `ignored_params` are left as they are (not sharded, not gathered, their gradients not reduced).
+    Returns `module`.
+    """
+    if is_sharded(module):
+        raise ValueError(
+            f"module {type(module).__name__} is already sharded by fsdp2_compile.shard; call shard once per module"
+        )
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
+    mesh = _default_mesh(mesh)
+    ignored = {id(p) for p in (ignored_params or ())}
+    for p in ignored_params or ():
+        _IGNORED[p] = True
+    group_name = mesh.get_group(0).group_name
+    world_size = mesh.size()
+
+    param_fqns: list[str] = []
+    for mod_name, mod in module.named_modules(remove_duplicate=False):
+        new_infos: dict[str, ParamInfo] = {}
+        for pname, param in list(mod._parameters.items()):
+            fqn = f"{mod_name}.{pname}" if mod_name else pname
+            if param is None or id(param) in ignored:
+                continue
+            if param in _INFO:  # taken over by an earlier call: only refresh its name relative to this root
+                _INFO[param].fqn = fqn
+                continue
+            if param in _REPLACED:  # tied to a parameter sharded by an earlier call under another module
+                sharded = _REPLACED[param]
+            else:
+                _check_param(fqn, param, mesh)
+                sharded = _shard_param(param, mesh)
+                _REPLACED[param] = sharded
+                _INFO[sharded] = ParamInfo(
+                    fqn=fqn,
+                    dim0=param.shape[0],
+                    world_size=world_size,
+                    group_name=group_name,
+                    param_dtype=mp_policy.param_dtype if mp_policy.param_dtype != param.dtype else None,
+                    reduce_dtype=mp_policy.reduce_dtype or mp_policy.param_dtype or param.dtype,
+                    reshard_after_forward=reshard_after_forward,
+                )
+                param_fqns.append(fqn)
+            mod._parameters[pname] = sharded
+            new_infos[pname] = _INFO[sharded]
+        if new_infos:
+            _install_properties(mod, new_infos)
+
+    _register_mp_hooks(module, mp_policy)
+    object.__setattr__(module, _STATE_ATTR, ShardState(mesh, mp_policy, reshard_after_forward, tuple(param_fqns)))
+    return module

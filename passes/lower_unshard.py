@@ -1,0 +1,41 @@
+"""Lower every `fsdp2::unshard` into `[cast to param_dtype] → [pad] → all_gather_into_tensor → wait_tensor → [unpad]`.
+
+Needs: nothing (runs on any forward, backward or inference graph). Provides: functional collectives tagged with
+`fsdp.param_fqn` and `fsdp.role`. The cast comes before the all-gather, so a bf16 policy moves half the bytes.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+from fsdp2_compile.graph import PARAM_FQN, ROLE, insert_call, nodes_calling, val
+from fsdp2_compile.ops import UNSHARD, padded_rows
+
+aten = torch.ops.aten
+funcol = torch.ops._c10d_functional
+
+
+def lower_unshard(gm: fx.GraphModule, ctx) -> fx.GraphModule:
+    graph = gm.graph
+    for node in nodes_calling(graph, UNSHARD):
+        shard, dim0, world_size, group_name, param_dtype, _reduce_dtype, fqn, _reshard = node.args
+        tag = lambda role: {PARAM_FQN: fqn, ROLE: role}  # noqa: E731
+        rows = padded_rows(dim0, world_size)
+        with graph.inserting_before(node):
+            x = shard
+            if param_dtype is not None and param_dtype != val(x).dtype:
+                x = insert_call(graph, torch.ops.prims.convert_element_type.default, (x, param_dtype), tag("cast"))
+            missing = rows - val(x).shape[0]
+            if missing:
+                pad = [0, 0] * (val(x).dim() - 1) + [0, missing]
+                x = insert_call(graph, aten.constant_pad_nd.default, (x, pad), tag("pad"))
+            if not val(x).is_contiguous():
+                x = insert_call(graph, aten.clone.default, (x,), tag("contiguous"))
+            x = insert_call(graph, funcol.all_gather_into_tensor.default, (x, world_size, group_name), tag("all_gather"))
+            x = insert_call(graph, funcol.wait_tensor.default, (x,), tag("wait"))
+            if rows * world_size != dim0:
+                x = insert_call(graph, aten.slice.Tensor, (x, 0, 0, dim0), tag("unpad"))
+        node.replace_all_uses_with(x)
+        graph.erase_node(node)
+    return gm
