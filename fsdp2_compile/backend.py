@@ -19,6 +19,7 @@ from ._torch_private import CheckpointPolicy, aot_module_simplified, min_cut_rem
 from .config import CompileConfig
 from .graph import nodes_calling
 from .ops import UNSHARD
+from .report import GraphRecord, record_graph
 from .pipeline import PassContext, run_pipeline
 from .shard import is_known_param
 
@@ -51,7 +52,10 @@ def _partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any):
 
 def _compiler(kind: str, config: CompileConfig) -> Callable[[fx.GraphModule, Any], Callable]:
     def compile_graph(gm: fx.GraphModule, example_inputs: Any) -> Callable:
-        return run_pipeline(gm, PassContext(kind=kind, config=config))
+        ctx = PassContext(kind=kind, config=config)
+        gm = run_pipeline(gm, ctx)
+        record_graph(GraphRecord(kind, gm, ctx.snapshots))
+        return gm
 
     return compile_graph
 

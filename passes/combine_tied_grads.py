@@ -1,7 +1,8 @@
 """Sum the gradients of a parameter used several times (tied weights) *before* reducing them.
 
-Rewrites `add(reduce_grad(a, *args), reduce_grad(b, *args))` into `reduce_grad(add(a, b), *args)`, until no such
-pair is left, so a tied parameter gets one reduce-scatter, as in FSDP2. Valid because the averaging
+Rewrites `add(reduce_grad(a, *args), reduce_grad(b, *args))` — looking through shape-preserving views of the
+reductions — into `reduce_grad(add(a, b), *args)` until no such pair is left, so a tied parameter gets one
+reduce-scatter, as in FSDP2 (where autograd accumulates before the reduction). Valid because the averaging
 reduce-scatter is linear. Needs: un-lowered `fsdp2::reduce_grad` nodes (run before `lower_reduce_grad`).
 """
 
@@ -10,19 +11,24 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from fsdp2_compile.graph import insert_call, nodes_calling
+from fsdp2_compile.graph import insert_call, nodes_calling, val
 from fsdp2_compile.ops import REDUCE_GRAD
 
-_ADD = torch.ops.aten.add.Tensor
+aten = torch.ops.aten
+_IDENTITY_VIEWS = (aten.view.default, aten.alias.default, aten._unsafe_view.default)
 
 
-def _combinable(add: fx.Node) -> bool:
-    if len(add.args) != 2 or add.kwargs:
-        return False
-    a, b = add.args
-    return all(
-        isinstance(n, fx.Node) and n.target is REDUCE_GRAD and len(n.users) == 1 for n in (a, b)
-    ) and a.args[1:] == b.args[1:]
+def _reduction_chain(node: object) -> list[fx.Node] | None:
+    """[reduce_grad, *views] when `node` is a single-use reduce_grad seen through same-shape views, else None."""
+    chain = []
+    while isinstance(node, fx.Node) and len(node.users) == 1:
+        chain.append(node)
+        if node.target is REDUCE_GRAD:
+            return chain[::-1]
+        if node.target not in _IDENTITY_VIEWS or val(node).shape != val(node.args[0]).shape:
+            return None
+        node = node.args[0]
+    return None
 
 
 def combine_tied_grads(gm: fx.GraphModule, ctx) -> fx.GraphModule:
@@ -30,15 +36,20 @@ def combine_tied_grads(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     changed = True
     while changed:
         changed = False
-        for add in nodes_calling(graph, _ADD):
-            if not _combinable(add):
+        for add in nodes_calling(graph, aten.add.Tensor):
+            if len(add.args) != 2 or add.kwargs:
                 continue
-            first, second = add.args
+            chains = [_reduction_chain(a) for a in add.args]
+            if None in chains or chains[0][0].args[1:] != chains[1][0].args[1:]:
+                continue
+            first, second = chains[0][0], chains[1][0]
             with graph.inserting_before(add):
-                summed = insert_call(graph, _ADD, (first.args[0], second.args[0]))
+                summed = insert_call(graph, aten.add.Tensor, (first.args[0], second.args[0]))
                 reduced = insert_call(graph, REDUCE_GRAD, (summed, *first.args[1:]))
             add.replace_all_uses_with(reduced)
-            for n in (add, first, second):
-                graph.erase_node(n)
+            graph.erase_node(add)
+            for chain in chains:
+                for n in reversed(chain):
+                    graph.erase_node(n)
             changed = True
     return gm

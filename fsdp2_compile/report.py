@@ -1,0 +1,84 @@
+"""What the compiled graphs contain and how often they ran: collectives, their bytes, per graph and per step.
+
+The backend records every graph it compiles here (`compiled_graphs()`), so tests, the demo and the CLI read the
+collectives from the very graphs that run.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx
+
+from .graph import PARAM_FQN, val
+
+__all__ = ["Collective", "GraphRecord", "collectives", "compiled_graphs", "clear_compiled_graphs", "record_graph"]
+
+_funcol = torch.ops._c10d_functional
+_KINDS = {
+    _funcol.all_gather_into_tensor.default: "all_gather",
+    _funcol.reduce_scatter_tensor.default: "reduce_scatter",
+    _funcol.all_reduce.default: "all_reduce",
+}
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective node: its kind, the parameter(s) it serves, and the bytes of the full (padded) tensor it
+    gathers or reduces — what crosses the wire per rank, up to the (N-1)/N factor of a ring."""
+
+    kind: str
+    fqn: str
+    dtype: torch.dtype
+    nbytes: int
+
+
+def collectives(gm: fx.GraphModule) -> list[Collective]:
+    """The collectives of a graph, in graph order."""
+    found = []
+    for node in gm.graph.nodes:
+        kind = _KINDS.get(node.target) if node.op == "call_function" else None
+        if kind is None:
+            continue
+        full = val(node) if kind == "all_gather" else val(node.args[0])
+        found.append(Collective(kind, node.meta.get(PARAM_FQN, "?"), full.dtype, full.numel() * full.element_size()))
+    return found
+
+
+@dataclass
+class GraphRecord:
+    """A graph the backend compiled: which one ("forward", "backward", "inference"), the final module, how many
+    times it ran, and its text after every pass."""
+
+    kind: str
+    gm: fx.GraphModule
+    snapshots: list[tuple[str, str]] = field(default_factory=list)
+    calls: int = 0
+
+    def summary(self) -> Counter:
+        return Counter(c.kind for c in collectives(self.gm))
+
+
+_RECORDS: list[GraphRecord] = []
+
+
+def record_graph(record: GraphRecord) -> GraphRecord:
+    """Keep `record` and count the runs of its graph."""
+    _RECORDS.append(record)
+
+    def count(_module, _args):
+        record.calls += 1
+
+    record.gm.register_forward_pre_hook(count)
+    return record
+
+
+def compiled_graphs() -> list[GraphRecord]:
+    """Every graph compiled by the fsdp2 backend in this process, oldest first."""
+    return list(_RECORDS)
+
+
+def clear_compiled_graphs() -> None:
+    _RECORDS.clear()

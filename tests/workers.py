@@ -1,0 +1,113 @@
+"""Per-rank training jobs run by the distributed tests (module level, so spawned ranks can import them)."""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+import torch.distributed as dist
+from models import batch, local_slice, loss_fn, make_model, make_optimizer
+from torch.distributed.tensor import DTensor, Shard
+
+import fsdp2_compile as fc
+from fsdp2_compile.report import clear_compiled_graphs, collectives, compiled_graphs
+
+_funcol = torch.ops._c10d_functional
+
+
+def _shard(model, name: str, spec: dict) -> None:
+    options = dict(reshard_after_forward=spec.get("reshard", True))
+    if spec.get("param_dtype") is not None:
+        options["mp_policy"] = fc.MixedPrecisionPolicy(param_dtype=spec["param_dtype"], reduce_dtype=torch.float32)
+    if name == "mlp":
+        options["ignored_params"] = [model.scale]
+    else:
+        for block in model.blocks:  # FSDP2's pattern: blocks first, then the root
+            fc.shard(block, **options)
+    if spec["mode"] == "compiled":
+        fc.shard_compile(model, **options)
+    else:
+        fc.shard(model, **options)
+
+
+def _saved_gathered_params(fw: torch.fx.GraphModule) -> list[str]:
+    """Forward outputs (saved for backward) that are a gathered parameter, possibly through views/casts."""
+    passthrough = {
+        torch.ops.aten.t.default, torch.ops.aten.view.default, torch.ops.aten.slice.Tensor,
+        torch.ops.aten.permute.default, torch.ops.aten.transpose.int, torch.ops.prims.convert_element_type.default,
+        torch.ops.aten._to_copy.default, torch.ops.aten.alias.default,
+    }
+    found = []
+    for out in fw.graph.output_node().args[0]:
+        node = out
+        while isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in passthrough:
+            node = node.args[0]
+        if isinstance(node, torch.fx.Node) and node.target is _funcol.wait_tensor.default:
+            if node.args[0].target is _funcol.all_gather_into_tensor.default:
+                found.append(out.name)
+    return found
+
+
+def _local_bytes(tensors) -> int:
+    return sum((t.to_local() if isinstance(t, DTensor) else t).nbytes for t in tensors)
+
+
+def train(rank: int, world_size: int, name: str, spec: dict) -> dict:
+    """Train `spec["steps"]` AdamW steps; return global losses and, on rank 0, everything the tests check."""
+    clear_compiled_graphs()
+    model = make_model(name)
+    _shard(model, name, spec)
+    opt = make_optimizer(model, foreach=spec.get("foreach"))
+    losses = []
+    for step in range(spec["steps"]):
+        x, y = batch(name, step)
+        x, y = local_slice(x, rank, world_size), local_slice(y, rank, world_size)
+        micro = spec.get("accumulate", 1)
+        step_loss = torch.zeros(())
+        for xm, ym in zip(x.chunk(micro), y.chunk(micro)):
+            loss = loss_fn(name, model(xm), ym) / micro
+            loss.backward()
+            step_loss += loss.detach()
+        if spec.get("clip") is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), spec["clip"], foreach=spec.get("foreach"))
+        opt.step()
+        opt.zero_grad(set_to_none=spec.get("set_to_none", True))
+        dist.all_reduce(step_loss)
+        losses.append(step_loss.item() / world_size)
+
+    # one more backward without zero_grad, so grads exist for the memory figures
+    x, y = batch(name, 0)
+    loss_fn(name, model(local_slice(x, rank, world_size)), local_slice(y, rank, world_size)).backward()
+    params = dict(model.named_parameters())
+    gc.collect()
+    full_shapes = {tuple(p.shape) for p in params.values() if isinstance(p, DTensor) and p.to_local().shape != p.shape}
+    opt_state = [v for s in opt.state.values() for k, v in s.items() if k != "step"]
+    shards = [p for p in params.values()] + [p.grad for p in params.values()] + opt_state
+    shard_ptrs = {t.to_local().data_ptr() for t in shards if isinstance(t, DTensor)}
+    live = [
+        o
+        for o in gc.get_objects()
+        if type(o) in (torch.Tensor, torch.nn.Parameter) and tuple(o.shape) in full_shapes and o.data_ptr() not in shard_ptrs
+    ]
+    live_unsharded = sorted({tuple(o.shape) for o in live})
+    full = {k: p.full_tensor() if isinstance(p, DTensor) else p.detach().clone() for k, p in params.items()}
+    result = dict(
+        losses=losses,
+        full=full,
+        live_unsharded=live_unsharded,
+        param_types={k: (type(p).__name__, tuple(p.placements) if isinstance(p, DTensor) else None) for k, p in params.items()},
+        grad_placements={k: tuple(p.grad.placements) for k, p in params.items() if isinstance(p.grad, DTensor)},
+        plain_grads=[k for k, p in params.items() if p.grad is not None and not isinstance(p.grad, DTensor)],
+        opt_state_all_sharded=all(isinstance(v, DTensor) and v.placements == (Shard(0),) for v in opt_state),
+        local_bytes=dict(
+            params=_local_bytes(params.values()),
+            grads=_local_bytes(p.grad for p in params.values() if p.grad is not None),
+            optimizer=_local_bytes(opt_state),
+        ),
+        state_dict_types={k: type(v).__name__ for k, v in model.state_dict().items()},
+        graphs=[
+            dict(kind=r.kind, calls=r.calls, collectives=collectives(r.gm), saved_gathered=_saved_gathered_params(r.gm) if r.kind == "forward" else [])
+            for r in compiled_graphs()
+        ],
+    )
+    return result if rank == 0 else dict(losses=losses)
