@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from fsdp2_compile.graph import PARAM_FQN, ROLE, insert_call, nodes_calling, val
+from fsdp2_compile.graph import PARAM_FQN, ROLE, insert_call, insert_contiguous, nodes_calling, val
 from fsdp2_compile.ops import REDUCE_GRAD, padded_rows
 
 aten = torch.ops.aten
@@ -32,8 +32,7 @@ def lower_reduce_grad(gm: fx.GraphModule, ctx) -> fx.GraphModule:
             if missing:
                 pad = [0, 0] * (val(x).dim() - 1) + [0, missing]
                 x = insert_call(graph, aten.constant_pad_nd.default, (x, pad), tag("pad"))
-            if not val(x).is_contiguous():
-                x = insert_call(graph, aten.clone.default, (x,), tag("contiguous"))
+            x = insert_contiguous(graph, x, tag("contiguous"))
             x = insert_call(
                 graph, funcol.reduce_scatter_tensor.default, (x, "avg", world_size, group_name), tag("reduce_scatter")
             )

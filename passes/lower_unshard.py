@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from fsdp2_compile.graph import PARAM_FQN, ROLE, insert_call, nodes_calling, val
+from fsdp2_compile.graph import PARAM_FQN, ROLE, insert_call, insert_contiguous, nodes_calling, val
 from fsdp2_compile.ops import UNSHARD, padded_rows
 
 aten = torch.ops.aten
@@ -30,8 +30,7 @@ def lower_unshard(gm: fx.GraphModule, ctx) -> fx.GraphModule:
             if missing:
                 pad = [0, 0] * (val(x).dim() - 1) + [0, missing]
                 x = insert_call(graph, aten.constant_pad_nd.default, (x, pad), tag("pad"))
-            if not val(x).is_contiguous():
-                x = insert_call(graph, aten.clone.default, (x,), tag("contiguous"))
+            x = insert_contiguous(graph, x, tag("contiguous"))
             x = insert_call(graph, funcol.all_gather_into_tensor.default, (x, world_size, group_name), tag("all_gather"))
             x = insert_call(graph, funcol.wait_tensor.default, (x,), tag("wait"))
             if rows * world_size != dim0:

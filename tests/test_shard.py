@@ -1,0 +1,125 @@
+"""`shard` in one process (fake process group, rank 3 of 4): layout, names, and the errors a user can cause."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from models import MLP
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+
+import fsdp2_compile as fc
+
+
+def test_parameters_become_dim0_sharded_dtensors_with_original_names(fake_pg):
+    model = MLP()
+    names = [n for n, _ in model.named_parameters()]
+    shapes = {n: p.shape for n, p in model.named_parameters()}
+    keys = list(model.state_dict())
+    fc.shard(model, ignored_params=[model.scale])
+
+    assert [n for n, _ in model.named_parameters()] == names
+    assert list(model.state_dict()) == keys
+    for name, p in model.named_parameters():
+        assert p.shape == shapes[name], name  # logical (unpadded) shape
+        if name == "scale":
+            assert type(p) is nn.Parameter  # ignored: left as it is
+            continue
+        assert isinstance(p, DTensor) and isinstance(p, nn.Parameter) and p.placements == (Shard(0),), name
+    # rank 3 of 4 holds torch.chunk's last piece: 33 rows -> 9, 9, 9, 6; 3 rows -> 1, 1, 1, (none); 1 row -> none
+    params = dict(model.named_parameters())
+    assert params["fc1.weight"].to_local().shape == (6, 16)
+    assert params["fc2.weight"].to_local().shape == (0, 33)
+    assert params["head.bias"].to_local().shape == (0,)
+    assert not params["frozen.weight"].requires_grad and params["fc1.weight"].requires_grad
+    assert type(model.shift) is torch.Tensor  # buffers are not sharded
+
+
+def test_reading_a_parameter_attribute_gathers_it(fake_pg):
+    model = nn.Linear(5, 7)
+    fc.shard(model)
+    w = model.weight
+    assert type(w) is torch.Tensor and w.shape == (7, 5)  # the gathered parameter (fake group: data undefined)
+
+
+def test_blocks_then_root_and_tied_parameters(fake_pg):
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(10, 4)
+            self.block = nn.Linear(4, 4)
+            self.head = nn.Linear(4, 10, bias=False)
+            self.head.weight = self.emb.weight
+
+    model = Tied()
+    fc.shard(model.block)
+    fc.shard(model)
+    assert model.head.weight.shape == (10, 4)
+    assert model.emb._parameters["weight"] is model.head._parameters["weight"]
+    assert len(list(model.parameters())) == 3
+    assert fc.is_sharded(model) and fc.is_sharded(model.block) and not fc.is_sharded(model.emb)
+
+
+def test_parameters_tied_across_two_shard_calls_stay_one_parameter(fake_pg):
+    emb = nn.Embedding(10, 4)
+    head = nn.Linear(4, 10, bias=False)
+    head.weight = emb.weight
+    root = nn.ModuleDict(dict(emb=emb, head=head))
+    fc.shard(emb)
+    fc.shard(root)
+    assert head._parameters["weight"] is emb._parameters["weight"]
+    assert isinstance(head._parameters["weight"], DTensor)
+
+
+def test_zero_dim_parameter_is_refused_with_its_name(fake_pg):
+    model = nn.Module()
+    model.temperature = nn.Parameter(torch.tensor(1.0))
+    with pytest.raises(ValueError, match=r"'temperature' is 0-dimensional.*ignored_params"):
+        fc.shard(model)
+
+
+def test_zero_dim_parameter_can_be_ignored(fake_pg):
+    model = nn.Linear(3, 3)
+    model.temperature = nn.Parameter(torch.tensor(1.0))
+    fc.shard(model, ignored_params=[model.temperature])
+    assert type(model.temperature) is nn.Parameter and isinstance(model.weight, torch.Tensor)
+
+
+def test_mesh_with_three_dims_is_refused(fake_pg):
+    mesh = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("a", "b", "c"))
+    with pytest.raises(ValueError, match=r"3-D mesh .*1-D mesh"):
+        fc.shard(nn.Linear(2, 2), mesh)
+
+
+def test_sharding_twice_is_refused(fake_pg):
+    model = nn.Linear(2, 2)
+    fc.shard(model)
+    with pytest.raises(ValueError, match="Linear is already sharded"):
+        fc.shard(model)
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.bool, "bf16"])
+def test_non_floating_param_dtype_is_refused(dtype):
+    with pytest.raises(ValueError, match="param_dtype=.* is not a floating-point dtype"):
+        fc.MixedPrecisionPolicy(param_dtype=dtype)
+
+
+def test_parameter_on_another_device_than_the_mesh_is_refused(fake_pg):
+    mesh = init_device_mesh("meta", (4,))
+    model = nn.Sequential(nn.Linear(2, 2))
+    with pytest.raises(ValueError, match=r"parameter '0.weight' is on device 'cpu' but the mesh is on 'meta'"):
+        fc.shard(model, mesh)
+
+
+def test_shard_without_process_group_says_what_to_do():
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        fc.shard(nn.Linear(2, 2))
+
+
+def test_replacing_a_parameter_after_sharding_is_named(fake_pg):
+    model = nn.Linear(2, 2)
+    fc.shard(model)
+    model.weight = nn.Parameter(torch.ones(2, 2))
+    with pytest.raises(TypeError, match="parameter 'weight' was replaced"):
+        model(torch.ones(1, 2))
