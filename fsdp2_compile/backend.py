@@ -28,15 +28,15 @@ __all__ = ["fsdp2_backend", "make_backend"]
 
 def _check_sharded(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:
     """Refuse graphs that read parameters `shard` does not manage (the module was never sharded)."""
-    params = [p for p in list(gm.parameters()) + list(example_inputs) if isinstance(p, nn.Parameter)]
-    for p in params:
-        if isinstance(p, DTensor) or is_known_param(p):
-            continue
-        shape = tuple(p.shape)
-        raise RuntimeError(
-            f"torch.compile(backend='fsdp2') found a parameter of shape {shape} that is not sharded; "
-            "call fsdp2_compile.shard(model, mesh) (or use fsdp2_compile.shard_compile) before compiling"
-        )
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node, value in zip(placeholders, example_inputs):
+        if isinstance(value, nn.Parameter) and not isinstance(value, DTensor) and not is_known_param(value):
+            source = getattr(node.meta.get("grapharg"), "source", None)
+            name = source.name if source is not None else node.name
+            raise RuntimeError(
+                f"torch.compile(backend='fsdp2'): parameter {name} (shape {tuple(value.shape)}) is not sharded; "
+                "call fsdp2_compile.shard(model, mesh) (or use fsdp2_compile.shard_compile) before compiling"
+            )
 
 
 def _tag_unshards(joint: fx.GraphModule) -> None:

@@ -1,0 +1,53 @@
+"""The "fsdp2" torch.compile backend reached by name (entry point), in fresh interpreters."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+
+def python(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=300
+    )
+
+
+def test_backend_by_name_without_importing_the_package():
+    # a 1-rank gloo group is a real process group; the module is sharded, then compiled by backend name only
+    proc = python(
+        """
+        import os, torch, torch.distributed as dist
+        from torch import nn
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
+        dist.init_process_group("gloo", rank=0, world_size=1, init_method="tcp://127.0.0.1:0")
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 1))
+        ref = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 1)); ref.load_state_dict(model.state_dict())
+        import fsdp2_compile
+        fsdp2_compile.shard(model)
+        # nothing registers "fsdp2" with Dynamo but the package's torch_dynamo_backends entry point
+        compiled = torch.compile(model, backend="fsdp2")
+        x = torch.randn(3, 4)
+        torch.testing.assert_close(compiled(x), ref(x))
+        compiled(x).sum().backward(); ref(x).sum().backward()
+        grad = dict(model.named_parameters())["0.weight"].grad
+        torch.testing.assert_close(grad.full_tensor(), ref[0].weight.grad)
+        from fsdp2_compile.report import compiled_graphs
+        print("graphs", sorted(r.kind for r in compiled_graphs()))
+        """
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "graphs ['backward', 'forward']" in proc.stdout
+
+
+def test_backend_on_an_unsharded_module_says_to_call_shard():
+    proc = python(
+        """
+        import torch
+        from torch import nn
+        torch.compile(nn.Linear(4, 4), backend="fsdp2")(torch.randn(2, 4))
+        """
+    )
+    assert proc.returncode != 0
+    assert "not sharded; call fsdp2_compile.shard(model, mesh)" in proc.stderr
