@@ -123,3 +123,15 @@ def test_replacing_a_parameter_after_sharding_is_named(fake_pg):
     model.weight = nn.Parameter(torch.ones(2, 2))
     with pytest.raises(TypeError, match="parameter 'weight' was replaced"):
         model(torch.ones(1, 2))
+
+
+def test_mixed_precision_casts_inputs_and_outputs(fake_pg):
+    bf16 = torch.bfloat16
+    x = torch.randn(2, 4)
+    model = fc.shard(nn.Linear(4, 4), mp_policy=fc.MixedPrecisionPolicy(param_dtype=bf16))
+    assert model(x).dtype == bf16  # fp32 input cast to bf16, computed with bf16 weights
+    model = fc.shard(nn.Linear(4, 4), mp_policy=fc.MixedPrecisionPolicy(param_dtype=bf16, output_dtype=torch.float32))
+    assert model(x).dtype == torch.float32
+    model = fc.shard(nn.Linear(4, 4), mp_policy=fc.MixedPrecisionPolicy(param_dtype=bf16, cast_forward_inputs=False))
+    with pytest.raises(RuntimeError, match="dtype"):
+        model(x)  # an fp32 input meets bf16 weights: the user asked not to cast

@@ -20,7 +20,9 @@ bf16 = torch.bfloat16
 
 @functools.cache
 def run(name: str, world_size: int, mode: str = "compiled", **spec) -> dict:
-    return run_ranks(train, world_size, name, dict(mode=mode, steps=STEPS, **spec))[0]
+    """Rank 0's result, plus every rank's collectives in graph order under "orders"."""
+    results = run_ranks(train, world_size, name, dict(mode=mode, steps=STEPS, **spec))
+    return results[0] | dict(orders=[r["collective_order"] for r in results])
 
 
 @functools.cache
@@ -46,6 +48,13 @@ def test_fp32_training_matches_single_process(name, world_size):
     ref_losses, ref_params = reference(name)
     torch.testing.assert_close(result["losses"], ref_losses, rtol=1e-5, atol=0)
     assert_params_close(result["full"], ref_params, PARAM_RTOL, PARAM_ATOL)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("name", ["mlp", "gpt"])
+def test_every_rank_issues_the_same_collectives_in_the_same_order(name, world_size):
+    orders = run(name, world_size)["orders"]
+    assert orders[0] and all(order == orders[0] for order in orders[1:])  # even where a rank's shard is empty
 
 
 @pytest.mark.parametrize("name", ["mlp", "gpt"])

@@ -110,4 +110,5 @@ def train(rank: int, world_size: int, name: str, spec: dict) -> dict:
             for r in compiled_graphs()
         ],
     )
-    return result if rank == 0 else dict(losses=losses)
+    result["collective_order"] = [(g["kind"], [(c.kind, c.fqn, c.nbytes) for c in g["collectives"]]) for g in result["graphs"]]
+    return result if rank == 0 else dict(losses=losses, collective_order=result["collective_order"])
