@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch._functorch.aot_autograd import aot_module_simplified
+from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._guards import detect_fake_mode
 from torch.utils.checkpoint import CheckpointPolicy
@@ -16,6 +16,8 @@ from torch.utils.checkpoint import CheckpointPolicy
 __all__ = [
     "CheckpointPolicy",
     "aot_module_simplified",
+    "make_boxed_func",
+    "default_store",
     "detect_fake_mode",
     "fake_process_group",
     "min_cut_rematerialization_partition",
@@ -27,4 +29,12 @@ def fake_process_group(rank: int, world_size: int) -> None:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     torch.distributed.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+
+
+
+def default_store():
+    """The key-value store of the default process group."""
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return _get_default_store()
 

@@ -15,10 +15,17 @@ import torch
 from torch import fx, nn
 from torch.distributed.tensor import DTensor
 
-from ._torch_private import CheckpointPolicy, aot_module_simplified, min_cut_rematerialization_partition
+from ._torch_private import (
+    CheckpointPolicy,
+    aot_module_simplified,
+    make_boxed_func,
+    min_cut_rematerialization_partition,
+)
 from .config import CompileConfig
+from .consistency import check_same_schedule
+from .cost_model import PROFILES, HardwareProfile, measured_profile
 from .graph import nodes_calling
-from .ops import UNSHARD
+from .ops import REDUCE_GRAD, UNSHARD
 from .report import GraphRecord, record_graph
 from .pipeline import PassContext, run_pipeline
 from .shard import is_known_param
@@ -41,7 +48,7 @@ def _check_sharded(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:
 
 def _tag_unshards(joint: fx.GraphModule) -> None:
     for node in nodes_calling(joint.graph, UNSHARD):
-        reshard = node.args[7]
+        reshard = node.args[8]
         node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE if reshard else CheckpointPolicy.MUST_SAVE
 
 
@@ -50,12 +57,26 @@ def _partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any):
     return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
 
 
+def resolve_profile(config: CompileConfig, gm: fx.GraphModule) -> HardwareProfile:
+    """The named profile, or the one `shard` measured on the graph's process group (else the loopback one)."""
+    if config.hardware is not None:
+        if config.hardware not in PROFILES:
+            raise ValueError(f"CompileConfig.hardware={config.hardware!r} is not one of {sorted(PROFILES)}")
+        return PROFILES[config.hardware]
+    op = next((n for n in gm.graph.nodes if n.target in (UNSHARD, REDUCE_GRAD)), None)
+    measured = measured_profile(op.args[3]) if op is not None else None
+    return measured or PROFILES["cpu-gloo-loopback"]
+
+
 def _compiler(kind: str, config: CompileConfig) -> Callable[[fx.GraphModule, Any], Callable]:
     def compile_graph(gm: fx.GraphModule, example_inputs: Any) -> Callable:
         ctx = PassContext(kind=kind, config=config)
+        ctx.profile = resolve_profile(config, gm)
         gm = run_pipeline(gm, ctx)
-        record_graph(GraphRecord(kind, gm, ctx.snapshots))
-        return gm
+        if config.check_rank_consistency:
+            check_same_schedule(gm, kind)
+        record_graph(GraphRecord(kind, gm, ctx.snapshots, timeline=ctx.timeline))
+        return make_boxed_func(gm)
 
     return compile_graph
 

@@ -40,8 +40,36 @@ class CompileConfig:
     """How the backend turns captured graphs into executable sharded graphs."""
 
     compiler: str = "aot_eager"
-    """What runs the final graphs: "aot_eager" (the FX graphs as they are)."""
+    """What runs the final graphs: "aot_eager" (the FX graphs as they are) or "inductor" (Inductor compiles them,
+    the collectives staying where the scheduler put them)."""
+    buckets: str | int | tuple[str, ...] = "shard_calls"
+    """How collectives are fused: "shard_calls" (one bucket per module `shard` was called on, as FSDP2 groups
+    parameters), "none" (one collective per parameter), an int (consecutive parameters packed up to that many
+    bytes), or a tuple of module names (one bucket per named module, the rest in one more)."""
+    prefetch: bool = True
+    """Reorder for overlap: start all-gathers ahead of use, wait right before first use, wait for
+    reduce-scatters as late as possible."""
+    prefetch_depth: int = 1
+    """How many buckets ahead of the one in use an all-gather may start (the scheduler may choose fewer)."""
+    memory_budget_bytes: int | None = None
+    """Cap on the bytes of gathered buckets alive at once (in use + prefetched); None: twice the largest bucket."""
+    schedule: bool = True
+    """Let the cost-model scheduler pick each all-gather's start (within `prefetch_depth` and the budget)."""
+    hardware: str | None = None
+    """Cost-model profile name (see `cost_model.PROFILES`); None measures alpha/beta on the process group once."""
+    check_rank_consistency: bool = True
+    """At compile time, compare a hash of every schedule across ranks and raise on a mismatch."""
 
     def __post_init__(self) -> None:
-        if self.compiler not in ("aot_eager",):
-            raise ValueError(f"CompileConfig.compiler={self.compiler!r} is not one of: 'aot_eager'")
+        if self.compiler not in ("aot_eager", "inductor"):
+            raise ValueError(f"CompileConfig.compiler={self.compiler!r} is not one of: 'aot_eager', 'inductor'")
+        ok = self.buckets in ("shard_calls", "none") or (
+            isinstance(self.buckets, int) and self.buckets > 0
+        ) or (isinstance(self.buckets, tuple) and all(isinstance(b, str) for b in self.buckets))
+        if not ok:
+            raise ValueError(
+                f"CompileConfig.buckets={self.buckets!r}: use 'shard_calls', 'none', a positive byte cap, "
+                "or a tuple of module names"
+            )
+        if self.prefetch_depth < 0:
+            raise ValueError(f"CompileConfig.prefetch_depth={self.prefetch_depth} must be >= 0")

@@ -7,7 +7,8 @@ and have fake implementations, so Dynamo/AOTAutograd trace them as single opaque
 passes later expand into cast / pad / collective / wait / unpad nodes.
 
 Every argument besides the tensor is static metadata, carried in the op so each node names its parameter
-(`fqn`) and the partitioner can read `reshard_after_forward` off the node itself.
+(`fqn`) and its FSDP group (`bucket`: the module `shard` was called on), and the partitioner can read
+`reshard_after_forward` off the node itself.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ def unshard(
     param_dtype: torch.dtype | None,
     reduce_dtype: torch.dtype,
     fqn: str,
+    bucket: str,
     reshard_after_forward: bool,
 ) -> Tensor:
     """All-gather a dim-0 shard into the full parameter of `dim0` rows, cast to `param_dtype` first."""
@@ -52,7 +54,7 @@ def unshard(
 
 
 @unshard.register_fake
-def _(shard, dim0, world_size, group_name, param_dtype, reduce_dtype, fqn, reshard_after_forward):
+def _(shard, dim0, world_size, group_name, param_dtype, reduce_dtype, fqn, bucket, reshard_after_forward):
     return shard.new_empty((dim0, *shard.shape[1:]), dtype=param_dtype or shard.dtype)
 
 
@@ -65,6 +67,7 @@ def reduce_grad(
     reduce_dtype: torch.dtype,
     out_dtype: torch.dtype,
     fqn: str,
+    bucket: str,
 ) -> Tensor:
     """Average a full gradient over the group and return this rank's `local_rows`-row shard in `out_dtype`."""
     x = grad.to(reduce_dtype)
@@ -74,17 +77,17 @@ def reduce_grad(
 
 
 @reduce_grad.register_fake
-def _(grad, local_rows, world_size, group_name, reduce_dtype, out_dtype, fqn):
+def _(grad, local_rows, world_size, group_name, reduce_dtype, out_dtype, fqn, bucket):
     return grad.new_empty((local_rows, *grad.shape[1:]), dtype=out_dtype)
 
 
 def _unshard_setup_context(ctx, inputs, output) -> None:
-    shard, _, world_size, group_name, _, reduce_dtype, fqn, _ = inputs
-    ctx.reduce_args = (shard.shape[0], world_size, group_name, reduce_dtype, shard.dtype, fqn)
+    shard, _, world_size, group_name, _, reduce_dtype, fqn, bucket, _ = inputs
+    ctx.reduce_args = (shard.shape[0], world_size, group_name, reduce_dtype, shard.dtype, fqn, bucket)
 
 
 def _unshard_backward(ctx, grad: Tensor):
-    return (torch.ops.fsdp2.reduce_grad(grad, *ctx.reduce_args),) + (None,) * 7
+    return (torch.ops.fsdp2.reduce_grad(grad, *ctx.reduce_args),) + (None,) * 8
 
 
 unshard.register_autograd(_unshard_backward, setup_context=_unshard_setup_context)

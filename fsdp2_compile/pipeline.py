@@ -8,7 +8,15 @@ from dataclasses import dataclass, field
 from torch import fx
 
 from .config import CompileConfig
-from .passes import combine_tied_grads, lower_reduce_grad, lower_unshard
+from .cost_model import PROFILES, HardwareProfile, Timeline
+from .passes import (
+    bucket_collectives,
+    combine_tied_grads,
+    lower_reduce_grad,
+    lower_unshard,
+    reorder_for_overlap,
+    schedule,
+)
 
 __all__ = ["PassContext", "PASSES", "run_pipeline"]
 
@@ -20,6 +28,10 @@ class PassContext:
     kind: str
     """Which graph this is: "forward", "backward" or "inference"."""
     config: CompileConfig = field(default_factory=CompileConfig)
+    profile: HardwareProfile = PROFILES["cpu-gloo-loopback"]
+    """The cost model's hardware figures (the backend passes the agreed measured or named profile)."""
+    timeline: Timeline | None = None
+    """The simulated step of the final order, left by `schedule`."""
     snapshots: list[tuple[str, str]] = field(default_factory=list)
     """(pass name, graph text) after every pass, for dumps."""
 
@@ -30,6 +42,9 @@ PASSES: list[Pass] = [
     combine_tied_grads,
     lower_unshard,
     lower_reduce_grad,
+    bucket_collectives,
+    reorder_for_overlap,
+    schedule,
 ]
 
 

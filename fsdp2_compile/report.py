@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
-from .graph import PARAM_FQN, val
+from .cost_model import Timeline
+from .graph import PARAMS, val
 
 __all__ = ["Collective", "GraphRecord", "collectives", "compiled_graphs", "clear_compiled_graphs", "record_graph"]
 
@@ -26,11 +27,11 @@ _KINDS = {
 
 @dataclass(frozen=True)
 class Collective:
-    """One collective node: its kind, the parameter(s) it serves, and the bytes of the full (padded) tensor it
+    """One collective node: its kind, the parameters it serves, and the bytes of the full (padded) tensor it
     gathers or reduces — what crosses the wire per rank, up to the (N-1)/N factor of a ring."""
 
     kind: str
-    fqn: str
+    params: tuple[str, ...]
     dtype: torch.dtype
     nbytes: int
 
@@ -43,7 +44,7 @@ def collectives(gm: fx.GraphModule) -> list[Collective]:
         if kind is None:
             continue
         full = val(node) if kind == "all_gather" else val(node.args[0])
-        found.append(Collective(kind, node.meta.get(PARAM_FQN, "?"), full.dtype, full.numel() * full.element_size()))
+        found.append(Collective(kind, node.meta.get(PARAMS, ()), full.dtype, full.numel() * full.element_size()))
     return found
 
 
@@ -55,6 +56,8 @@ class GraphRecord:
     kind: str
     gm: fx.GraphModule
     snapshots: list[tuple[str, str]] = field(default_factory=list)
+    timeline: Timeline | None = None
+    """The scheduler's simulated step for this graph."""
     calls: int = 0
 
     def summary(self) -> Counter:

@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .config import MixedPrecisionPolicy
+from .cost_model import measure_profile
 from .ops import unshard
 
 __all__ = ["shard", "ShardState", "ParamInfo", "is_known_param", "is_sharded", "managed_param_info"]
@@ -31,6 +32,8 @@ class ParamInfo:
     """What the property of a managed parameter needs to gather it (the static args of `fsdp2::unshard`)."""
 
     fqn: str
+    bucket: str
+    """The module path of the `shard` call that took the parameter over: its FSDP group."""
     dim0: int
     world_size: int
     group_name: str
@@ -52,6 +55,7 @@ class ParamInfo:
             self.param_dtype,
             self.reduce_dtype,
             self.fqn,
+            self.bucket,
             self.reshard_after_forward,
         )
 
@@ -155,6 +159,15 @@ def _install_properties(module: nn.Module, infos: dict[str, ParamInfo]) -> None:
     module.__class__ = type(f"Sharded{base.__name__}", (base,), namespace)
 
 
+def _group_path(root: nn.Module, mod_name: str) -> str:
+    """Path (from `root`) of the nearest module at or above `mod_name` that `shard` was called on; "" = root."""
+    parts = mod_name.split(".") if mod_name else []
+    for end in range(len(parts), 0, -1):
+        if is_sharded(root.get_submodule(".".join(parts[:end]))):
+            return ".".join(parts[:end])
+    return ""
+
+
 def _cast_tree(obj, dtype: torch.dtype):
     if isinstance(obj, torch.Tensor):
         return obj.to(dtype) if obj.is_floating_point() else obj
@@ -198,6 +211,8 @@ def shard(
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
     mesh = _default_mesh(mesh)
+    if mesh.size() > 1 and torch.distributed.get_backend(mesh.get_group(0)) != "fake":
+        measure_profile(mesh.get_group(0).group_name, mesh.size())  # for the scheduler; once per group
     ignored = {id(p) for p in (ignored_params or ())}
     for p in ignored_params or ():
         _IGNORED[p] = True
@@ -211,8 +226,10 @@ def shard(
             fqn = f"{mod_name}.{pname}" if mod_name else pname
             if param is None or id(param) in ignored:
                 continue
-            if param in _INFO:  # taken over by an earlier call: only refresh its name relative to this root
-                _INFO[param].fqn = fqn
+            if param in _INFO:  # taken over by an earlier call: only refresh its names relative to this root
+                info = _INFO[param]
+                info.fqn = fqn
+                info.bucket = _group_path(module, mod_name)
                 continue
             if param in _REPLACED:  # tied to a parameter sharded by an earlier call under another module
                 sharded = _REPLACED[param]
@@ -222,6 +239,7 @@ def shard(
                 _REPLACED[param] = sharded
                 _INFO[sharded] = ParamInfo(
                     fqn=fqn,
+                    bucket=_group_path(module, mod_name),
                     dim0=param.shape[0],
                     world_size=world_size,
                     group_name=group_name,

@@ -1,7 +1,17 @@
 """Graph passes, one per file, each `(gm, ctx) -> gm`. The order is fixed in `fsdp2_compile.pipeline.PASSES`."""
 
+from .bucket_collectives import bucket_collectives
 from .combine_tied_grads import combine_tied_grads
 from .lower_reduce_grad import lower_reduce_grad
 from .lower_unshard import lower_unshard
+from .reorder_for_overlap import reorder_for_overlap
+from .schedule import schedule
 
-__all__ = ["combine_tied_grads", "lower_reduce_grad", "lower_unshard"]
+__all__ = [
+    "bucket_collectives",
+    "combine_tied_grads",
+    "lower_reduce_grad",
+    "lower_unshard",
+    "reorder_for_overlap",
+    "schedule",
+]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from fsdp2_compile.graph import PARAM_FQN, ROLE, insert_call, insert_contiguous, nodes_calling, val
+from fsdp2_compile.graph import BUCKET, PARAMS, ROLE, insert_call, insert_contiguous, nodes_calling, val
 from fsdp2_compile.ops import REDUCE_GRAD, padded_rows
 
 aten = torch.ops.aten
@@ -21,8 +21,8 @@ convert = torch.ops.prims.convert_element_type.default
 def lower_reduce_grad(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     graph = gm.graph
     for node in nodes_calling(graph, REDUCE_GRAD):
-        grad, local_rows, world_size, group_name, reduce_dtype, out_dtype, fqn = node.args
-        tag = lambda role: {PARAM_FQN: fqn, ROLE: role}  # noqa: E731
+        grad, local_rows, world_size, group_name, reduce_dtype, out_dtype, fqn, bucket = node.args
+        tag = lambda role: {PARAMS: (fqn,), BUCKET: bucket, ROLE: role}  # noqa: E731
         rows = padded_rows(val(grad).shape[0], world_size)
         with graph.inserting_before(node):
             x = grad

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from fsdp2_compile.graph import PARAM_FQN, ROLE, insert_call, insert_contiguous, nodes_calling, val
+from fsdp2_compile.graph import BUCKET, PARAMS, ROLE, insert_call, insert_contiguous, nodes_calling, val
 from fsdp2_compile.ops import UNSHARD, padded_rows
 
 aten = torch.ops.aten
@@ -19,8 +19,8 @@ funcol = torch.ops._c10d_functional
 def lower_unshard(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     graph = gm.graph
     for node in nodes_calling(graph, UNSHARD):
-        shard, dim0, world_size, group_name, param_dtype, _reduce_dtype, fqn, _reshard = node.args
-        tag = lambda role: {PARAM_FQN: fqn, ROLE: role}  # noqa: E731
+        shard, dim0, world_size, group_name, param_dtype, _reduce_dtype, fqn, bucket, _reshard = node.args
+        tag = lambda role: {PARAMS: (fqn,), BUCKET: bucket, ROLE: role}  # noqa: E731
         rows = padded_rows(dim0, world_size)
         with graph.inserting_before(node):
             x = shard

@@ -102,13 +102,13 @@ def test_one_gather_per_parameter_one_reduce_scatter_per_trainable_parameter_and
     [bw] = [g for g in result["graphs"] if g["kind"] == "backward"]
 
     gathers = [c for c in fw["collectives"] if c.kind == "all_gather"]
-    assert sorted(c.fqn for c in gathers) == sorted(managed)  # tied lm_head/tok_emb counted once
+    assert sorted(p for c in gathers for p in c.params) == sorted(managed)  # tied lm_head/tok_emb counted once
     assert sum(c.nbytes for c in gathers) == sum(_padded_bytes(p.shape, 2, p.dtype) for p in managed.values())
     reductions = [c for c in bw["collectives"] if c.kind == "reduce_scatter"]
-    assert sorted(c.fqn for c in reductions) == sorted(trainable)
+    assert sorted(p for c in reductions for p in c.params) == sorted(trainable)
     assert sum(c.nbytes for c in reductions) == sum(_padded_bytes(managed[k].shape, 2, torch.float32) for k in trainable)
     # with resharding, backward gathers again only parameters it needs, each once
-    regathered = [c.fqn for c in bw["collectives"] if c.kind == "all_gather"]
+    regathered = [p for c in bw["collectives"] if c.kind == "all_gather" for p in c.params]
     assert len(regathered) == len(set(regathered)) and set(regathered) <= set(trainable) | set(managed)
     assert fw["saved_gathered"] == []  # no gathered parameter is saved for backward
 

@@ -35,7 +35,7 @@ def _saved_gathered_params(fw: torch.fx.GraphModule) -> list[str]:
     passthrough = {
         torch.ops.aten.t.default, torch.ops.aten.view.default, torch.ops.aten.slice.Tensor,
         torch.ops.aten.permute.default, torch.ops.aten.transpose.int, torch.ops.prims.convert_element_type.default,
-        torch.ops.aten._to_copy.default, torch.ops.aten.alias.default,
+        torch.ops.aten._to_copy.default, torch.ops.aten.alias.default, torch.ops.aten.clone.default,
     }
     found = []
     for out in fw.graph.output_node().args[0]:
@@ -110,5 +110,5 @@ def train(rank: int, world_size: int, name: str, spec: dict) -> dict:
             for r in compiled_graphs()
         ],
     )
-    result["collective_order"] = [(g["kind"], [(c.kind, c.fqn, c.nbytes) for c in g["collectives"]]) for g in result["graphs"]]
+    result["collective_order"] = [(g["kind"], [(c.kind, c.params, c.nbytes) for c in g["collectives"]]) for g in result["graphs"]]
     return result if rank == 0 else dict(losses=losses, collective_order=result["collective_order"])

@@ -1,0 +1,106 @@
+"""The collectives of a lowered graph as units that can be moved, and emitting a graph order from a plan.
+
+A unit is one (possibly bucketed) collective with the nodes that must move with it: `start` (its copy-in chain and
+the collective itself) and `finish` (its wait and the copy-out chain). An order is emitted by a stable topological
+sort: each all-gather's start goes right before its *anchor* (the node it must be issued ahead of), its finish right
+before its first use; reduce-scatters start as soon as their gradients exist and finish at the very end.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+
+from .graph import ROLE, positions, stable_topological_sort, val
+
+__all__ = ["Unit", "emit_order", "find_units", "memory_budget"]
+
+_funcol = torch.ops._c10d_functional
+_COLLECTIVES = {_funcol.all_gather_into_tensor.default: "all_gather", _funcol.reduce_scatter_tensor.default: "reduce_scatter"}
+_START_ROLES = {"cast", "pad", "contiguous", "copy_in"}
+_FINISH_ROLES = {"wait", "copy_out", "unpad", "cast"}
+
+
+@dataclass
+class Unit:
+    kind: str
+    """"all_gather" or "reduce_scatter"."""
+    collective: fx.Node
+    start: list[fx.Node]
+    finish: list[fx.Node]
+    first_use: fx.Node
+    """The first node outside `finish` that uses its result (the output node for gradients)."""
+    nbytes: int
+    """Bytes of the full (gathered or to-be-reduced) buffer."""
+
+
+def _start_nodes(collective: fx.Node, kind: str) -> list[fx.Node]:
+    """The collective and the ancestors that move with it: for an all-gather every non-placeholder ancestor (views
+    and casts of the shards: cheap, and free of compute), for a reduce-scatter only its tagged copy-in."""
+    found, stack = [collective], [collective]
+    while stack:
+        for producer in stack.pop().all_input_nodes:
+            movable = producer.op != "placeholder" and (
+                kind == "all_gather" or producer.meta.get(ROLE) in _START_ROLES
+            )
+            if movable and producer not in found:
+                found.append(producer)
+                stack.append(producer)
+    return found
+
+
+def _finish_nodes(collective: fx.Node) -> list[fx.Node]:
+    found, stack = [], [collective]
+    while stack:
+        for user in stack.pop().users:
+            if user.meta.get(ROLE) in _FINISH_ROLES and user not in found:
+                found.append(user)
+                stack.append(user)
+    return found
+
+
+def find_units(gm: fx.GraphModule) -> list[Unit]:
+    """Every collective of the graph as a unit, all-gathers ordered by first use, then reduce-scatters."""
+    pos = positions(gm.graph)
+    units = []
+    for node in gm.graph.nodes:
+        kind = _COLLECTIVES.get(node.target) if node.op == "call_function" else None
+        if kind is None:
+            continue
+        finish = _finish_nodes(node)
+        users = [u for n in finish for u in n.users if u not in finish] or [gm.graph.output_node()]
+        full = val(node) if kind == "all_gather" else val(node.args[0])
+        units.append(
+            Unit(kind, node, _start_nodes(node, kind), finish, min(users, key=pos.__getitem__), full.numel() * full.element_size())
+        )
+    gathers = sorted((u for u in units if u.kind == "all_gather"), key=lambda u: pos[u.first_use])
+    return gathers + [u for u in units if u.kind == "reduce_scatter"]
+
+
+def emit_order(gm: fx.GraphModule, units: list[Unit], anchors: dict[fx.Node, fx.Node]) -> None:
+    """Reorder `gm`: all-gather `u` starts right before `anchors[u.collective]` and finishes right before its first
+    use; reduce-scatters start after their last input and finish at the end. Other nodes keep their order."""
+    pos = positions(gm.graph)
+    key: dict[fx.Node, float] = {}
+    for u in units:
+        if u.kind == "all_gather":
+            for n in u.start:
+                key[n] = pos[anchors.get(u.collective, u.first_use)] - 0.75
+            for n in u.finish:
+                key[n] = pos[u.first_use] - 0.5
+        else:
+            inputs = [p for n in u.start for p in n.all_input_nodes if p not in u.start]
+            for n in u.start:
+                key[n] = max(pos[p] for p in inputs) + 0.25
+            for n in u.finish:
+                key[n] = len(pos) + 1.0
+    stable_topological_sort(gm, key=lambda n: key.get(n, pos[n]))
+
+
+def memory_budget(config, gathers: list[Unit]) -> int:
+    """Bytes of gathered buckets allowed alive at once: the config's, or twice the largest bucket."""
+    if config.memory_budget_bytes is not None:
+        return config.memory_budget_bytes
+    return 2 * max((u.nbytes for u in gathers), default=0)

@@ -1,0 +1,38 @@
+"""Reorder so communication overlaps compute (structural prefetch, no cost model).
+
+Each all-gather starts `prefetch_depth` buckets ahead of its first use — when the compute of the bucket that many
+places earlier begins (forward: block i+1's gather before block i; backward: block i-1's before block i) — fewer
+where the gathered bytes alive at once would pass the memory budget. Every wait moves right before its first use;
+reduce-scatters start as soon as their gradients exist and are waited for at the end of the graph.
+Needs: lowered (and usually bucketed) collectives. Skipped when `CompileConfig.prefetch` is False.
+"""
+
+from __future__ import annotations
+
+from torch import fx
+
+from fsdp2_compile.overlap import emit_order, find_units, memory_budget
+
+
+def prefetch_anchors(gathers, depth: int, budget: int) -> dict:
+    """For gather k (in first-use order) the node to start it before: gather k-d's first use, with the largest
+    d <= depth whose buckets k-d..k fit in `budget` (d = 0: its own first use)."""
+    anchors = {}
+    for k, unit in enumerate(gathers):
+        d = min(depth, k)
+        while d > 0 and sum(u.nbytes for u in gathers[k - d : k + 1]) > budget:
+            d -= 1
+        anchors[unit.collective] = gathers[k - d].first_use
+    return anchors
+
+
+def reorder_for_overlap(gm: fx.GraphModule, ctx) -> fx.GraphModule:
+    if not ctx.config.prefetch:
+        return gm
+    units = find_units(gm)
+    if not units:
+        return gm
+    gathers = [u for u in units if u.kind == "all_gather"]
+    anchors = prefetch_anchors(gathers, ctx.config.prefetch_depth, memory_budget(ctx.config, gathers))
+    emit_order(gm, units, anchors)
+    return gm

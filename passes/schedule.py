@@ -1,0 +1,55 @@
+"""The cost-model scheduler: choose where each all-gather starts, and keep the order with the least exposed
+communication within the memory budget.
+
+For each all-gather (in first-use order) it takes the shortest prefetch distance d <= `prefetch_depth` whose
+compute window — the estimated compute from gather k-d's first use to its own — covers the communication queued
+for it, as long as the gathered buckets alive at once fit the budget. The resulting order and the structural
+order `reorder_for_overlap` left are both simulated (`cost_model.simulate`); the one with the shorter estimated
+step wins (ties: the structural one). Decisions depend only on the graph, the config and the agreed profile.
+Leaves the final timeline in `ctx.timeline`. Needs: `reorder_for_overlap` (or any valid order) before it.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from torch import fx
+
+from fsdp2_compile.cost_model import compute_time, node_time, simulate
+from fsdp2_compile.graph import positions
+from fsdp2_compile.overlap import emit_order, find_units, memory_budget
+
+
+def cost_anchors(gm: fx.GraphModule, gathers, depth: int, budget: int, profile) -> dict:
+    """For gather k: the first use of gather k-d, for the smallest d that hides its communication behind the
+    estimated compute in between, at most `depth`, and only while buckets k-d..k fit in `budget`."""
+    pos = positions(gm.graph)
+    elapsed = list(itertools.accumulate((compute_time(n, profile) for n in gm.graph.nodes), initial=0.0))
+    comm = [node_time(u.collective, profile) for u in gathers]
+    anchors = {}
+    for k, unit in enumerate(gathers):
+        chosen = k
+        for d in range(1, min(depth, k) + 1):
+            if sum(u.nbytes for u in gathers[k - d : k + 1]) > budget:
+                break
+            chosen = k - d
+            window = elapsed[pos[unit.first_use]] - elapsed[pos[gathers[k - d].first_use]]
+            if window >= sum(comm[k - d + 1 : k + 1]):
+                break
+        anchors[unit.collective] = gathers[chosen].first_use
+    return anchors
+
+
+def schedule(gm: fx.GraphModule, ctx) -> fx.GraphModule:
+    profile = ctx.profile
+    units = find_units(gm)
+    gathers = [u for u in units if u.kind == "all_gather"]
+    if ctx.config.schedule and ctx.config.prefetch and gathers:
+        structural = gm.graph
+        baseline = simulate(gm, profile)
+        anchors = cost_anchors(gm, gathers, ctx.config.prefetch_depth, memory_budget(ctx.config, gathers), profile)
+        emit_order(gm, units, anchors)
+        if simulate(gm, profile).total_s >= baseline.total_s:
+            gm.graph = structural
+    ctx.timeline = simulate(gm, profile)
+    return gm
