@@ -23,6 +23,7 @@ from ._torch_private import (
 )
 from .config import CompileConfig
 from .consistency import check_same_schedule
+from .dump import dump_from_env
 from .cost_model import PROFILES, HardwareProfile, measured_profile
 from .graph import nodes_calling
 from .ops import REDUCE_GRAD, UNSHARD
@@ -76,6 +77,7 @@ def _compiler(kind: str, config: CompileConfig) -> Callable[[fx.GraphModule, Any
         if config.check_rank_consistency:
             check_same_schedule(gm, kind)
         record_graph(GraphRecord(kind, gm, ctx.snapshots, timeline=ctx.timeline))
+        dump_from_env()
         return make_boxed_func(gm)
 
     return compile_graph

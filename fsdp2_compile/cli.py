@@ -1,0 +1,370 @@
+"""`fsdp2-compile`: dump the graphs the compiler produces for a model, or plan its memory and time at N ranks.
+
+Exit codes: 0 ok, 1 runtime failure (the factory raised or returned the wrong thing, compilation failed),
+2 usage error (bad arguments, a TARGET that cannot be imported or names nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import os
+import resource
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+__all__ = ["main", "load_target", "call_factory"]
+
+PROG = "fsdp2-compile"
+TARGET_HELP = (
+    "module:factory or path/to/file.py:factory; the factory returns (model, args) or (model, args, loss_fn) "
+    "(default loss: sum of the first floating-point output)"
+)
+
+
+class UsageError(Exception):
+    """Bad command line or TARGET: exit code 2."""
+
+
+class RunError(Exception):
+    """The factory or the run failed: exit code 1."""
+
+
+# ---------------------------------------------------------------------------------------------- targets
+
+
+def load_target(spec: str) -> Callable:
+    """The factory named by `module:factory` or `path/to/file.py:factory`."""
+    module_name, sep, attr = spec.rpartition(":")
+    if not sep or not module_name or not attr:
+        raise UsageError(f"TARGET {spec!r} is not of the form module:factory or path/to/file.py:factory")
+    try:
+        if module_name.endswith(".py") or os.sep in module_name:
+            path = os.path.abspath(module_name)
+            if not os.path.isfile(path):
+                raise UsageError(f"TARGET {spec!r}: no such file {module_name!r}")
+            sys.path.insert(0, os.path.dirname(path))  # so the file's sibling imports work
+            name = "_fsdp2_target_" + os.path.splitext(os.path.basename(path))[0]
+            loader_spec = importlib.util.spec_from_file_location(name, path)
+            module = importlib.util.module_from_spec(loader_spec)
+            sys.modules[name] = module
+            loader_spec.loader.exec_module(module)
+        else:
+            sys.path.insert(0, os.getcwd())
+            module = importlib.import_module(module_name)
+    except UsageError:
+        raise
+    except Exception as e:  # ImportError, SyntaxError, or whatever the module raised at import
+        raise UsageError(f"TARGET {spec!r}: cannot import {module_name!r}: {type(e).__name__}: {e}") from e
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise UsageError(f"TARGET {spec!r}: {module_name!r} has no callable {attr!r}")
+    return factory
+
+
+def default_loss(output) -> torch.Tensor:
+    """Sum of the first floating-point tensor in `output` (tensors, tuples, lists, dicts)."""
+    stack = [output]
+    while stack:
+        x = stack.pop(0)
+        if isinstance(x, torch.Tensor) and x.is_floating_point():
+            return x.float().sum()
+        if isinstance(x, (list, tuple)):
+            stack[:0] = list(x)
+        elif isinstance(x, dict):
+            stack[:0] = list(x.values())
+    raise RunError("the model's output has no floating-point tensor for the default loss; return a loss_fn")
+
+
+def call_factory(factory: Callable, **kwargs) -> tuple[nn.Module, tuple, Callable]:
+    """`factory(**kwargs)` checked: (model, args, loss_fn) with the default loss filled in."""
+    name = getattr(factory, "__name__", repr(factory))
+    try:
+        result = factory(**kwargs)
+    except Exception as e:
+        raise RunError(f"factory {name}() raised {type(e).__name__}: {e}") from e
+    if not isinstance(result, (tuple, list)) or len(result) not in (2, 3):
+        raise RunError(
+            f"factory {name}() returned {type(result).__name__}; expected (model, args) or (model, args, loss_fn)"
+        )
+    model, args, *rest = result
+    loss_fn = rest[0] if rest else default_loss
+    if not isinstance(model, nn.Module):
+        raise RunError(f"factory {name}() returned a {type(model).__name__} as the model; expected an nn.Module")
+    if isinstance(args, torch.Tensor):
+        args = (args,)
+    if not isinstance(args, (tuple, list)):
+        raise RunError(f"factory {name}() returned a {type(args).__name__} as args; expected a tuple of inputs")
+    if not callable(loss_fn):
+        raise RunError(f"factory {name}() returned a non-callable loss_fn ({type(loss_fn).__name__})")
+    return model, tuple(args), loss_fn
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+
+
+@contextmanager
+def progress(message: str, quiet: bool = False):
+    """`message ...` then `done (1.2 s)` on stderr."""
+    start = time.perf_counter()
+    if not quiet:
+        print(f"{PROG}: {message} ...", file=sys.stderr, flush=True)
+    yield
+    if not quiet:
+        print(f"{PROG}:   done ({time.perf_counter() - start:.1f} s)", file=sys.stderr, flush=True)
+
+
+@contextmanager
+def fake_group(world_size: int):
+    """The fake default process group (rank 0 of `world_size`) for the duration of the block."""
+    from ._torch_private import fake_process_group
+
+    if torch.distributed.is_initialized():
+        raise RunError("a default process group is already initialised in this process")
+    fake_process_group(0, world_size)
+    try:
+        yield
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def _mp_policy(name: str | None):
+    from .config import MixedPrecisionPolicy
+
+    if name is None:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:10.3f} GiB"
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process (Linux: ru_maxrss is in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+# ---------------------------------------------------------------------------------------------- commands
+
+
+def cmd_dump(ns: argparse.Namespace) -> int:
+    from .api import shard_compile
+    from .config import CompileConfig
+    from .cost_model import PROFILES
+    from .dump import write_dump
+    from .plan import block_list
+    from .report import clear_compiled_graphs, compiled_graphs
+    from .shard import shard
+
+    factory = load_target(ns.target)
+    hardware = ns.hardware or "cpu-gloo-loopback"
+    mp = _mp_policy(ns.mp)
+    reshard = not ns.no_reshard
+    with fake_group(ns.world_size):
+        with progress(f"building {ns.target}", ns.quiet):
+            model, args, loss_fn = call_factory(factory)
+        with progress(f"sharding over {ns.world_size} ranks (rank 0, fake process group) and compiling", ns.quiet):
+            _, blocks = block_list(model)
+            if blocks is not None and not ns.no_block_shard:
+                for block in blocks:
+                    shard(block, reshard_after_forward=reshard, mp_policy=mp)
+            clear_compiled_graphs()
+            shard_compile(
+                model, reshard_after_forward=reshard, mp_policy=mp,
+                compile_config=CompileConfig(hardware=hardware, check_rank_consistency=False),
+            )
+            try:
+                loss = loss_fn(model(*args))
+                loss.backward()
+            except RunError:
+                raise
+            except Exception as e:
+                raise RunError(f"forward/backward of the compiled model failed: {type(e).__name__}: {e}") from e
+        records = compiled_graphs()
+        if not records:
+            raise RunError("nothing was compiled (did the model run any sharded parameter?)")
+        with progress(f"writing {len(records)} graphs to {ns.out}", ns.quiet):
+            summary = write_dump(records, ns.out, PROFILES[hardware])
+    print(summary, end="")
+    print(f"artefacts in {os.path.abspath(ns.out)}")
+    return 0
+
+
+def format_plan(plan, seconds: float, rss: int) -> str:
+    from .cost_model import PROFILES
+
+    pr, an = plan.per_rank_bytes, plan.analytical_bytes
+    out = [f"plan: {plan.params:,} parameters, {plan.layers} blocks, world size {plan.world_size}", "",
+           "per-rank memory (rank 0, the largest shard)"]
+    for key in ("params", "grads", "optimizer"):
+        error = (pr[key] - an[key]) / an[key] * 100 if an[key] else 0.0
+        out.append(f"  {key:<14}{_gib(pr[key])}   analytical numel*bytes/N {_gib(an[key])}  ({error:+.3f}%)")
+    out.append(f"  {'gathered_peak':<14}{_gib(pr['gathered_peak'])}   root bucket + 2 largest block buckets")
+    out.append(f"  {'activations':<14}{_gib(pr['activations'])}   saved by forward for backward")
+    out.append(f"  {'total':<14}{_gib(pr['total'])}")
+    out.append("")
+    buffers = ", ".join(f"{k} {_gib(v).strip()}" for k, v in sorted(plan.collective_buffer_bytes.items()))
+    out.append(f"communication per step: {_gib(plan.comm_bytes_per_step).strip()} sent per rank "
+               f"((N-1)/N of the buffers: {buffers})")
+    out.append("")
+    out.append(f"  {'profile':<20}{'step time':>12}{'exposed comm':>14}   alpha, link, FLOP/s, memory; source")
+    for name, t in plan.step_time_s.items():
+        p = PROFILES[name]
+        out.append(
+            f"  {name:<20}{t * 1e3:>9.1f} ms{plan.exposed_comm_s[name] * 1e3:>11.1f} ms   "
+            f"{p.alpha_s * 1e6:.0f} us, {1 / p.beta_s_per_byte / 1e9:.3g} GB/s, {p.flops_per_s / 1e12:.3g} TFLOP/s, "
+            f"{p.mem_bytes_per_s / 1e9:.3g} GB/s; {p.source}"
+        )
+    out.append("")
+    out.append(f"method: {plan.method}")
+    out.append(f"planner: {seconds:.1f} s wall, peak RSS {rss / 2**20:.0f} MiB")
+    return "\n".join(out) + "\n"
+
+
+def cmd_plan(ns: argparse.Namespace) -> int:
+    from .cost_model import PROFILES
+    from .plan import make_plan
+
+    factory = load_target(ns.target)
+    if ns.hardware and ns.hardware not in PROFILES:
+        raise UsageError(f"--hardware {ns.hardware!r} is not one of: {', '.join(PROFILES)}")
+    profiles = [ns.hardware] if ns.hardware else list(PROFILES)
+    start = time.perf_counter()
+    current: list = []
+
+    def step(message: str) -> None:
+        if not ns.quiet:
+            now = time.perf_counter() - start
+            print(f"{PROG}: [{now:5.1f} s] {message} ...", file=sys.stderr, flush=True)
+
+    with fake_group(ns.world_size):
+        try:
+            plan = make_plan(factory, ns.world_size, call=call_factory, profiles=profiles, mp_policy=_mp_policy(ns.mp),
+                             reshard_after_forward=not ns.no_reshard, progress=step)
+        except (RunError, UsageError):
+            raise
+        except Exception as e:
+            raise RunError(f"planning failed: {type(e).__name__}: {e}") from e
+    del current
+    seconds, rss = time.perf_counter() - start, peak_rss_bytes()
+    if ns.json:
+        out = plan.to_json()
+        out["planner"] = {"wall_s": seconds, "peak_rss_bytes": rss}
+        print(json.dumps(out, indent=2))
+    else:
+        print(format_plan(plan, seconds, rss), end="")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------- parser
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # exit code 2 with the usage, as argparse does, but through UsageError
+        self.print_usage(sys.stderr)
+        raise UsageError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    fmt = argparse.RawDescriptionHelpFormatter
+    parser = _Parser(
+        prog=PROG, formatter_class=fmt,
+        description="Inspect what the fsdp2 compiler does to a model, or plan its memory and time at N ranks.\n"
+                    "Both run in one process under a fake process group (no peers, no accelerator needed).",
+        epilog="examples:\n"
+               f"  {PROG} dump examples/llama.py:llama_tiny --world-size 4 --out /tmp/dump\n"
+               f"  {PROG} plan examples/llama.py:llama3_70b --world-size 1024\n"
+               f"  python -m fsdp2_compile plan examples/llama.py:llama3_8b --world-size 64 --json\n\n"
+               "exit codes: 0 ok, 1 runtime failure, 2 usage error",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="{dump,plan}", parser_class=_Parser)
+
+    dump = sub.add_parser(
+        "dump", formatter_class=fmt, help="compile a model and write its graphs after every pass, SVG/DOT, trace, "
+        "memory chart and a summary",
+        description="Shard TARGET's model over N ranks (rank 0, fake process group), compile it with the fsdp2 "
+                    "backend, run forward + loss + backward once, and write to --out:\n"
+                    "  <graph>/NN_<pass>.txt   the graph after every pass, collectives annotated with params/bucket\n"
+                    "  <graph>/graph.svg, .dot the final graph, collectives / waits / casts highlighted\n"
+                    "  trace.json              simulated schedule (open in ui.perfetto.dev or chrome://tracing)\n"
+                    "  memory.png              estimated live bytes over the step\n"
+                    "  summary.txt             the table also printed on stdout\n"
+                    "Blocks of the model's longest nn.ModuleList are sharded first (FSDP2's pattern), then the root.\n"
+                    "In a real run, FSDP2_COMPILE_DUMP=DIR writes the same artefacts to DIR/rank<r>.",
+        epilog=f"examples:\n  {PROG} dump examples/llama.py:llama3_8b --world-size 8 --mp bf16 --out /tmp/llama\n"
+               f"  {PROG} dump mypkg.models:make_model --world-size 2 --no-reshard",
+    )
+    dump.add_argument("target", metavar="TARGET", help=TARGET_HELP)
+    dump.add_argument("--world-size", type=int, required=True, help="number of ranks to shard over")
+    dump.add_argument("--mp", choices=["bf16"], help="mixed precision: bf16 parameters, fp32 gradient reduction")
+    dump.add_argument("--no-reshard", action="store_true", help="reshard_after_forward=False")
+    dump.add_argument("--no-block-shard", action="store_true", help="shard only the root (one bucket)")
+    dump.add_argument("--hardware", help="cost-model profile for the trace (default cpu-gloo-loopback)")
+    dump.add_argument("--out", default="fsdp2_dump", help="output folder (default ./fsdp2_dump)")
+    dump.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
+    dump.set_defaults(run=cmd_dump)
+
+    plan = sub.add_parser(
+        "plan", formatter_class=fmt, help="per-rank memory, bytes on the wire and step time at N ranks (meta device)",
+        description="Plan TARGET's model at N ranks without its memory: build it (on the meta device), shard it "
+                    "with the real shard() for the per-rank parameter / gradient / AdamW bytes, compile reduced "
+                    "copies (1 and 2 blocks when the factory takes layers=) through the real pipeline for "
+                    "collectives, activations and the simulated step of every cost-model profile, scaled to the "
+                    "full block count.",
+        epilog=f"examples:\n  {PROG} plan examples/llama.py:llama3_70b --world-size 1024\n"
+               f"  {PROG} plan examples/llama.py:llama3_8b --world-size 64 --hardware h100-nvlink --json",
+    )
+    plan.add_argument("target", metavar="TARGET", help=TARGET_HELP)
+    plan.add_argument("--world-size", type=int, required=True, help="number of ranks to shard over")
+    plan.add_argument("--hardware", help="only this cost-model profile (default: all of cost_model.PROFILES)")
+    plan.add_argument("--mp", choices=["bf16"], help="mixed precision: bf16 parameters, fp32 gradient reduction")
+    plan.add_argument("--no-reshard", action="store_true", help="reshard_after_forward=False")
+    plan.add_argument("--json", action="store_true", help="print one JSON object")
+    plan.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
+    plan.set_defaults(run=cmd_plan)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        ns = parser.parse_args(argv)
+        if ns.command is None:
+            parser.print_help()
+            return 2
+        if ns.world_size < 1:
+            raise UsageError(f"--world-size must be >= 1, got {ns.world_size}")
+        if ns.hardware is not None:
+            from .cost_model import PROFILES
+
+            if ns.hardware not in PROFILES:
+                raise UsageError(f"--hardware {ns.hardware!r} is not one of: {', '.join(PROFILES)}")
+        return ns.run(ns)
+    except UsageError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    except RunError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        if os.environ.get("FSDP2_COMPILE_DEBUG"):
+            traceback.print_exc()
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:  # anything else is a runtime failure; the traceback only on request
+        print(f"{PROG}: error: {type(e).__name__}: {e} (set FSDP2_COMPILE_DEBUG=1 for the traceback)", file=sys.stderr)
+        if os.environ.get("FSDP2_COMPILE_DEBUG"):
+            traceback.print_exc()
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

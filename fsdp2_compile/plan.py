@@ -1,0 +1,245 @@
+"""The planner: per-rank memory, bytes on the wire and simulated step time of a model sharded over N ranks,
+without the memory or the ranks (the model on the meta device, one process, the fake process group).
+
+Method:
+- parameters, gradients, optimizer state: the REAL `shard` of the full model at world size N (rank 0, which holds
+  the largest shard, ceil(dim0 / N) rows); gradients are sharded like the parameters, in their dtype; AdamW keeps
+  two fp32 states per element of the shard. Compared with the analytical numel x bytes / N.
+- gathered working set: the root bucket (its parameters are used at both ends of the step) plus the two largest
+  other buckets (the one in use and the one prefetched), full padded size in the parameter (communication) dtype.
+- collectives, activations and time: the real pipeline compiles a reduced copy of the model (1 and 2 layers, same
+  widths, when the factory takes `layers=`), runs its forward and backward on meta tensors, and the final graphs
+  are simulated with each cost-model profile; per-layer figures (2 layers minus 1 layer) are scaled to the full
+  layer count. Activations: the bytes the forward graph leaves alive for the backward (its non-input outputs).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from .cost_model import PROFILES, simulate
+from .dump import saved_bytes
+from .report import clear_compiled_graphs, collectives, compiled_graphs
+
+__all__ = ["Plan", "analytical_bytes", "block_list", "make_plan", "shard_for_plan"]
+
+ADAMW_STATES = 2
+"""AdamW keeps exp_avg and exp_avg_sq per parameter element (fp32 here)."""
+
+
+@dataclass
+class Plan:
+    world_size: int
+    params: int
+    """Unique parameters of the full model (numel)."""
+    layers: int
+    per_rank_bytes: dict[str, int]
+    analytical_bytes: dict[str, float]
+    comm_bytes_per_step: int
+    """Bytes one rank sends per step: (N-1)/N of every collective's full buffer (ring algorithms)."""
+    collective_buffer_bytes: dict[str, int]
+    step_time_s: dict[str, float]
+    exposed_comm_s: dict[str, float]
+    method: str
+    buckets: dict[str, int] = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {
+            "world_size": self.world_size,
+            "params": self.params,
+            "layers": self.layers,
+            "per_rank_bytes": self.per_rank_bytes,
+            "analytical_bytes": self.analytical_bytes,
+            "comm_bytes_per_step": self.comm_bytes_per_step,
+            "collective_buffer_bytes": self.collective_buffer_bytes,
+            "step_time_s": self.step_time_s,
+            "exposed_comm_s": self.exposed_comm_s,
+            "profiles": {n: {"alpha_s": p.alpha_s, "beta_s_per_byte": p.beta_s_per_byte, "flops_per_s": p.flops_per_s,
+                             "mem_bytes_per_s": p.mem_bytes_per_s, "source": p.source}
+                         for n, p in PROFILES.items() if n in self.step_time_s},
+            "method": self.method,
+        }
+
+
+def block_list(model: nn.Module) -> tuple[str, nn.ModuleList | None]:
+    """The longest `nn.ModuleList` of the model (its repeated blocks) and its path."""
+    best = ("", None)
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and (best[1] is None or len(module) > len(best[1])):
+            best = (name, module)
+    return best
+
+
+def shard_for_plan(model: nn.Module, shard_blocks: bool = True, **shard_kwargs) -> nn.Module:
+    """FSDP2's pattern: `shard` each block of the longest ModuleList, then the root (the CLI's convention)."""
+    from .shard import shard
+
+    _, blocks = block_list(model)
+    if shard_blocks and blocks is not None:
+        for block in blocks:
+            shard(block, **shard_kwargs)
+    return shard(model, **shard_kwargs)
+
+
+def _unique_params(model: nn.Module) -> list[nn.Parameter]:
+    seen, params = set(), []
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            params.append(p)
+    return params
+
+
+def analytical_bytes(model: nn.Module, world_size: int) -> dict[str, float]:
+    """numel x bytes / N for parameters and gradients, 2 x 4 bytes x numel / N for AdamW (unsharded model)."""
+    params = sum(p.numel() * p.element_size() for p in _unique_params(model))
+    grads = sum(p.numel() * p.element_size() for p in _unique_params(model) if p.requires_grad)
+    optim = sum(ADAMW_STATES * 4 * p.numel() for p in _unique_params(model) if p.requires_grad)
+    return {"params": params / world_size, "grads": grads / world_size, "optimizer": optim / world_size}
+
+
+def _sharded_bytes(model: nn.Module) -> dict[str, int]:
+    local = [(p, p.to_local() if isinstance(p, DTensor) else p) for p in _unique_params(model)]
+    return {
+        "params": sum(t.numel() * t.element_size() for _, t in local),
+        "grads": sum(t.numel() * t.element_size() for p, t in local if p.requires_grad),
+        "optimizer": sum(ADAMW_STATES * 4 * t.numel() for p, t in local if p.requires_grad),
+    }
+
+
+def _bucket_bytes(model: nn.Module, param_dtype: torch.dtype | None) -> dict[str, int]:
+    """Full padded bytes each bucket (`shard` call) gathers."""
+    from .ops import padded_rows
+    from .shard import managed_param_info
+
+    buckets: dict[str, int] = {}
+    for p in _unique_params(model):
+        info = managed_param_info(p)
+        if info is None:
+            continue
+        rows = padded_rows(p.shape[0], info.world_size) * info.world_size
+        itemsize = torch.empty((), dtype=param_dtype or p.dtype).element_size()
+        buckets[info.bucket] = buckets.get(info.bucket, 0) + rows * math.prod(p.shape[1:]) * itemsize
+    return buckets
+
+
+@dataclass
+class _GraphFigures:
+    comm_wire: float
+    buffers: dict[str, int]
+    activations: int
+    time: dict[str, float]
+    exposed: dict[str, float]
+
+
+def _compile_and_measure(model, args, loss_fn, world_size, compile_kwargs, profiles) -> _GraphFigures:
+    from .api import shard_compile
+    from .shard import shard
+
+    _, blocks = block_list(model)
+    if blocks is not None:
+        for block in blocks:
+            shard(block, reshard_after_forward=compile_kwargs["reshard_after_forward"],
+                  mp_policy=compile_kwargs["mp_policy"])
+    clear_compiled_graphs()
+    shard_compile(model, **compile_kwargs)
+    loss_fn(model(*args)).backward()
+    records = [r for r in compiled_graphs() if r.kind in ("forward", "backward")]
+    buffers: dict[str, int] = {}
+    wire = 0.0
+    for r in records:
+        for c in collectives(r.gm):
+            buffers[c.kind] = buffers.get(c.kind, 0) + c.nbytes
+            wire += (world_size - 1) / world_size * c.nbytes * (2 if c.kind == "all_reduce" else 1)
+    forward = [r for r in records if r.kind == "forward"]
+    timelines = {name: [simulate(r.gm, PROFILES[name]) for r in records] for name in profiles}
+    clear_compiled_graphs()
+    return _GraphFigures(
+        comm_wire=wire,
+        buffers=buffers,
+        activations=sum(saved_bytes(r.gm) for r in forward),
+        time={n: sum(t.total_s for t in tls) for n, tls in timelines.items()},
+        exposed={n: sum(t.exposed_comm_s for t in tls) for n, tls in timelines.items()},
+    )
+
+
+def _scale(one: float, two: float, layers: int) -> float:
+    """Linear in the layer count through the 1- and 2-layer figures."""
+    return two + (layers - 2) * (two - one)
+
+
+def make_plan(
+    factory: Callable,
+    world_size: int,
+    *,
+    call: Callable = lambda f, **kw: f(**kw),
+    profiles: list[str] | None = None,
+    mp_policy=None,
+    reshard_after_forward: bool = True,
+    progress: Callable[[str], object] | None = None,
+) -> Plan:
+    """Plan `factory`'s model at `world_size` ranks. Needs the default process group (the fake one, any size);
+    `call(factory, **kwargs)` builds `(model, args, loss_fn)` (the CLI's checked call)."""
+    from .config import CompileConfig, MixedPrecisionPolicy
+
+    mp_policy = mp_policy or MixedPrecisionPolicy()
+    profiles = profiles or list(PROFILES)
+    step = progress or (lambda msg: None)
+
+    step("building the full model")
+    model, _, _ = call(factory)
+    path, blocks = block_list(model)
+    layers = len(blocks) if blocks is not None else 0
+    analytical = analytical_bytes(model, world_size)
+    n_params = sum(p.numel() for p in _unique_params(model))
+    step(f"sharding the full model over {world_size} ranks")
+    shard_for_plan(model, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
+    measured = _sharded_bytes(model)
+    buckets = _bucket_bytes(model, mp_policy.param_dtype)
+    root = buckets.get("", 0)
+    others = sorted((b for name, b in buckets.items() if name), reverse=True)
+    gathered_peak = root + sum(others[:2])
+    del model
+
+    compile_kwargs = dict(
+        reshard_after_forward=reshard_after_forward,
+        mp_policy=mp_policy,
+        compile_config=CompileConfig(hardware=profiles[0], check_rank_consistency=False),
+    )
+    takes_layers = "layers" in inspect.signature(factory).parameters
+    if takes_layers and layers > 2:
+        figures = []
+        for n in (1, 2):
+            step(f"compiling a {n}-layer copy (same widths) through the pipeline")
+            figures.append(_compile_and_measure(*call(factory, layers=n), world_size, compile_kwargs, profiles))
+        one, two = figures
+        comm = _scale(one.comm_wire, two.comm_wire, layers)
+        buffers = {k: int(_scale(one.buffers.get(k, 0), two.buffers[k], layers)) for k in two.buffers}
+        activations = _scale(one.activations, two.activations, layers)
+        time = {n: _scale(one.time[n], two.time[n], layers) for n in profiles}
+        exposed = {n: _scale(one.exposed[n], two.exposed[n], layers) for n in profiles}
+        method = (f"full model ({n_params:,} params, {layers} blocks in '{path}') sharded with shard() for the "
+                  "per-rank parameter / gradient / optimizer bytes; collectives, activations and time from the "
+                  f"pipeline's graphs of 1- and 2-block copies, scaled linearly to {layers} blocks")
+    else:
+        step("compiling the model through the pipeline")
+        f = _compile_and_measure(*call(factory), world_size, compile_kwargs, profiles)
+        comm, buffers, activations, time, exposed = f.comm_wire, f.buffers, f.activations, f.time, f.exposed
+        method = (f"full model ({n_params:,} params) sharded with shard() for the per-rank bytes; collectives, "
+                  "activations and time from the pipeline's graphs of the full model")
+    per_rank = {
+        "params": measured["params"],
+        "grads": measured["grads"],
+        "optimizer": measured["optimizer"],
+        "gathered_peak": int(gathered_peak),
+        "activations": int(activations),
+    }
+    per_rank["total"] = sum(per_rank.values())
+    return Plan(world_size, n_params, layers, per_rank, analytical, int(comm), buffers, time, exposed, method, buckets)
