@@ -235,11 +235,8 @@ def cmd_plan(ns: argparse.Namespace) -> int:
     from .plan import make_plan
 
     factory = load_target(ns.target)
-    if ns.hardware and ns.hardware not in PROFILES:
-        raise UsageError(f"--hardware {ns.hardware!r} is not one of: {', '.join(PROFILES)}")
     profiles = [ns.hardware] if ns.hardware else list(PROFILES)
     start = time.perf_counter()
-    current: list = []
 
     def step(message: str) -> None:
         if not ns.quiet:
@@ -254,7 +251,6 @@ def cmd_plan(ns: argparse.Namespace) -> int:
             raise
         except Exception as e:
             raise RunError(f"planning failed: {type(e).__name__}: {e}") from e
-    del current
     seconds, rss = time.perf_counter() - start, peak_rss_bytes()
     if ns.json:
         out = plan.to_json()
