@@ -18,6 +18,8 @@ __all__ = [
     "aot_module_simplified",
     "make_boxed_func",
     "default_store",
+    "inductor_compile",
+    "inductor_decompositions",
     "detect_fake_mode",
     "fake_process_group",
     "min_cut_rematerialization_partition",
@@ -38,3 +40,20 @@ def default_store():
 
     return _get_default_store()
 
+
+
+def inductor_compile(gm, example_inputs, *, is_backward: bool, is_inference: bool):
+    """Compile an AOT forward/backward graph with Inductor, without Inductor's own reordering (the fsdp2
+    scheduler has placed the collectives already)."""
+    from torch._inductor import config
+    from torch._inductor.compile_fx import compile_fx_inner
+
+    with config.patch(reorder_for_peak_memory=False, reorder_for_compute_comm_overlap=False):
+        return compile_fx_inner(gm, example_inputs, is_backward=is_backward, is_inference=is_inference)
+
+
+def inductor_decompositions() -> dict:
+    """The decompositions AOTAutograd must apply to graphs meant for Inductor."""
+    from torch._inductor.decomposition import select_decomp_table
+
+    return select_decomp_table()

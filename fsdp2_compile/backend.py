@@ -18,6 +18,8 @@ from torch.distributed.tensor import DTensor
 from ._torch_private import (
     CheckpointPolicy,
     aot_module_simplified,
+    inductor_compile,
+    inductor_decompositions,
     make_boxed_func,
     min_cut_rematerialization_partition,
 )
@@ -78,6 +80,8 @@ def _compiler(kind: str, config: CompileConfig) -> Callable[[fx.GraphModule, Any
             check_same_schedule(gm, kind)
         record_graph(GraphRecord(kind, gm, ctx.snapshots, timeline=ctx.timeline))
         dump_from_env()
+        if config.compiler == "inductor":
+            return inductor_compile(gm, example_inputs, is_backward=kind == "backward", is_inference=kind == "inference")
         return make_boxed_func(gm)
 
     return compile_graph
@@ -94,6 +98,7 @@ def fsdp2_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Com
         bw_compiler=_compiler("backward", config),
         inference_compiler=_compiler("inference", config),
         partition_fn=_partition,
+        decompositions=inductor_decompositions() if config.compiler == "inductor" else None,
     )
 
 

@@ -50,15 +50,14 @@ def collectives(gm: fx.GraphModule) -> list[Collective]:
 
 @dataclass
 class GraphRecord:
-    """A graph the backend compiled: which one ("forward", "backward", "inference"), the final module, how many
-    times it ran, and its text after every pass."""
+    """A graph the backend compiled: which one ("forward", "backward", "inference"), the final module, its text
+    after every pass, and the scheduler's simulated timeline."""
 
     kind: str
     gm: fx.GraphModule
     snapshots: list[tuple[str, str]] = field(default_factory=list)
     timeline: Timeline | None = None
     """The scheduler's simulated step for this graph."""
-    calls: int = 0
 
     def summary(self) -> Counter:
         return Counter(c.kind for c in collectives(self.gm))
@@ -68,13 +67,8 @@ _RECORDS: list[GraphRecord] = []
 
 
 def record_graph(record: GraphRecord) -> GraphRecord:
-    """Keep `record` and count the runs of its graph."""
+    """Keep `record`."""
     _RECORDS.append(record)
-
-    def count(_module, _args):
-        record.calls += 1
-
-    record.gm.register_forward_pre_hook(count)
     return record
 
 

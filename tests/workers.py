@@ -25,7 +25,7 @@ def _shard(model, name: str, spec: dict) -> None:
         for block in model.blocks:  # FSDP2's pattern: blocks first, then the root
             fc.shard(block, **options)
     if spec["mode"] == "compiled":
-        fc.shard_compile(model, **options)
+        fc.shard_compile(model, compile_config=fc.CompileConfig(**spec.get("config", {})), **options)
     else:
         fc.shard(model, **options)
 
@@ -106,9 +106,23 @@ def train(rank: int, world_size: int, name: str, spec: dict) -> dict:
         ),
         state_dict_types={k: type(v).__name__ for k, v in model.state_dict().items()},
         graphs=[
-            dict(kind=r.kind, calls=r.calls, collectives=collectives(r.gm), saved_gathered=_saved_gathered_params(r.gm) if r.kind == "forward" else [])
+            dict(kind=r.kind, collectives=collectives(r.gm), saved_gathered=_saved_gathered_params(r.gm) if r.kind == "forward" else [])
             for r in compiled_graphs()
         ],
     )
     result["collective_order"] = [(g["kind"], [(c.kind, c.params, c.nbytes) for c in g["collectives"]]) for g in result["graphs"]]
     return result if rank == 0 else dict(losses=losses, collective_order=result["collective_order"])
+
+
+def mismatched_configs(rank: int, world_size: int) -> str:
+    """Rank 1 buckets differently from rank 0: compiling must fail on every rank with a clear error, not hang."""
+    model = make_model("gpt")
+    for block in model.blocks:
+        fc.shard(block)
+    fc.shard_compile(model, compile_config=fc.CompileConfig(buckets="shard_calls" if rank == 0 else "none"))
+    x, _ = batch("gpt", 0)
+    try:
+        model(local_slice(x, rank, world_size))
+    except Exception as e:  # noqa: BLE001 - the message is what the test checks
+        return str(e)
+    return "no error"

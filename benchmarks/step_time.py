@@ -1,0 +1,103 @@
+"""One benchmark job (run under torchrun): median training-step time of a GPT on gloo for one mode.
+
+    torchrun --nproc-per-node 2 benchmarks/step_time.py --mode full [--layers 8 --d-model 512 ...]
+
+Modes: fsdp2 (FSDP2 eager: fully_shard per block + root), plain (our pipeline without bucketing, reordering or
+scheduling), full (bucketed, reordered, scheduled), inductor (full, compiled by Inductor).
+Prints one JSON line (rank 0): median/mean step seconds after warm-up, first-step (compile) seconds, peak RSS per
+rank, collectives and bytes per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+from gpt import GPT, GPTConfig, gpt_loss, make_batch  # noqa: E402
+
+import fsdp2_compile as fc  # noqa: E402
+from fsdp2_compile.report import collectives, compiled_graphs  # noqa: E402
+
+CONFIGS = {
+    "plain": fc.CompileConfig(buckets="none", prefetch=False, schedule=False),
+    "full": fc.CompileConfig(),
+    "inductor": fc.CompileConfig(compiler="inductor"),
+}
+
+
+def build(args) -> torch.nn.Module:
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=args.layers, n_head=args.heads, d_model=args.d_model)
+    model = GPT(cfg)
+    if args.mode == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+    else:
+        for block in model.blocks:
+            fc.shard(block)
+        fc.shard_compile(model, compile_config=CONFIGS[args.mode])
+    return model
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mode", choices=["fsdp2", *CONFIGS], required=True)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--d-model", type=int, default=512)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--batch", type=int, default=8, help="global batch")
+    p.add_argument("--steps", type=int, default=6, help="timed steps after warm-up")
+    p.add_argument("--warmup", type=int, default=2)
+    args = p.parse_args()
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = build(args)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    cfg = model.cfg
+    local = args.batch // world
+    times = []
+    for step in range(args.warmup + args.steps):
+        x, y = make_batch(cfg, args.batch, args.seq, seed=step)
+        x, y = x[rank * local : (rank + 1) * local], y[rank * local : (rank + 1) * local]
+        dist.barrier()
+        start = time.perf_counter()
+        loss = gpt_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        times.append(time.perf_counter() - start)
+    rss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024], dtype=torch.int64)
+    every = torch.zeros(world, dtype=torch.int64)
+    dist.all_gather_into_tensor(every, rss)
+    timed = times[args.warmup :]
+    graphs = [r for r in compiled_graphs() if r.kind in ("forward", "backward")]
+    colls = [c for r in graphs for c in collectives(r.gm)]
+    if rank == 0:
+        print(json.dumps(dict(
+            mode=args.mode, layers=args.layers, world=world,
+            params=sum(p.numel() for p in model.parameters()),
+            median_s=statistics.median(timed), mean_s=statistics.mean(timed), first_step_s=times[0],
+            peak_rss_mib=[int(b) / 2**20 for b in every.tolist()],
+            collectives_per_step=len(colls) or None, bytes_per_step=sum(c.nbytes for c in colls) or None,
+            exposed_comm_estimate_s=sum(r.timeline.exposed_comm_s for r in graphs if r.timeline) if graphs else None,
+        )), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

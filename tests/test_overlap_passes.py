@@ -1,0 +1,159 @@
+"""Unit tests of bucketing, reordering and scheduling on hand-built graphs (fake process group, rank 3 of 4)."""
+
+from __future__ import annotations
+
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from fsdp2_compile.config import CompileConfig
+from fsdp2_compile.graph import PARAMS
+from fsdp2_compile.ops import REDUCE_GRAD, UNSHARD
+from fsdp2_compile.passes import bucket_collectives, lower_reduce_grad, lower_unshard, reorder_for_overlap, schedule
+from fsdp2_compile.pipeline import PassContext, run_pipeline
+from fsdp2_compile.report import collectives
+
+funcol = torch.ops._c10d_functional
+AG, RS, WAIT = funcol.all_gather_into_tensor.default, funcol.reduce_scatter_tensor.default, funcol.wait_tensor.default
+fp32, bf16 = torch.float32, torch.bfloat16
+COMPUTE = {torch.ops.aten.mm.default, torch.ops.aten.relu.default}
+
+
+def three_blocks(group: str, dtypes=(None, None, None)):
+    """Forward of three 'blocks' (FSDP groups b0, b1, b2); b0 has two parameters, each block one matmul."""
+
+    def f(s0a, s0b, s1, s2, x):
+        def gather(shard, name, bucket, dtype):
+            return UNSHARD(shard, 16, 4, group, dtype, fp32, name, bucket, True)
+
+        h = torch.relu(x @ gather(s0a, "b0.a", "b0", dtypes[0]) @ gather(s0b, "b0.b", "b0", dtypes[1]))
+        h = torch.relu(h @ gather(s1, "b1.w", "b1", dtypes[2]))
+        return h @ gather(s2, "b2.w", "b2", None)
+
+    shard = torch.randn(4, 16)
+    return make_fx(f, tracing_mode="fake")(shard, shard, shard, shard, torch.randn(2, 16))
+
+
+def lowered(gm, config=CompileConfig()):
+    ctx = PassContext("forward", config=config)
+    return bucket_collectives(lower_unshard(gm, ctx), ctx), ctx
+
+
+def order(gm):
+    return list(gm.graph.nodes)
+
+
+def test_bucketing_fuses_one_all_gather_per_shard_call(fake_pg):
+    gm, _ = lowered(three_blocks(fake_pg))
+    found = collectives(gm)
+    assert [c.params for c in found] == [("b0.a", "b0.b"), ("b1.w",), ("b2.w",)]
+    assert [c.nbytes for c in found] == [2 * 16 * 16 * 4, 16 * 16 * 4, 16 * 16 * 4]  # exact bytes, nothing extra
+    gm.graph.lint()
+    assert gm(*[torch.randn(4, 16)] * 4, torch.randn(2, 16)).shape == (2, 16)
+
+
+def test_bucketing_by_byte_cap_and_by_module_names(fake_pg):
+    gm, _ = lowered(three_blocks(fake_pg), CompileConfig(buckets=2 * 16 * 16 * 4 // 4))  # two shards per bucket
+    assert [c.params for c in collectives(gm)] == [("b0.a", "b0.b"), ("b1.w", "b2.w")]
+    gm, _ = lowered(three_blocks(fake_pg), CompileConfig(buckets=("b1",)))
+    assert sorted(c.params for c in collectives(gm)) == [("b0.a", "b0.b", "b2.w"), ("b1.w",)]
+
+
+def test_a_bucket_with_two_dtypes_becomes_one_collective_per_dtype(fake_pg):
+    gm, _ = lowered(three_blocks(fake_pg, dtypes=(bf16, None, None)))
+    found = [(c.params, c.dtype) for c in collectives(gm)]
+    assert (("b0.a",), bf16) in found and (("b0.b",), fp32) in found
+
+
+def test_bucketed_reduce_scatter(fake_pg):
+    def f(g0, g1, g2):
+        return (
+            REDUCE_GRAD(g0, 4, 4, fake_pg, fp32, fp32, "b0.a", "b0"),
+            REDUCE_GRAD(g1 * 2, 1, 4, fake_pg, fp32, fp32, "b0.b", "b0"),  # 5 rows: padded to 8, rank 3 holds 1
+            REDUCE_GRAD(g2, 4, 4, fake_pg, fp32, fp32, "b1.w", "b1"),
+        )
+
+    gm = make_fx(f, tracing_mode="fake")(torch.randn(16, 3), torch.randn(5, 3), torch.randn(16, 3))
+    ctx = PassContext("backward")
+    gm = bucket_collectives(lower_reduce_grad(gm, ctx), ctx)
+    found = collectives(gm)
+    assert [c.params for c in found] == [("b0.a", "b0.b"), ("b1.w",)]
+    assert found[0].nbytes == (16 + 8) * 3 * 4
+    outs = [n.meta["val"].shape for n in gm.graph.output_node().args[0]]
+    assert outs == [(4, 3), (1, 3), (4, 3)]
+
+
+def positions_of(gm):
+    nodes = order(gm)
+    gathers = [n for n in nodes if n.target is AG]
+    first_compute = next(i for i, n in enumerate(nodes) if n.target in COMPUTE)
+    return nodes, gathers, first_compute
+
+
+def test_reorder_prefetches_one_bucket_ahead_and_waits_right_before_first_use(fake_pg):
+    gm, ctx = lowered(three_blocks(fake_pg))
+    gm = reorder_for_overlap(gm, ctx)
+    gm.graph.lint()
+    nodes, gathers, first_compute = positions_of(gm)
+    b0, b1, b2 = (nodes.index(g) for g in gathers)
+    assert b0 < first_compute and b1 < first_compute  # b1's gather starts before b0's compute
+    mm_b1 = next(i for i, n in enumerate(nodes) if n.target is torch.ops.aten.mm.default and i > b1 and any(
+        a.meta.get(PARAMS) == ("b1.w",) for a in n.all_input_nodes))
+    assert b2 < mm_b1  # b2's gather starts before b1's compute
+    for wait in (n for n in nodes if n.target is WAIT):
+        first_use = min(nodes.index(u) for u in wait.users)
+        between = nodes[nodes.index(wait) + 1 : first_use]
+        assert not any(n.target in COMPUTE for n in between)  # nothing computed between a wait and its use
+
+
+def test_memory_budget_limits_prefetch(fake_pg):
+    one_bucket = 2 * 16 * 16 * 4
+    gm, ctx = lowered(three_blocks(fake_pg), CompileConfig(memory_budget_bytes=one_bucket))
+    gm = reorder_for_overlap(gm, ctx)
+    nodes, gathers, first_compute = positions_of(gm)
+    assert nodes.index(gathers[1]) > first_compute  # b0 + b1 would exceed the budget: b1 is not prefetched
+
+
+def test_reduce_scatter_waits_are_last(fake_pg):
+    def f(g0, g1, x):
+        a = REDUCE_GRAD(torch.relu(g0), 4, 4, fake_pg, fp32, fp32, "b1.w", "b1")
+        b = REDUCE_GRAD(torch.relu(g1), 4, 4, fake_pg, fp32, fp32, "b0.w", "b0")
+        return a, b, torch.relu(x)
+
+    t = torch.randn(16, 3)
+    gm = make_fx(f, tracing_mode="fake")(t, t, t)
+    ctx = PassContext("backward")
+    for p in (lower_reduce_grad, bucket_collectives, reorder_for_overlap):
+        gm = p(gm, ctx)
+    nodes = order(gm)
+    rs = [i for i, n in enumerate(nodes) if n.target is RS]
+    waits = [i for i, n in enumerate(nodes) if n.target is WAIT]
+    relus = [i for i, n in enumerate(nodes) if n.target is torch.ops.aten.relu.default]
+    assert rs[0] < relus[1]  # the first reduce-scatter starts before the next gradient is computed
+    assert min(waits) > max(relus)  # and is waited for after all compute
+
+
+def test_schedules_are_identical_for_identical_inputs_and_simulated(fake_pg):
+    codes = []
+    for _ in range(2):
+        ctx = PassContext("forward")
+        gm = run_pipeline(three_blocks(fake_pg), ctx)
+        codes.append(gm.code)
+        assert ctx.timeline is not None and ctx.timeline.total_s > 0
+        assert ctx.timeline.comm_s > 0 and 0 <= ctx.timeline.exposed_comm_s <= ctx.timeline.comm_s
+    assert codes[0] == codes[1]
+
+
+def test_scheduler_never_picks_an_order_it_estimates_slower(fake_pg):
+    from fsdp2_compile.cost_model import PROFILES, simulate
+
+    for name, profile in PROFILES.items():
+        ctx = PassContext("forward", profile=profile)
+        gm, _ = lowered(three_blocks(fake_pg))
+        gm = reorder_for_overlap(gm, ctx)
+        structural = simulate(gm, profile).total_s
+        gm = schedule(gm, ctx)
+        assert ctx.timeline.total_s <= structural + 1e-12, name
+    plain, full = PassContext("forward", config=CompileConfig(prefetch=False)), PassContext("forward")
+    run_pipeline(three_blocks(fake_pg), plain)
+    run_pipeline(three_blocks(fake_pg), full)
+    assert full.timeline.exposed_comm_s < plain.timeline.exposed_comm_s  # prefetching hides communication
