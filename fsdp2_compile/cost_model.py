@@ -152,7 +152,8 @@ class Timeline:
     comm_s: float = 0.0
     compute_s: float = 0.0
     peak_bytes: int = 0
-    """Peak bytes of intermediate tensors alive (inputs not counted)."""
+    """Peak bytes of tensors the graph allocates that are alive at once (its inputs not counted; its outputs, such
+    as activations saved for backward, counted until the end)."""
     memory: list[tuple[float, int]] = field(default_factory=list)
     """(time, live intermediate bytes) after each node."""
 
@@ -164,6 +165,8 @@ def simulate(gm: fx.GraphModule, profile: HardwareProfile) -> Timeline:
     for i, n in enumerate(nodes):
         for p in n.all_input_nodes:
             last_use[p] = i
+    for p in gm.graph.output_node().all_input_nodes:  # graph outputs (incl. saved activations) outlive the graph
+        last_use[p] = len(nodes)
     tl = Timeline()
     now = comm_free = 0.0
     done_at: dict[fx.Node, float] = {}

@@ -1,0 +1,85 @@
+"""Run the step-time benchmark for every mode on plain loopback and on a loopback shaped to 1 Gbit/s (a network
+namespace with `tc ... tbf`, needs root and iproute2), then compile times at 4, 8 and 16 layers, and print a
+Markdown table with ratios against FSDP2 eager measured in the same run.
+
+    .venv/bin/python benchmarks/run.py [--modes fsdp2 plain full inductor] [--steps 6] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
+NETNS = "fsdp2bench"
+
+
+def shaped_link(rate: str) -> list[str]:
+    """A network namespace whose loopback is shaped to `rate`; returns the command prefix to run inside it."""
+    subprocess.run(["ip", "netns", "add", NETNS], capture_output=True)
+    subprocess.run(["ip", "netns", "exec", NETNS, "ip", "link", "set", "lo", "up"], check=True)
+    subprocess.run(
+        ["ip", "netns", "exec", NETNS, "tc", "qdisc", "replace", "dev", "lo", "root", "tbf", "rate", rate,
+         "burst", "1mb", "latency", "200ms"],
+        check=True,
+    )
+    return ["ip", "netns", "exec", NETNS]
+
+
+def job(prefix: list[str], mode: str, extra: list[str], port: int) -> dict:
+    cmd = [*prefix, TORCHRUN, "--master-addr", "127.0.0.1", "--master-port", str(port), "--nproc-per-node", "2",
+           os.path.join(HERE, "step_time.py"), "--mode", mode, *extra]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
+    if out.returncode or not lines:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{out.stderr[-3000:]}")
+    return json.loads(lines[-1])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--modes", nargs="+", default=["fsdp2", "plain", "full", "inductor"])
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--rate", default="1gbit")
+    p.add_argument("--quick", action="store_true", help="a 2-layer d=256 model, to try the harness")
+    args = p.parse_args()
+    size = ["--layers", "2", "--d-model", "256", "--vocab", "2048", "--seq", "128"] if args.quick else []
+    extra = [*size, "--steps", str(args.steps)]
+    port = 29700
+    results = {}
+    for net, prefix in (("loopback", []), (args.rate, shaped_link(args.rate))):
+        for mode in args.modes:
+            port += 1
+            results[(net, mode)] = r = job(prefix, mode, extra, port)
+            print(f"# {net:9s} {mode:9s} median {r['median_s']:.3f} s  first step {r['first_step_s']:.1f} s  "
+                  f"RSS {max(r['peak_rss_mib']):.0f} MiB", file=sys.stderr, flush=True)
+    compile_s = {}
+    if not args.quick:
+        for layers in (4, 8, 16):
+            port += 1
+            r = job([], "full", ["--layers", str(layers), "--steps", "1", "--warmup", "1"], port)
+            compile_s[layers] = r["first_step_s"] - r["median_s"]
+            print(f"# compile {layers} layers: {compile_s[layers]:.1f} s", file=sys.stderr, flush=True)
+
+    base = {net: results[(net, "fsdp2")]["median_s"] for net, _ in results if (net, "fsdp2") in results}
+    print("| link | mode | step (median) | vs FSDP2 eager | peak RSS / rank | collectives / step | MB / step |")
+    print("|---|---|---|---|---|---|---|")
+    for (net, mode), r in results.items():
+        ratio = f"{r['median_s'] / base[net]:.2f}x" if net in base else "-"
+        colls = r["collectives_per_step"] or "-"
+        mb = f"{r['bytes_per_step'] / 1e6:.1f}" if r["bytes_per_step"] else "-"
+        print(f"| {net} | {mode} | {r['median_s']:.3f} s | {ratio} | {max(r['peak_rss_mib']):.0f} MiB | {colls} | {mb} |")
+    if compile_s:
+        print("\n| layers | compile time (first step - median step) |\n|---|---|")
+        for layers, s in compile_s.items():
+            print(f"| {layers} | {s:.1f} s |")
+    first = next(iter(results.values()))
+    print(f"\nmodel: {first['params'] / 1e6:.1f} M parameters, {first['world']} ranks, gloo; {args.steps} timed steps")
+
+
+if __name__ == "__main__":
+    main()
