@@ -11,6 +11,7 @@ rank, collectives and bytes per step.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import resource
@@ -47,7 +48,12 @@ def build(args) -> torch.nn.Module:
     else:
         for block in model.blocks:
             fc.shard(block)
-        fc.shard_compile(model, compile_config=CONFIGS[args.mode])
+        config = CONFIGS[args.mode]
+        if args.prefetch_depth is not None:
+            config = dataclasses.replace(config, prefetch_depth=args.prefetch_depth)
+        if args.budget_mib is not None:
+            config = dataclasses.replace(config, memory_budget_bytes=int(args.budget_mib * 2**20))
+        fc.shard_compile(model, compile_config=config)
     return model
 
 
@@ -62,6 +68,8 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8, help="global batch")
     p.add_argument("--steps", type=int, default=6, help="timed steps after warm-up")
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--prefetch-depth", type=int, help="override CompileConfig.prefetch_depth")
+    p.add_argument("--budget-mib", type=float, help="override CompileConfig.memory_budget_bytes (MiB)")
     args = p.parse_args()
 
     dist.init_process_group("gloo")

@@ -49,10 +49,11 @@ class CompileConfig:
     prefetch: bool = True
     """Reorder for overlap: start all-gathers ahead of use, wait right before first use, wait for
     reduce-scatters as late as possible."""
-    prefetch_depth: int = 1
+    prefetch_depth: int = 2
     """How many buckets ahead of the one in use an all-gather may start (the scheduler may choose fewer)."""
     memory_budget_bytes: int | None = None
-    """Cap on the bytes of gathered buckets alive at once (in use + prefetched); None: twice the largest bucket."""
+    """Cap on the bytes of gathered buckets alive at once (in use + prefetched); None: `prefetch_depth + 1` times
+    the largest bucket."""
     schedule: bool = True
     """Let the cost-model scheduler pick each all-gather's start (within `prefetch_depth` and the budget)."""
     hardware: str | None = None

@@ -100,7 +100,7 @@ def emit_order(gm: fx.GraphModule, units: list[Unit], anchors: dict[fx.Node, fx.
 
 
 def memory_budget(config, gathers: list[Unit]) -> int:
-    """Bytes of gathered buckets allowed alive at once: the config's, or twice the largest bucket."""
+    """Bytes of gathered buckets allowed alive at once: the config's, or `prefetch_depth + 1` largest buckets."""
     if config.memory_budget_bytes is not None:
         return config.memory_budget_bytes
-    return 2 * max((u.nbytes for u in gathers), default=0)
+    return (config.prefetch_depth + 1) * max((u.nbytes for u in gathers), default=0)
