@@ -5,7 +5,6 @@ If a torch upgrade moves one of these, this is the only file to change.
 
 from __future__ import annotations
 
-from typing import Any
 
 import torch
 from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func

@@ -11,7 +11,6 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch
 from torch import fx, nn
 from torch.distributed.tensor import DTensor
 
@@ -25,12 +24,12 @@ from ._torch_private import (
 )
 from .config import CompileConfig
 from .consistency import check_same_schedule
-from .dump import dump_from_env
 from .cost_model import PROFILES, HardwareProfile, measured_profile
+from .dump import dump_from_env
 from .graph import nodes_calling
 from .ops import REDUCE_GRAD, UNSHARD
-from .report import GraphRecord, record_graph
 from .pipeline import PassContext, run_pipeline
+from .report import GraphRecord, record_graph
 from .shard import is_known_param
 
 __all__ = ["fsdp2_backend", "make_backend"]

@@ -26,7 +26,7 @@ from torch import fx
 
 from .cost_model import PROFILES, HardwareProfile, Timeline, simulate
 from .graph import BUCKET, PARAMS, ROLE
-from .report import Collective, GraphRecord, collectives, compiled_graphs
+from .report import GraphRecord, collective, collectives, compiled_graphs
 
 __all__ = ["DUMP_ENV", "dump_from_env", "write_dump", "summarize", "annotate", "png_line_chart", "saved_bytes"]
 
@@ -262,7 +262,7 @@ def summarize(records: list[GraphRecord], profile: HardwareProfile) -> str:
             )
         out.append(f"  {'bucket':<22}{'collective':<16}{'dtype':<10}{'bytes':>16}  params")
         for node in record.gm.graph.nodes:
-            c = _collective_of(node)
+            c = collective(node)
             if c is not None:
                 bucket = node.meta.get(BUCKET, "?") or "<root>"
                 out.append(f"  {bucket:<22}{c.kind:<16}{_dtype_name(c.dtype):<10}{_mib(c.nbytes):>16}  {len(c.params)}")
@@ -277,16 +277,6 @@ def summarize(records: list[GraphRecord], profile: HardwareProfile) -> str:
     out.append(f"step estimate (all graphs): {total * 1e3:.3f} ms, exposed communication {exposed * 1e3:.3f} ms, "
                f"peak memory {_mib(_memory_curve(records, timelines)[1])}")
     return "\n".join(out) + "\n"
-
-
-def _collective_of(node: fx.Node) -> Collective | None:
-    """The `report.Collective` of one node (same kinds and byte rule as `report.collectives`), else None."""
-    short = _short_target(str(node.target)) if node.op == "call_function" else ""
-    if short not in _COLLECTIVE_KIND:
-        return None
-    kind = _COLLECTIVE_KIND[short]
-    full = node.meta["val"] if kind == "all_gather" else node.args[0].meta["val"]
-    return Collective(kind, node.meta.get(PARAMS, ()), full.dtype, full.numel() * full.element_size())
 
 
 # ---------------------------------------------------------------------------------------------- DOT and SVG

@@ -15,7 +15,15 @@ from torch import fx
 from .cost_model import Timeline
 from .graph import PARAMS, val
 
-__all__ = ["Collective", "GraphRecord", "collectives", "compiled_graphs", "clear_compiled_graphs", "record_graph"]
+__all__ = [
+    "Collective",
+    "GraphRecord",
+    "clear_compiled_graphs",
+    "collective",
+    "collectives",
+    "compiled_graphs",
+    "record_graph",
+]
 
 _funcol = torch.ops._c10d_functional
 _KINDS = {
@@ -36,16 +44,18 @@ class Collective:
     nbytes: int
 
 
+def collective(node: fx.Node) -> Collective | None:
+    """The collective `node` issues, or None when it is not a collective."""
+    kind = _KINDS.get(node.target) if node.op == "call_function" else None
+    if kind is None:
+        return None
+    full = val(node) if kind == "all_gather" else val(node.args[0])
+    return Collective(kind, node.meta.get(PARAMS, ()), full.dtype, full.numel() * full.element_size())
+
+
 def collectives(gm: fx.GraphModule) -> list[Collective]:
     """The collectives of a graph, in graph order."""
-    found = []
-    for node in gm.graph.nodes:
-        kind = _KINDS.get(node.target) if node.op == "call_function" else None
-        if kind is None:
-            continue
-        full = val(node) if kind == "all_gather" else val(node.args[0])
-        found.append(Collective(kind, node.meta.get(PARAMS, ()), full.dtype, full.numel() * full.element_size()))
-    return found
+    return [c for c in map(collective, gm.graph.nodes) if c is not None]
 
 
 @dataclass
