@@ -60,21 +60,23 @@ PROFILES: dict[str, HardwareProfile] = {
     p.name: p
     for p in (
         HardwareProfile(
-            "cpu-gloo-loopback", 250e-6, 1 / 1.0e9, 40e9, 5e9,
-            "measured on this project's 2-core CI machine: gloo all-gather on loopback, fp32 matmul, memcpy",
+            "cpu-gloo-loopback", 500e-6, 1 / 0.38e9, 50e9, 4e9,
+            "measured by measure_profile on the 2-core CI machine, 2 ranks on gloo over loopback (2026-11-29: "
+            "alpha 0.46-0.58 ms, 0.36-0.40 GB/s, 52-95 GFLOP/s fp32 matmul, 3.6-5.3 GB/s copy), rounded",
         ),
         HardwareProfile(
-            "cpu-gloo-1gbit", 400e-6, 1 / 118e6, 40e9, 5e9,
-            "the loopback profile with the link shaped by tc tbf to 1 Gbit/s (about 118 MB/s of payload)",
+            "cpu-gloo-1gbit", 500e-6, 1 / 118e6, 50e9, 4e9,
+            "derived, not measured: the loopback profile with beta set by a 1 Gbit/s tc-tbf link (~118 MB/s payload)",
         ),
         HardwareProfile(
             "h100-nvlink", 15e-6, 1 / 360e9, 700e12, 2.8e12,
-            "8x H100 SXM in one node: NVLink 4 at 450 GB/s per direction (NVIDIA spec), ~80% achieved by NCCL "
-            "all-gather; 989 TFLOP/s dense bf16 spec at ~70%; HBM3 3.35 TB/s spec at ~85%",
+            "8x H100 SXM in one node, from NVIDIA's specs with assumed efficiencies (not measured here): NVLink 4 "
+            "450 GB/s per direction x 0.8; 989 TFLOP/s dense bf16 x 0.7; HBM3 3.35 TB/s x 0.85",
         ),
         HardwareProfile(
             "h100-infiniband", 30e-6, 1 / 40e9, 700e12, 2.8e12,
-            "H100 nodes over 400 Gb/s NDR InfiniBand per GPU (50 GB/s spec, ~80% achieved); compute as h100-nvlink",
+            "H100 nodes over 400 Gb/s NDR InfiniBand per GPU: 50 GB/s spec x 0.8 assumed (not measured here); "
+            "compute as h100-nvlink",
         ),
     )
 }
@@ -214,36 +216,35 @@ def measured_profile(group_name: str) -> HardwareProfile | None:
     return _MEASURED.get(group_name)
 
 
-def measure_profile(group_name: str, world_size: int) -> HardwareProfile:
+def measure_profile(group_name: str, world_size: int, device_type: str = "cpu") -> HardwareProfile:
     """Alpha/beta measured with all-gathers on the real process group, FLOP/s and memory bandwidth measured
     locally; the slowest rank's figures are agreed by an all-reduce (MAX of times), so every rank gets the same
     profile and makes the same decisions. Collective: every rank of the group must call it (`shard` does, once
     per group, outside any compilation)."""
     if group_name in _MEASURED:
         return _MEASURED[group_name]
-    small, large = torch.zeros(256), torch.zeros(1 << 20)  # 1 KiB and 4 MiB per rank
 
-    def gather_time(t: torch.Tensor) -> float:
-        _funcol.wait_tensor(_funcol.all_gather_into_tensor(t, world_size, group_name))  # warm-up
+    def seconds(fn, repeat: int = 3) -> float:
+        """Median wall time of `fn` after one warm-up, device work included."""
         samples = []
-        for _ in range(3):
+        for _ in range(repeat + 1):
             start = time.perf_counter()
-            _funcol.wait_tensor(_funcol.all_gather_into_tensor(t, world_size, group_name))
+            fn()
+            if device_type != "cpu":
+                torch.accelerator.synchronize()
             samples.append(time.perf_counter() - start)
-        return sorted(samples)[1]
+        return sorted(samples[1:])[repeat // 2]
 
-    t_small, t_large = gather_time(small), gather_time(large)
-    a = torch.randn(384, 384)
-    start = time.perf_counter()
-    for _ in range(4):
-        a @ a
-    mm_s = (time.perf_counter() - start) / 4
-    buf = torch.empty(1 << 22)
-    start = time.perf_counter()
-    for _ in range(4):
-        buf.clone()
-    copy_s = (time.perf_counter() - start) / 4
-    agreed = torch.tensor([t_small, t_large, mm_s, copy_s], dtype=torch.float64)
+    def gather(t: torch.Tensor):
+        return lambda: _funcol.wait_tensor(_funcol.all_gather_into_tensor(t, world_size, group_name))
+
+    small = torch.zeros(256, device=device_type)  # 1 KiB per rank
+    large = torch.zeros(1 << 20, device=device_type)  # 4 MiB per rank
+    a = torch.randn(384, 384, device=device_type)
+    buf = torch.empty(1 << 22, device=device_type)
+    t_small, t_large = seconds(gather(small)), seconds(gather(large))
+    mm_s, copy_s = seconds(lambda: a @ a), seconds(buf.clone)
+    agreed = torch.tensor([t_small, t_large, mm_s, copy_s], dtype=torch.float64, device=device_type)
     agreed = _funcol.wait_tensor(_funcol.all_reduce(agreed, "max", group_name))
     t_small, t_large, mm_s, copy_s = agreed.tolist()
     wire = (world_size - 1) / world_size * (large.nbytes - small.nbytes) * world_size

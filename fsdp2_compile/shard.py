@@ -200,7 +200,8 @@ def shard(
     """Shard `module`'s parameters on dim 0 over `mesh`, in place, like FSDP2's `fully_shard`.
 
     Call it on each block first and on the root last: parameters already taken over by an earlier call stay in
-    that call's group. `mesh=None` means a 1-D mesh over the default process group. Parameters in
+    that call's group. Like `fully_shard`, it is collective: every rank of the mesh must call it (the first call
+    on a process group measures the link and compute speed for the scheduler, agreed across ranks). `mesh=None` means a 1-D mesh over the default process group. Parameters in
     `ignored_params` are left as they are (not sharded, not gathered, their gradients not reduced).
     Returns `module`.
     """
@@ -212,7 +213,8 @@ def shard(
         raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
     mesh = _default_mesh(mesh)
     if mesh.size() > 1 and torch.distributed.get_backend(mesh.get_group(0)) != "fake":
-        measure_profile(mesh.get_group(0).group_name, mesh.size())  # for the scheduler; once per group
+        # for the scheduler's cost model; measured once per process group
+        measure_profile(mesh.get_group(0).group_name, mesh.size(), mesh.device_type)
     ignored = {id(p) for p in (ignored_params or ())}
     for p in ignored_params or ():
         _IGNORED[p] = True
