@@ -126,3 +126,63 @@ def mismatched_configs(rank: int, world_size: int) -> str:
     except Exception as e:  # noqa: BLE001 - the message is what the test checks
         return str(e)
     return "no error"
+
+
+def _gpt_for_checkpoint(rank: int, world_size: int):
+    model = make_model("gpt")
+    for block in model.blocks:
+        fc.shard(block)
+    fc.shard_compile(model)
+    opt = make_optimizer(model)
+
+    def step(i: int) -> float:
+        x, y = batch("gpt", i)
+        loss = loss_fn("gpt", model(local_slice(x, rank, world_size)), local_slice(y, rank, world_size))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        return total.item() / world_size
+
+    return model, opt, step
+
+
+def _full_state(model, opt) -> dict:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    msd, osd = get_state_dict(model, opt)
+    full = lambda t: t.full_tensor() if isinstance(t, DTensor) else t  # noqa: E731
+    return dict(
+        params={k: full(v) for k, v in msd.items()},
+        optim={f"{k}.{s}": full(v) for k, st in osd["state"].items() for s, v in st.items()},
+    )
+
+
+def checkpoint_save(rank: int, world_size: int, path: str) -> dict:
+    """3 steps, save model + optimizer with DCP, then 2 more steps."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model, opt, step = _gpt_for_checkpoint(rank, world_size)
+    for i in range(3):
+        step(i)
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+    saved = _full_state(model, opt)
+    return dict(saved=saved, losses=[step(i) for i in range(3, 5)])
+
+
+def checkpoint_load(rank: int, world_size: int, path: str) -> dict:
+    """A fresh model at (maybe) another world size: one step to create optimizer state, load, then steps 3 and 4."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model, opt, step = _gpt_for_checkpoint(rank, world_size)
+    step(0)
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    loaded = _full_state(model, opt)
+    return dict(loaded=loaded, losses=[step(i) for i in range(3, 5)])
