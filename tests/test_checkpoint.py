@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 from harness import run_ranks
-from workers import checkpoint_load, checkpoint_save
+from models import make_model
+from workers import checkpoint_interop, checkpoint_load, checkpoint_save, full_state_dict_roundtrip
 
 
 @pytest.mark.parametrize("save_ranks,load_ranks", [(2, 4), (4, 2)])
@@ -19,3 +20,21 @@ def test_dcp_save_and_load_at_another_world_size(tmp_path, save_ranks, load_rank
             assert torch.equal(v, loaded["loaded"][part][k]), f"{part} {k} differs after loading"  # bit-identical
     # the steps after loading match the steps the saving run took next (other world size: fp32 parity bound)
     torch.testing.assert_close(loaded["losses"], saved["losses"], rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("saver", ["fsdp2", "ours"])
+def test_checkpoints_move_between_fsdp2_eager_and_shard_compile(tmp_path, saver):
+    result = run_ranks(checkpoint_interop, 2, str(tmp_path / "ckpt"), saver)[0]
+    # the other system, loaded from the checkpoint, takes the same next steps as the one that saved it
+    torch.testing.assert_close(result["loaded"], result["continued"], rtol=1e-6, atol=0)
+
+
+def test_full_state_dict_on_rank0_and_loading_a_plain_state_dict():
+    results = run_ranks(full_state_dict_roundtrip, 2)
+    full, reloaded = results[0]["full"], results[0]["reloaded"]
+    plain = make_model("gpt").state_dict()
+    assert full.keys() == plain.keys() and results[1]["full"] == {}  # unsharded values on rank 0 only
+    assert all(type(v) is torch.Tensor and v.shape == plain[k].shape for k, v in full.items())
+    assert any(not torch.equal(full[k], plain[k]) for k in plain)  # it is the trained model, not the initial one
+    for k, v in plain.items():
+        assert torch.equal(reloaded[k], v), k

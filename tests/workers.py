@@ -186,3 +186,67 @@ def checkpoint_load(rank: int, world_size: int, path: str) -> dict:
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     loaded = _full_state(model, opt)
     return dict(loaded=loaded, losses=[step(i) for i in range(3, 5)])
+
+
+def _gpt_fsdp2_eager(rank: int, world_size: int):
+    """The same GPT under PyTorch's own FSDP2 (fully_shard per block, then the root): the interop reference."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = make_model("gpt")
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    return model, make_optimizer(model)
+
+
+def checkpoint_interop(rank: int, world_size: int, path: str, saver: str) -> dict:
+    """Save with one system (`saver`: "fsdp2" eager or "ours") after 3 steps, load into the other, step 3 and 4."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    def train(model, opt, steps):
+        losses = []
+        for i in steps:
+            x, y = batch("gpt", i)
+            loss = loss_fn("gpt", model(local_slice(x, rank, world_size)), local_slice(y, rank, world_size))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            total = loss.detach().clone()
+            dist.all_reduce(total)
+            losses.append(total.item() / world_size)
+        return losses
+
+    def build(system):
+        if system == "fsdp2":
+            return _gpt_fsdp2_eager(rank, world_size)
+        model, opt, _ = _gpt_for_checkpoint(rank, world_size)
+        return model, opt
+
+    saver_model, saver_opt = build(saver)
+    train(saver_model, saver_opt, range(3))
+    msd, osd = get_state_dict(saver_model, saver_opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+    continued = train(saver_model, saver_opt, range(3, 5))
+
+    loader_model, loader_opt = build("ours" if saver == "fsdp2" else "fsdp2")
+    train(loader_model, loader_opt, range(1))  # creates optimizer state to load into
+    msd, osd = get_state_dict(loader_model, loader_opt)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(loader_model, loader_opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return dict(continued=continued, loaded=train(loader_model, loader_opt, range(3, 5)))
+
+
+def full_state_dict_roundtrip(rank: int, world_size: int) -> dict:
+    """Export an unsharded state dict on rank 0; load a plain single-device state dict into a sharded model."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+    model, _, step = _gpt_for_checkpoint(rank, world_size)
+    step(0)
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    plain = make_model("gpt").state_dict()  # a single-device model's state dict, untrained
+    fresh, _, _ = _gpt_for_checkpoint(rank, world_size)
+    set_model_state_dict(fresh, plain, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    reloaded = {k: v.full_tensor() for k, v in fresh.state_dict().items()}
+    return dict(full=full, reloaded=reloaded)
