@@ -61,11 +61,20 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.tok_emb.weight
         self.register_buffer("pos", torch.arange(cfg.block_size), persistent=False)
+        self.init_weights()
+
+    def init_weights(self) -> None:
+        """Normal(0, 0.02) weights, zero biases, LayerNorm (1, 0). Also re-run after `to_empty` on a model built
+        on the meta device."""
+        with torch.no_grad():
+            self.pos.copy_(torch.arange(self.cfg.block_size))
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, std=0.02)
                 if getattr(module, "bias", None) is not None:
                     nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.LayerNorm):
+                module.reset_parameters()
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.tok_emb(idx) + self.pos_emb(self.pos[: idx.shape[1]])

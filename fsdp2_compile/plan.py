@@ -117,13 +117,10 @@ def _sharded_bytes(model: nn.Module) -> dict[str, int]:
 def _bucket_bytes(model: nn.Module, param_dtype: torch.dtype | None) -> dict[str, int]:
     """Full padded bytes each bucket (`shard` call) gathers."""
     from .ops import padded_rows
-    from .shard import managed_param_info
+    from .shard import managed_params
 
     buckets: dict[str, int] = {}
-    for p in _unique_params(model):
-        info = managed_param_info(p)
-        if info is None:
-            continue
+    for _, p, info in managed_params(model):
         rows = padded_rows(p.shape[0], info.world_size) * info.world_size
         itemsize = torch.empty((), dtype=param_dtype or p.dtype).element_size()
         buckets[info.bucket] = buckets.get(info.bucket, 0) + rows * math.prod(p.shape[1:]) * itemsize

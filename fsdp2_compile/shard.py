@@ -9,7 +9,8 @@ show the sharded DTensors with their logical shapes.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -22,7 +23,15 @@ from .config import MixedPrecisionPolicy
 from .cost_model import measure_profile
 from .ops import unshard
 
-__all__ = ["shard", "ShardState", "ParamInfo", "is_known_param", "is_sharded", "managed_param_info"]
+__all__ = [
+    "ParamInfo",
+    "ShardState",
+    "is_known_param",
+    "is_sharded",
+    "managed_params",
+    "shard",
+    "sharded_parameters",
+]
 
 _STATE_ATTR = "_fsdp2_state"
 
@@ -42,6 +51,8 @@ class ParamInfo:
     reshard_after_forward: bool
 
     def gather(self, param: nn.Parameter) -> torch.Tensor:
+        if _SHARDED_ACCESS.active:
+            return param
         if not isinstance(param, DTensor):
             raise TypeError(
                 f"parameter '{self.fqn}' was replaced by a {type(param).__name__} after shard(); "
@@ -71,10 +82,30 @@ class ShardState:
     """The parameters this call took over, named relative to the module it was given."""
 
 
-# sharded parameter -> its info; original parameter -> sharded one (for parameters tied across shard() calls).
-_INFO: WeakIdKeyDictionary = WeakIdKeyDictionary()
+class _SharedFlag:
+    active = False
+
+
+_SHARDED_ACCESS = _SharedFlag()
+
+
+@contextlib.contextmanager
+def sharded_parameters() -> Iterator[None]:
+    """Inside, `module.weight` of a sharded module is the sharded DTensor parameter itself, not the gathered
+    tensor: for in-place initialisation (`reset_parameters`, `nn.init.*`) after `to_empty`, e.g. of a model
+    built on the meta device. Not for use inside a compiled region."""
+    _SHARDED_ACCESS.active, before = True, _SHARDED_ACCESS.active
+    try:
+        yield
+    finally:
+        _SHARDED_ACCESS.active = before
+
+
+# original parameter -> (sharded parameter, its info), for parameters tied across shard() calls.
+# Only the *original* parameters are keyed weakly: a weak reference to a sharded parameter would stop
+# `module.to_empty` from swapping it (meta-device initialisation).
 _REPLACED: WeakIdKeyDictionary = WeakIdKeyDictionary()
-_IGNORED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_IGNORED_ATTR = "_fsdp2_ignored"
 
 
 def is_sharded(module: nn.Module) -> bool:
@@ -82,14 +113,24 @@ def is_sharded(module: nn.Module) -> bool:
     return isinstance(getattr(module, _STATE_ATTR, None), ShardState)
 
 
-def managed_param_info(param: nn.Parameter) -> ParamInfo | None:
-    """The info of a parameter that `shard` manages, else None."""
-    return _INFO.get(param)
+def _infos(module: nn.Module) -> dict[str, ParamInfo]:
+    return getattr(type(module), "_fsdp2_infos", {})
+
+
+def managed_params(module: nn.Module) -> Iterator[tuple[str, nn.Parameter, ParamInfo]]:
+    """(name, sharded parameter, info) of every parameter `shard` manages under `module`, tied ones once."""
+    seen = set()
+    for mod_name, mod in module.named_modules():
+        for pname, info in _infos(mod).items():
+            param = mod._parameters[pname]
+            if id(param) not in seen:
+                seen.add(id(param))
+                yield (f"{mod_name}.{pname}" if mod_name else pname), param, info
 
 
 def is_known_param(param: nn.Parameter) -> bool:
-    """True for parameters `shard` manages or was told to ignore."""
-    return param in _INFO or param in _IGNORED
+    """True for parameters `shard` manages (sharded DTensors) or was told to ignore."""
+    return isinstance(param, DTensor) or getattr(param, _IGNORED_ATTR, False)
 
 
 def _default_mesh(mesh: DeviceMesh | None) -> DeviceMesh:
@@ -217,7 +258,7 @@ def shard(
         measure_profile(mesh.get_group(0).group_name, mesh.size(), mesh.device_type)
     ignored = {id(p) for p in (ignored_params or ())}
     for p in ignored_params or ():
-        _IGNORED[p] = True
+        setattr(p, _IGNORED_ATTR, True)
     group_name = mesh.get_group(0).group_name
     world_size = mesh.size()
 
@@ -228,18 +269,16 @@ def shard(
             fqn = f"{mod_name}.{pname}" if mod_name else pname
             if param is None or id(param) in ignored:
                 continue
-            if param in _INFO:  # taken over by an earlier call: only refresh its names relative to this root
-                info = _INFO[param]
-                info.fqn = fqn
-                info.bucket = _group_path(module, mod_name)
+            known = _infos(mod).get(pname)
+            if known is not None and isinstance(param, DTensor):  # taken over by an earlier call: rename only
+                known.fqn, known.bucket = fqn, _group_path(module, mod_name)
                 continue
             if param in _REPLACED:  # tied to a parameter sharded by an earlier call under another module
-                sharded = _REPLACED[param]
+                sharded, info = _REPLACED[param]
             else:
                 _check_param(fqn, param, mesh)
                 sharded = _shard_param(param, mesh)
-                _REPLACED[param] = sharded
-                _INFO[sharded] = ParamInfo(
+                info = ParamInfo(
                     fqn=fqn,
                     bucket=_group_path(module, mod_name),
                     dim0=param.shape[0],
@@ -249,9 +288,10 @@ def shard(
                     reduce_dtype=mp_policy.reduce_dtype or mp_policy.param_dtype or param.dtype,
                     reshard_after_forward=reshard_after_forward,
                 )
+                _REPLACED[param] = (sharded, info)
                 param_fqns.append(fqn)
             mod._parameters[pname] = sharded
-            new_infos[pname] = _INFO[sharded]
+            new_infos[pname] = info
         if new_infos:
             _install_properties(mod, new_infos)
 

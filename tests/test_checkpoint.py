@@ -1,4 +1,5 @@
-"""torch.distributed.checkpoint with sharded modules: saved at one world size, loaded at another (issue 6, part 1)."""
+"""Checkpoints and initialisation: DCP across world sizes, interop with FSDP2 eager, full state dicts, and
+materialising a model built on the meta device shard by shard."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pytest
 import torch
 from harness import run_ranks
 from models import make_model
-from workers import checkpoint_interop, checkpoint_load, checkpoint_save, full_state_dict_roundtrip
+from workers import checkpoint_interop, checkpoint_load, checkpoint_save, full_state_dict_roundtrip, meta_init
 
 
 @pytest.mark.parametrize("save_ranks,load_ranks", [(2, 4), (4, 2)])
@@ -38,3 +39,19 @@ def test_full_state_dict_on_rank0_and_loading_a_plain_state_dict():
     assert any(not torch.equal(full[k], plain[k]) for k in plain)  # it is the trained model, not the initial one
     for k, v in plain.items():
         assert torch.equal(reloaded[k], v), k
+
+
+def test_meta_device_model_is_materialised_shard_by_shard():
+    results = run_ranks(meta_init, 2)
+    reference = make_model("gpt")
+    for name, p in reference.named_parameters():
+        rows = -(-p.shape[0] // 2)
+        for r, result in enumerate(results):  # each rank allocated only its own rows, on the CPU
+            assert result["types"][name] == "DTensor"
+            assert result["local"][name] == ((min(rows, p.shape[0] - r * rows), *p.shape[1:]), "cpu"), name
+        full = results[0]["full"][name]
+        if name.endswith("bias") or "ln" in name:  # LayerNorm (1, 0) and zero biases, exactly
+            torch.testing.assert_close(full, torch.ones_like(full) if name.endswith("weight") else torch.zeros_like(full))
+        else:  # normal(0, 0.02) drawn on the shards: the statistics of the whole tensor
+            assert abs(full.std().item() - 0.02) < 0.002 and abs(full.mean().item()) < 0.002, name
+    assert results[0]["losses"][-1] < results[0]["losses"][0]  # and it trains

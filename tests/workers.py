@@ -250,3 +250,31 @@ def full_state_dict_roundtrip(rank: int, world_size: int) -> dict:
     set_model_state_dict(fresh, plain, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     reloaded = {k: v.full_tensor() for k, v in fresh.state_dict().items()}
     return dict(full=full, reloaded=reloaded)
+
+
+def meta_init(rank: int, world_size: int) -> dict:
+    """Build the GPT on the meta device, shard it, materialise only the shards, initialise them, then train."""
+    from models import GPT, GPT_CFG
+
+    with torch.device("meta"):
+        model = GPT(GPT_CFG)
+    for block in model.blocks:
+        fc.shard(block)
+    fc.shard_compile(model)
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    with fc.sharded_parameters():
+        model.init_weights()
+    params = dict(model.named_parameters())
+    local = {k: (tuple(p.to_local().shape), p.to_local().device.type) for k, p in params.items()}
+    full = {k: p.full_tensor() for k, p in params.items()}
+    opt = make_optimizer(model)
+    x, y = batch("gpt", 0)
+    losses = []
+    for _ in range(3):
+        loss = loss_fn("gpt", model(local_slice(x, rank, world_size)), local_slice(y, rank, world_size))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return dict(local=local, full=full, losses=losses, types={k: type(p).__name__ for k, p in params.items()})
