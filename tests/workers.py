@@ -134,8 +134,13 @@ def _gpt_for_checkpoint(rank: int, world_size: int):
         fc.shard(block)
     fc.shard_compile(model)
     opt = make_optimizer(model)
+    return model, opt, lambda i: _gpt_steps(model, opt, rank, world_size, [i])[0]
 
-    def step(i: int) -> float:
+
+def _gpt_steps(model, opt, rank: int, world_size: int, steps) -> list[float]:
+    """Train the GPT on the global batches of `steps`; return each step's loss averaged over ranks."""
+    losses = []
+    for i in steps:
         x, y = batch("gpt", i)
         loss = loss_fn("gpt", model(local_slice(x, rank, world_size)), local_slice(y, rank, world_size))
         loss.backward()
@@ -143,9 +148,8 @@ def _gpt_for_checkpoint(rank: int, world_size: int):
         opt.zero_grad()
         total = loss.detach().clone()
         dist.all_reduce(total)
-        return total.item() / world_size
-
-    return model, opt, step
+        losses.append(total.item() / world_size)
+    return losses
 
 
 def _full_state(model, opt) -> dict:
@@ -205,17 +209,7 @@ def checkpoint_interop(rank: int, world_size: int, path: str, saver: str) -> dic
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     def train(model, opt, steps):
-        losses = []
-        for i in steps:
-            x, y = batch("gpt", i)
-            loss = loss_fn("gpt", model(local_slice(x, rank, world_size)), local_slice(y, rank, world_size))
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            total = loss.detach().clone()
-            dist.all_reduce(total)
-            losses.append(total.item() / world_size)
-        return losses
+        return _gpt_steps(model, opt, rank, world_size, steps)
 
     def build(system):
         if system == "fsdp2":
