@@ -45,8 +45,11 @@ def unshard(
     fqn: str,
     bucket: str,
     reshard_after_forward: bool,
+    replicate_size: int,
+    replicate_group_name: str,
 ) -> Tensor:
-    """All-gather a dim-0 shard into the full parameter of `dim0` rows, cast to `param_dtype` first."""
+    """All-gather a dim-0 shard into the full parameter of `dim0` rows, cast to `param_dtype` first.
+    (`replicate_*` name the HSDP replicate group, `1` / `""` without one: only the backward uses them.)"""
     x = shard if param_dtype is None else shard.to(param_dtype)
     x = pad_rows(x, padded_rows(dim0, world_size)).contiguous()
     full = _funcol.wait_tensor(_funcol.all_gather_into_tensor(x, world_size, group_name))
@@ -54,7 +57,7 @@ def unshard(
 
 
 @unshard.register_fake
-def _(shard, dim0, world_size, group_name, param_dtype, reduce_dtype, fqn, bucket, reshard_after_forward):
+def _(shard, dim0, world_size, group_name, param_dtype, reduce_dtype, fqn, bucket, reshard_after_forward, *_replicate):
     return shard.new_empty((dim0, *shard.shape[1:]), dtype=param_dtype or shard.dtype)
 
 
@@ -68,26 +71,31 @@ def reduce_grad(
     out_dtype: torch.dtype,
     fqn: str,
     bucket: str,
+    replicate_size: int,
+    replicate_group_name: str,
 ) -> Tensor:
-    """Average a full gradient over the group and return this rank's `local_rows`-row shard in `out_dtype`."""
+    """Average a full gradient over the group and return this rank's `local_rows`-row shard in `out_dtype`.
+    With an HSDP replicate group (`replicate_size > 1`) the shard is then averaged over that group too."""
     x = grad.to(reduce_dtype)
     x = pad_rows(x, padded_rows(grad.shape[0], world_size) * world_size).contiguous()
     out = _funcol.wait_tensor(_funcol.reduce_scatter_tensor(x, "avg", world_size, group_name))
+    if replicate_size > 1:
+        out = _funcol.wait_tensor(_funcol.all_reduce(out, "avg", replicate_group_name))
     return out[:local_rows].to(out_dtype).clone()
 
 
 @reduce_grad.register_fake
-def _(grad, local_rows, world_size, group_name, reduce_dtype, out_dtype, fqn, bucket):
+def _(grad, local_rows, world_size, group_name, reduce_dtype, out_dtype, fqn, bucket, *_replicate):
     return grad.new_empty((local_rows, *grad.shape[1:]), dtype=out_dtype)
 
 
 def _unshard_setup_context(ctx, inputs, output) -> None:
-    shard, _, world_size, group_name, _, reduce_dtype, fqn, bucket, _ = inputs
-    ctx.reduce_args = (shard.shape[0], world_size, group_name, reduce_dtype, shard.dtype, fqn, bucket)
+    shard, _, world_size, group_name, _, reduce_dtype, fqn, bucket, _, *replicate = inputs
+    ctx.reduce_args = (shard.shape[0], world_size, group_name, reduce_dtype, shard.dtype, fqn, bucket, *replicate)
 
 
 def _unshard_backward(ctx, grad: Tensor):
-    return (torch.ops.fsdp2.reduce_grad(grad, *ctx.reduce_args),) + (None,) * 8
+    return (torch.ops.fsdp2.reduce_grad(grad, *ctx.reduce_args),) + (None,) * 10
 
 
 unshard.register_autograd(_unshard_backward, setup_context=_unshard_setup_context)

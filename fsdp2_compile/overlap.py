@@ -3,7 +3,9 @@
 A unit is one (possibly bucketed) collective with the nodes that must move with it: `start` (its copy-in chain and
 the collective itself) and `finish` (its wait and the copy-out chain). An order is emitted by a stable topological
 sort: each all-gather's start goes right before its *anchor* (the node it must be issued ahead of), its finish right
-before its first use; reduce-scatters start as soon as their gradients exist and finish at the very end.
+before its first use; reduce-scatters start as soon as their gradients exist and finish at the very end — except
+under HSDP, where a reduce-scatter finishes just before the next one starts and its all-reduce over the replicas
+starts right then, so both overlap the rest of the backward; all-reduces finish at the end.
 """
 
 from __future__ import annotations
@@ -18,7 +20,11 @@ from .graph import ROLE, positions, stable_topological_sort, val
 __all__ = ["Unit", "emit_order", "find_units", "memory_budget"]
 
 _funcol = torch.ops._c10d_functional
-_COLLECTIVES = {_funcol.all_gather_into_tensor.default: "all_gather", _funcol.reduce_scatter_tensor.default: "reduce_scatter"}
+_COLLECTIVES = {
+    _funcol.all_gather_into_tensor.default: "all_gather",
+    _funcol.reduce_scatter_tensor.default: "reduce_scatter",
+    _funcol.all_reduce.default: "all_reduce",
+}
 _START_ROLES = {"cast", "pad", "contiguous", "copy_in"}
 _FINISH_ROLES = {"wait", "copy_out", "unpad", "cast"}
 
@@ -26,7 +32,7 @@ _FINISH_ROLES = {"wait", "copy_out", "unpad", "cast"}
 @dataclass
 class Unit:
     kind: str
-    """"all_gather" or "reduce_scatter"."""
+    """"all_gather", "reduce_scatter" or "all_reduce" (HSDP: over the replicas, after a reduce-scatter)."""
     collective: fx.Node
     start: list[fx.Node]
     finish: list[fx.Node]
@@ -38,7 +44,7 @@ class Unit:
 
 def _start_nodes(collective: fx.Node, kind: str) -> list[fx.Node]:
     """The collective and the ancestors that move with it: for an all-gather every non-placeholder ancestor (views
-    and casts of the shards: cheap, and free of compute), for a reduce-scatter only its tagged copy-in."""
+    and casts of the shards: cheap, and free of compute), otherwise only its tagged copy-in."""
     found, stack = [collective], [collective]
     while stack:
         for producer in stack.pop().all_input_nodes:
@@ -62,7 +68,7 @@ def _finish_nodes(collective: fx.Node) -> list[fx.Node]:
 
 
 def find_units(gm: fx.GraphModule) -> list[Unit]:
-    """Every collective of the graph as a unit, all-gathers ordered by first use, then reduce-scatters."""
+    """Every collective of the graph as a unit, all-gathers ordered by first use, then the others in graph order."""
     pos = positions(gm.graph)
     units = []
     for node in gm.graph.nodes:
@@ -76,26 +82,41 @@ def find_units(gm: fx.GraphModule) -> list[Unit]:
             Unit(kind, node, _start_nodes(node, kind), finish, min(users, key=pos.__getitem__), full.numel() * full.element_size())
         )
     gathers = sorted((u for u in units if u.kind == "all_gather"), key=lambda u: pos[u.first_use])
-    return gathers + [u for u in units if u.kind == "reduce_scatter"]
+    return gathers + [u for u in units if u.kind != "all_gather"]
 
 
 def emit_order(gm: fx.GraphModule, units: list[Unit], anchors: dict[fx.Node, fx.Node]) -> None:
     """Reorder `gm`: all-gather `u` starts right before `anchors[u.collective]` and finishes right before its first
-    use; reduce-scatters start after their last input and finish at the end. Other nodes keep their order."""
+    use; reduce-scatters start after their last input and finish at the end (or, when an HSDP all-reduce follows,
+    just before the next reduce-scatter starts); all-reduces start right after their input. Other nodes keep
+    their order."""
     pos = positions(gm.graph)
+    end = len(pos) + 1.0
     key: dict[fx.Node, float] = {}
+
+    def start_after_inputs(u: Unit, gap: float) -> None:
+        inputs = [p for n in u.start for p in n.all_input_nodes if p not in u.start]
+        for n in u.start:
+            key[n] = max(key.get(p, pos[p]) for p in inputs) + gap
+
     for u in units:
         if u.kind == "all_gather":
             for n in u.start:
                 key[n] = pos[anchors.get(u.collective, u.first_use)] - 0.75
             for n in u.finish:
                 key[n] = pos[u.first_use] - 0.5
-        else:
-            inputs = [p for n in u.start for p in n.all_input_nodes if p not in u.start]
-            for n in u.start:
-                key[n] = max(pos[p] for p in inputs) + 0.25
+    reduce_scatters = [u for u in units if u.kind == "reduce_scatter"]
+    for u in reduce_scatters:
+        start_after_inputs(u, 0.25)
+    for u, later in zip(reduce_scatters, reduce_scatters[1:] + [None]):
+        replicated = any(user.target is _funcol.all_reduce.default for n in u.finish for user in n.users)
+        for n in u.finish:
+            key[n] = key[later.collective] - 0.1 if replicated and later is not None else end
+    for u in units:
+        if u.kind == "all_reduce":
+            start_after_inputs(u, 0.05)
             for n in u.finish:
-                key[n] = len(pos) + 1.0
+                key[n] = end
     stable_topological_sort(gm, key=lambda n: key.get(n, pos[n]))
 
 

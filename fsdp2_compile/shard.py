@@ -5,6 +5,9 @@ rows follow `torch.chunk`, so a rank's shard may be empty). The module's class i
 one property per managed parameter name, so that `module.weight` returns `unshard(shard)` — the gathered
 parameter, eager-correct and traceable — while `named_parameters()` / `state_dict()` keep the original names and
 show the sharded DTensors with their logical shapes.
+
+HSDP: on a 2-D mesh `(replicate, shard)` parameters are `DTensor [Replicate(), Shard(0)]`: sharded over the
+mesh's last dim, replicated over its first; gradients are reduce-scattered, then all-reduced over the replicas.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .config import MixedPrecisionPolicy
@@ -49,6 +52,9 @@ class ParamInfo:
     param_dtype: torch.dtype | None
     reduce_dtype: torch.dtype
     reshard_after_forward: bool
+    replicate_size: int = 1
+    """HSDP: ranks in the replicate group (gradients are all-reduced over it after the reduce-scatter)."""
+    replicate_group_name: str = ""
 
     def gather(self, param: nn.Parameter) -> torch.Tensor:
         if _SHARDED_ACCESS.active:
@@ -68,6 +74,8 @@ class ParamInfo:
             self.fqn,
             self.bucket,
             self.reshard_after_forward,
+            self.replicate_size,
+            self.replicate_group_name,
         )
 
 
@@ -149,12 +157,21 @@ def _default_mesh(mesh: DeviceMesh | None) -> DeviceMesh:
             f"fsdp2_compile.shard got a {mesh.ndim}-D mesh {tuple(mesh.shape)}; FSDP uses a 1-D mesh (shard) "
             "or a 2-D mesh (replicate, shard). Slice the mesh, e.g. mesh['dp'], before passing it"
         )
-    if mesh.ndim == 2:
-        raise NotImplementedError(
-            f"fsdp2_compile.shard got a 2-D mesh {tuple(mesh.shape)} (HSDP), which is not supported yet; "
-            "pass a 1-D mesh"
+    if mesh.ndim == 2 and mesh.mesh_dim_names is None:
+        raise ValueError(
+            f"fsdp2_compile.shard got a 2-D mesh {tuple(mesh.shape)} without dim names; for HSDP create it as "
+            'init_device_mesh(device_type, (replicas, shard_size), mesh_dim_names=("replicate", "shard"))'
         )
     return mesh
+
+
+def _mesh_groups(mesh: DeviceMesh) -> tuple[int, str, int, str]:
+    """(shard size, shard group, replicate size, replicate group) of a 1-D mesh or a 2-D (replicate, shard) one."""
+    shard_dim = mesh.ndim - 1
+    shard_size, shard_group = mesh.size(shard_dim), mesh.get_group(shard_dim).group_name
+    if mesh.ndim == 1:
+        return shard_size, shard_group, 1, ""
+    return shard_size, shard_group, mesh.size(0), mesh.get_group(0).group_name
 
 
 def _check_param(fqn: str, param: nn.Parameter, mesh: DeviceMesh) -> None:
@@ -176,11 +193,13 @@ def _check_param(fqn: str, param: nn.Parameter, mesh: DeviceMesh) -> None:
 
 
 def _shard_param(param: nn.Parameter, mesh: DeviceMesh) -> nn.Parameter:
-    world_size, rank = mesh.size(), mesh.get_local_rank()
+    """Rows of this rank's shard on the mesh's last (shard) dim; replicated over a 2-D mesh's first dim."""
+    world_size, rank = mesh.size(mesh.ndim - 1), mesh.get_local_rank(mesh.ndim - 1)
     chunks = torch.chunk(param.detach(), world_size, dim=0)
     local = chunks[rank] if rank < len(chunks) else param.new_empty((0, *param.shape[1:]))
+    placements = [Shard(0)] if mesh.ndim == 1 else [Replicate(), Shard(0)]
     dtensor = DTensor.from_local(
-        local.clone(), mesh, [Shard(0)], run_check=False, shape=param.shape, stride=param.stride()
+        local.clone(), mesh, placements, run_check=False, shape=param.shape, stride=param.stride()
     )
     return nn.Parameter(dtensor, requires_grad=param.requires_grad)
 
@@ -253,14 +272,13 @@ def shard(
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
     mesh = _default_mesh(mesh)
-    if mesh.size() > 1 and torch.distributed.get_backend(mesh.get_group(0)) != "fake":
+    world_size, group_name, replicate_size, replicate_group_name = _mesh_groups(mesh)
+    if world_size > 1 and torch.distributed.get_backend(mesh.get_group(mesh.ndim - 1)) != "fake":
         # for the scheduler's cost model; measured once per process group
-        measure_profile(mesh.get_group(0).group_name, mesh.size(), mesh.device_type)
+        measure_profile(group_name, world_size, mesh.device_type)
     ignored = {id(p) for p in (ignored_params or ())}
     for p in ignored_params or ():
         setattr(p, _IGNORED_ATTR, True)
-    group_name = mesh.get_group(0).group_name
-    world_size = mesh.size()
 
     param_fqns: list[str] = []
     for mod_name, mod in module.named_modules(remove_duplicate=False):
@@ -287,6 +305,8 @@ def shard(
                     param_dtype=mp_policy.param_dtype if mp_policy.param_dtype != param.dtype else None,
                     reduce_dtype=mp_policy.reduce_dtype or mp_policy.param_dtype or param.dtype,
                     reshard_after_forward=reshard_after_forward,
+                    replicate_size=replicate_size,
+                    replicate_group_name=replicate_group_name,
                 )
                 _REPLACED[param] = (sharded, info)
                 param_fqns.append(fqn)

@@ -3,7 +3,8 @@
 All-gathers: copy-in (each padded shard flattened, concatenated) → one `all_gather_into_tensor` → wait → copy-out
 (each parameter's columns of the `[world, total]` result, made contiguous, viewed as the padded parameter).
 Reduce-scatters: each padded gradient viewed as `[world, rows * rest]`, concatenated on dim 1 → one
-`reduce_scatter_tensor` → wait → per-parameter slices viewed as shards.
+`reduce_scatter_tensor` → wait → [HSDP: one `all_reduce` of the reduced shards over the replicate group → wait]
+→ per-parameter slices viewed as shards.
 
 Buckets follow `CompileConfig.buckets`; a bucket holding several dtypes becomes one collective per dtype.
 Needs: `lower_unshard` / `lower_reduce_grad` (their nodes carry `fsdp.params` and `fsdp.bucket`).
@@ -24,6 +25,7 @@ aten = torch.ops.aten
 funcol = torch.ops._c10d_functional
 AG = funcol.all_gather_into_tensor.default
 RS = funcol.reduce_scatter_tensor.default
+AR = funcol.all_reduce.default
 WAIT = funcol.wait_tensor.default
 
 
@@ -90,8 +92,17 @@ def _fuse_all_gathers(graph: fx.Graph, members: list[fx.Node], hoist: dict[fx.No
         hoist[n] = flat[0]
 
 
+def _replica_all_reduce(reduce_scatter: fx.Node) -> fx.Node | None:
+    """The HSDP all-reduce applied right after `reduce_scatter`'s wait, if there is one."""
+    users = list(_wait_of(reduce_scatter).users)
+    return users[0] if len(users) == 1 and users[0].target is AR else None
+
+
 def _fuse_reduce_scatters(graph: fx.Graph, members: list[fx.Node]) -> None:
     last, world, group = members[-1], members[0].args[2], members[0].args[3]
+    all_reduces = [_replica_all_reduce(m) for m in members]
+    if None in all_reduces or len({a.args[1:] for a in all_reduces}) != 1:
+        all_reduces = []
     params = tuple(p for m in members for p in m.meta[PARAMS])
     tag = lambda role: {PARAMS: params, BUCKET: last.meta[BUCKET], ROLE: role}  # noqa: E731
     grads = [m.args[0] for m in members]
@@ -102,16 +113,19 @@ def _fuse_reduce_scatters(graph: fx.Graph, members: list[fx.Node]) -> None:
         flat = insert_call(graph, aten.view.default, (packed, [-1]), tag("copy_in"))
         reduced = insert_call(graph, RS, (flat, "avg", world, group), tag("reduce_scatter"))
         waited = insert_call(graph, WAIT, (reduced,), tag("wait"))
+        if all_reduces:
+            replicated = insert_call(graph, AR, (waited, *all_reduces[0].args[1:]), tag("all_reduce"))
+            waited = insert_call(graph, WAIT, (replicated,), tag("wait"))
         offset = 0
-        for m, g, width in zip(members, grads, widths):
+        for final, g, width in zip(all_reduces or members, grads, widths):
             part = insert_call(graph, aten.slice.Tensor, (waited, 0, offset, offset + width), tag("copy_out"))
             shard = insert_call(graph, aten.view.default, (part, [val(g).shape[0] // world, *val(g).shape[1:]]), tag("copy_out"))
-            old_wait = _wait_of(m)
-            old_wait.replace_all_uses_with(shard)
+            _wait_of(final).replace_all_uses_with(shard)
             offset += width
-    for m in members:
-        graph.erase_node(_wait_of(m))
-        graph.erase_node(m)
+    for collective in [*all_reduces, *members]:
+        wait = _wait_of(collective)
+        graph.erase_node(wait)
+        graph.erase_node(collective)
 
 
 def bucket_collectives(gm: fx.GraphModule, ctx) -> fx.GraphModule:

@@ -19,7 +19,7 @@ funcol = torch.ops._c10d_functional
 def lower_unshard(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     graph = gm.graph
     for node in nodes_calling(graph, UNSHARD):
-        shard, dim0, world_size, group_name, param_dtype, _reduce_dtype, fqn, bucket, _reshard = node.args
+        shard, dim0, world_size, group_name, param_dtype, _reduce_dtype, fqn, bucket, *_ = node.args
         tag = lambda role: {PARAMS: (fqn,), BUCKET: bucket, ROLE: role}  # noqa: E731
         rows = padded_rows(dim0, world_size)
         with graph.inserting_before(node):

@@ -7,14 +7,26 @@ import pytest
 import torch
 from harness import run_ranks
 from models import make_model
-from workers import checkpoint_interop, checkpoint_load, checkpoint_save, full_state_dict_roundtrip, meta_init
+from workers import (
+    checkpoint_helpers,
+    checkpoint_interop,
+    checkpoint_load,
+    checkpoint_save,
+    full_state_dict_roundtrip,
+    meta_init,
+)
 
 
-@pytest.mark.parametrize("save_ranks,load_ranks", [(2, 4), (4, 2)])
-def test_dcp_save_and_load_at_another_world_size(tmp_path, save_ranks, load_ranks):
+@pytest.mark.parametrize(
+    "save_ranks,save_hsdp,load_ranks,load_hsdp",
+    [(2, False, 4, False), (4, False, 2, False), (4, True, 2, False), (2, False, 4, True)],
+    ids=["2-to-4", "4-to-2", "hsdp-2x2-to-2", "2-to-hsdp-2x2"],
+)
+def test_dcp_save_and_load_at_another_world_size(tmp_path, save_ranks, save_hsdp, load_ranks, load_hsdp):
+    # HSDP's (Replicate, Shard(0)) state reshards into a 1-D mesh and back, as FSDP2's does
     path = str(tmp_path / "ckpt")
-    saved = run_ranks(checkpoint_save, save_ranks, path)[0]
-    loaded = run_ranks(checkpoint_load, load_ranks, path)[0]
+    saved = run_ranks(checkpoint_save, save_ranks, path, save_hsdp)[0]
+    loaded = run_ranks(checkpoint_load, load_ranks, path, load_hsdp)[0]
     for part in ("params", "optim"):
         assert saved["saved"][part].keys() == loaded["loaded"][part].keys()
         for k, v in saved["saved"][part].items():
@@ -55,3 +67,15 @@ def test_meta_device_model_is_materialised_shard_by_shard():
         else:  # normal(0, 0.02) drawn on the shards: the statistics of the whole tensor
             assert abs(full.std().item() - 0.02) < 0.002 and abs(full.mean().item()) < 0.002, name
     assert results[0]["losses"][-1] < results[0]["losses"][0]  # and it trains
+
+
+def test_checkpoint_helpers_roundtrip_and_name_the_first_mismatching_entry(tmp_path):
+    results = run_ranks(checkpoint_helpers, 2, str(tmp_path / "ckpt"))
+    saved, loaded = results[0]["saved"], results[0]["loaded"]
+    for part in ("params", "optim"):  # into a fresh optimizer that never stepped
+        assert saved[part].keys() == loaded[part].keys()
+        assert all(torch.equal(v, loaded[part][k]) for k, v in saved[part].items()), part
+    for result in results:  # every rank raises the same clear error, before reading data
+        wider, deeper = result["errors"]["wider"], result["errors"]["deeper"]
+        assert "'tok_emb.weight' has shape (98, 32) in the checkpoint but (98, 48) in the model" in wider, wider
+        assert "no entry for model parameter/buffer 'blocks.2." in deeper and "another architecture" in deeper, deeper

@@ -23,7 +23,7 @@ def three_blocks(group: str, dtypes=(None, None, None)):
 
     def f(s0a, s0b, s1, s2, x):
         def gather(shard, name, bucket, dtype):
-            return UNSHARD(shard, 16, 4, group, dtype, fp32, name, bucket, True)
+            return UNSHARD(shard, 16, 4, group, dtype, fp32, name, bucket, True, 1, "")
 
         h = torch.relu(x @ gather(s0a, "b0.a", "b0", dtypes[0]) @ gather(s0b, "b0.b", "b0", dtypes[1]))
         h = torch.relu(h @ gather(s1, "b1.w", "b1", dtypes[2]))
@@ -67,9 +67,9 @@ def test_a_bucket_with_two_dtypes_becomes_one_collective_per_dtype(fake_pg):
 def test_bucketed_reduce_scatter(fake_pg):
     def f(g0, g1, g2):
         return (
-            REDUCE_GRAD(g0, 4, 4, fake_pg, fp32, fp32, "b0.a", "b0"),
-            REDUCE_GRAD(g1 * 2, 1, 4, fake_pg, fp32, fp32, "b0.b", "b0"),  # 5 rows: padded to 8, rank 3 holds 1
-            REDUCE_GRAD(g2, 4, 4, fake_pg, fp32, fp32, "b1.w", "b1"),
+            REDUCE_GRAD(g0, 4, 4, fake_pg, fp32, fp32, "b0.a", "b0", 1, ""),
+            REDUCE_GRAD(g1 * 2, 1, 4, fake_pg, fp32, fp32, "b0.b", "b0", 1, ""),  # 5 rows: padded to 8, rank 3 holds 1
+            REDUCE_GRAD(g2, 4, 4, fake_pg, fp32, fp32, "b1.w", "b1", 1, ""),
         )
 
     gm = make_fx(f, tracing_mode="fake")(torch.randn(16, 3), torch.randn(5, 3), torch.randn(16, 3))
@@ -115,8 +115,8 @@ def test_memory_budget_limits_prefetch(fake_pg):
 
 def test_reduce_scatter_waits_are_last(fake_pg):
     def f(g0, g1, x):
-        a = REDUCE_GRAD(torch.relu(g0), 4, 4, fake_pg, fp32, fp32, "b1.w", "b1")
-        b = REDUCE_GRAD(torch.relu(g1), 4, 4, fake_pg, fp32, fp32, "b0.w", "b0")
+        a = REDUCE_GRAD(torch.relu(g0), 4, 4, fake_pg, fp32, fp32, "b1.w", "b1", 1, "")
+        b = REDUCE_GRAD(torch.relu(g1), 4, 4, fake_pg, fp32, fp32, "b0.w", "b0", 1, "")
         return a, b, torch.relu(x)
 
     t = torch.randn(16, 3)

@@ -27,7 +27,7 @@ def targets(gm):
 def test_lower_unshard_casts_pads_gathers_and_unpads(fake_pg):
     # rank 3 of 4 holds the last 6 of 33 rows; every rank's shard is padded to 9 rows
     def f(shard):
-        return UNSHARD(shard, 33, 4, fake_pg, bf16, fp32, "fc.weight", "", True) * 2
+        return UNSHARD(shard, 33, 4, fake_pg, bf16, fp32, "fc.weight", "", True, 1, "") * 2
 
     gm = lower_unshard(make_fx(f, tracing_mode="fake")(torch.randn(6, 5)), PassContext("forward"))
     assert targets(gm) == [
@@ -49,7 +49,7 @@ def test_lower_unshard_casts_pads_gathers_and_unpads(fake_pg):
 
 def test_lower_unshard_without_cast_or_padding(fake_pg):
     def f(shard):
-        return UNSHARD(shard, 32, 4, fake_pg, None, fp32, "w", "", True)
+        return UNSHARD(shard, 32, 4, fake_pg, None, fp32, "w", "", True, 1, "")
 
     gm = lower_unshard(make_fx(f, tracing_mode="fake")(torch.randn(8, 3)), PassContext("forward"))
     assert targets(gm) == [funcol.all_gather_into_tensor.default, funcol.wait_tensor.default]
@@ -58,7 +58,7 @@ def test_lower_unshard_without_cast_or_padding(fake_pg):
 
 def test_lower_reduce_grad_casts_pads_reduce_scatters_and_unpads(fake_pg):
     def f(grad):
-        return REDUCE_GRAD(grad, 6, 4, fake_pg, fp32, fp32, "fc.weight", "")
+        return REDUCE_GRAD(grad, 6, 4, fake_pg, fp32, fp32, "fc.weight", "", 1, "")
 
     gm = lower_reduce_grad(make_fx(f, tracing_mode="fake")(torch.randn(33, 5, dtype=bf16)), PassContext("backward"))
     assert targets(gm) == [
@@ -78,7 +78,7 @@ def test_lower_reduce_grad_casts_pads_reduce_scatters_and_unpads(fake_pg):
 
 def test_lower_reduce_grad_makes_a_transposed_gradient_contiguous(fake_pg):
     def f(g):
-        return REDUCE_GRAD(g.t(), 2, 4, fake_pg, fp32, fp32, "w", "")
+        return REDUCE_GRAD(g.t(), 2, 4, fake_pg, fp32, fp32, "w", "", 1, "")
 
     gm = lower_reduce_grad(make_fx(f, tracing_mode="fake")(torch.randn(5, 8)), PassContext("backward"))
     rs = next(n for n in calls(gm) if n.target is funcol.reduce_scatter_tensor.default)
@@ -87,10 +87,10 @@ def test_lower_reduce_grad_makes_a_transposed_gradient_contiguous(fake_pg):
 
 def test_combine_tied_grads_reduces_the_sum_once(fake_pg):
     def f(a, b, c):
-        tied = REDUCE_GRAD(a, 3, 4, fake_pg, fp32, fp32, "emb.weight", "").view(3, 4) + REDUCE_GRAD(
-            b, 3, 4, fake_pg, fp32, fp32, "emb.weight", ""
+        tied = REDUCE_GRAD(a, 3, 4, fake_pg, fp32, fp32, "emb.weight", "", 1, "").view(3, 4) + REDUCE_GRAD(
+            b, 3, 4, fake_pg, fp32, fp32, "emb.weight", "", 1, ""
         )
-        other = REDUCE_GRAD(c, 3, 4, fake_pg, fp32, fp32, "other", "")
+        other = REDUCE_GRAD(c, 3, 4, fake_pg, fp32, fp32, "other", "", 1, "")
         return tied, other
 
     x = torch.randn(10, 4)
@@ -102,7 +102,7 @@ def test_combine_tied_grads_reduces_the_sum_once(fake_pg):
 
 def test_combine_tied_grads_leaves_different_parameters_alone(fake_pg):
     def f(a, b):
-        return REDUCE_GRAD(a, 3, 4, fake_pg, fp32, fp32, "x", "") + REDUCE_GRAD(b, 3, 4, fake_pg, fp32, fp32, "y", "")
+        return REDUCE_GRAD(a, 3, 4, fake_pg, fp32, fp32, "x", "", 1, "") + REDUCE_GRAD(b, 3, 4, fake_pg, fp32, fp32, "y", "", 1, "")
 
     x = torch.randn(10, 4)
     gm = combine_tied_grads(make_fx(f, tracing_mode="fake")(x, x), PassContext("backward"))

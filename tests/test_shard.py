@@ -7,7 +7,7 @@ import torch
 from models import MLP
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import fsdp2_compile as fc
 
@@ -135,3 +135,17 @@ def test_mixed_precision_casts_inputs_and_outputs(fake_pg):
     model = fc.shard(nn.Linear(4, 4), mp_policy=fc.MixedPrecisionPolicy(param_dtype=bf16, cast_forward_inputs=False))
     with pytest.raises(RuntimeError, match="dtype"):
         model(x)  # an fp32 input meets bf16 weights: the user asked not to cast
+
+
+def test_hsdp_mesh_replicates_over_dim_0_and_shards_over_dim_1(fake_pg):
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))  # rank 3: replica 1, shard 1
+    model = fc.shard(nn.Linear(4, 5), mesh)
+    assert model.weight.shape == (5, 4)  # gathered from the shard group
+    weight = dict(model.named_parameters())["weight"]
+    assert weight.placements == (Replicate(), Shard(0)) and weight.shape == (5, 4)
+    assert weight.to_local().shape == (2, 4)  # torch.chunk over the 2 shard ranks: 3, 2 rows
+
+
+def test_two_dim_mesh_without_dim_names_is_refused(fake_pg):
+    with pytest.raises(ValueError, match=r"2-D mesh \(2, 2\) without dim names.*mesh_dim_names=\(\"replicate\", \"shard\"\)"):
+        fc.shard(nn.Linear(4, 4), init_device_mesh("cpu", (2, 2)))

@@ -10,6 +10,7 @@ import math
 
 import pytest
 import torch
+from torch.distributed.tensor import Replicate, Shard
 from harness import run_ranks
 from models import make_model, reference_train
 from workers import mismatched_configs, train
@@ -187,3 +188,33 @@ def test_ranks_configured_differently_fail_clearly_on_every_rank():
     for message in messages:
         assert "compiled different forward schedules" in message, message
         assert "collective #0" in message and "same model, CompileConfig" in message
+
+
+@pytest.mark.parametrize("name", ["mlp", "gpt"])
+def test_hsdp_on_a_2x2_mesh_matches_single_process(name):
+    # 4 ranks as (replicate=2, shard=2): sharded within a pair, replicated across pairs
+    result = run(name, 4, hsdp=True)
+    ref_losses, ref_params = reference(name)
+    torch.testing.assert_close(result["losses"], ref_losses, rtol=1e-5, atol=0)
+    assert_params_close(result["full"], ref_params, PARAM_RTOL, PARAM_ATOL)
+    managed = {k: t for k, t in result["param_types"].items() if t[1] is not None}
+    assert {placements for _, placements in managed.values()} == {(Replicate(), Shard(0))}
+    assert result["opt_state_all_sharded"] and result["live_unsharded"] == []
+    assert all(order == result["orders"][0] for order in result["orders"])
+
+
+def test_hsdp_reduce_scatters_within_the_shard_group_then_all_reduces_across_replicas():
+    result = run("gpt", 4, hsdp=True)
+    params = dict(make_model("gpt").named_parameters())
+    [fw] = [g for g in result["graphs"] if g["kind"] == "forward"]
+    [bw] = [g for g in result["graphs"] if g["kind"] == "backward"]
+    gathers = [c for c in fw["collectives"] if c.kind == "all_gather"]  # gathered from the 2-rank shard group
+    assert sum(c.nbytes for c in gathers) == sum(_padded_bytes(p.shape, 2, p.dtype) for p in params.values())
+    reductions = [c for c in bw["collectives"] if c.kind == "reduce_scatter"]
+    replicas = [c for c in bw["collectives"] if c.kind == "all_reduce"]
+    # one all-reduce per bucket, right behind its reduce-scatter, over that bucket's reduced shards (half the rows)
+    assert [c.params for c in replicas] == [c.params for c in reductions] and len(replicas) == 3
+    assert [2 * c.nbytes for c in replicas] == [c.nbytes for c in reductions]
+    # and the all-reduces overlap the rest of the backward: the first starts before the last reduce-scatter
+    kinds = [c.kind for c in bw["collectives"]]
+    assert kinds.index("all_reduce") < len(kinds) - 1 - kinds[::-1].index("reduce_scatter"), kinds

@@ -7,7 +7,7 @@ import gc
 import torch
 import torch.distributed as dist
 from models import batch, local_slice, loss_fn, make_model, make_optimizer
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import fsdp2_compile as fc
 from fsdp2_compile.report import clear_compiled_graphs, collectives, compiled_graphs
@@ -15,8 +15,18 @@ from fsdp2_compile.report import clear_compiled_graphs, collectives, compiled_gr
 _funcol = torch.ops._c10d_functional
 
 
+def _mesh(spec: dict):
+    """A 1-D mesh over all ranks, or with spec["hsdp"] a 2-D (replicate=2, shard=world/2) one."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    if spec.get("hsdp"):
+        return init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh("cpu", (world,))
+
+
 def _shard(model, name: str, spec: dict) -> None:
-    options = dict(reshard_after_forward=spec.get("reshard", True))
+    options = dict(reshard_after_forward=spec.get("reshard", True), mesh=_mesh(spec))
     if spec.get("param_dtype") is not None:
         options["mp_policy"] = fc.MixedPrecisionPolicy(param_dtype=spec["param_dtype"], reduce_dtype=torch.float32)
     if name == "mlp":
@@ -84,6 +94,7 @@ def train(rank: int, world_size: int, name: str, spec: dict) -> dict:
     opt_state = [v for s in opt.state.values() for k, v in s.items() if k != "step"]
     shards = [p for p in params.values()] + [p.grad for p in params.values()] + opt_state
     shard_ptrs = {t.to_local().data_ptr() for t in shards if isinstance(t, DTensor)}
+    shard_ptrs |= {t.data_ptr() for t in [*params.values(), *model.buffers()] if not isinstance(t, DTensor)}  # unmanaged
     live = [
         o
         for o in gc.get_objects()
@@ -98,7 +109,10 @@ def train(rank: int, world_size: int, name: str, spec: dict) -> dict:
         param_types={k: (type(p).__name__, tuple(p.placements) if isinstance(p, DTensor) else None) for k, p in params.items()},
         grad_placements={k: tuple(p.grad.placements) for k, p in params.items() if isinstance(p.grad, DTensor)},
         plain_grads=[k for k, p in params.items() if p.grad is not None and not isinstance(p.grad, DTensor)],
-        opt_state_all_sharded=all(isinstance(v, DTensor) and v.placements == (Shard(0),) for v in opt_state),
+        opt_state_all_sharded=all(
+            isinstance(v, DTensor) and v.placements == ((Replicate(), Shard(0)) if spec.get("hsdp") else (Shard(0),))
+            for v in opt_state
+        ),
         local_bytes=dict(
             params=_local_bytes(params.values()),
             grads=_local_bytes(p.grad for p in params.values() if p.grad is not None),
@@ -128,11 +142,12 @@ def mismatched_configs(rank: int, world_size: int) -> str:
     return "no error"
 
 
-def _gpt_for_checkpoint(rank: int, world_size: int):
+def _gpt_for_checkpoint(rank: int, world_size: int, hsdp: bool = False):
     model = make_model("gpt")
+    mesh = _mesh(dict(hsdp=hsdp))
     for block in model.blocks:
-        fc.shard(block)
-    fc.shard_compile(model)
+        fc.shard(block, mesh)
+    fc.shard_compile(model, mesh)
     opt = make_optimizer(model)
     return model, opt, lambda i: _gpt_steps(model, opt, rank, world_size, [i])[0]
 
@@ -163,12 +178,12 @@ def _full_state(model, opt) -> dict:
     )
 
 
-def checkpoint_save(rank: int, world_size: int, path: str) -> dict:
+def checkpoint_save(rank: int, world_size: int, path: str, hsdp: bool = False) -> dict:
     """3 steps, save model + optimizer with DCP, then 2 more steps."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    model, opt, step = _gpt_for_checkpoint(rank, world_size)
+    model, opt, step = _gpt_for_checkpoint(rank, world_size, hsdp)
     for i in range(3):
         step(i)
     msd, osd = get_state_dict(model, opt)
@@ -177,12 +192,12 @@ def checkpoint_save(rank: int, world_size: int, path: str) -> dict:
     return dict(saved=saved, losses=[step(i) for i in range(3, 5)])
 
 
-def checkpoint_load(rank: int, world_size: int, path: str) -> dict:
+def checkpoint_load(rank: int, world_size: int, path: str, hsdp: bool = False) -> dict:
     """A fresh model at (maybe) another world size: one step to create optimizer state, load, then steps 3 and 4."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    model, opt, step = _gpt_for_checkpoint(rank, world_size)
+    model, opt, step = _gpt_for_checkpoint(rank, world_size, hsdp)
     step(0)
     msd, osd = get_state_dict(model, opt)
     state = {"model": msd, "optim": osd}
@@ -272,3 +287,28 @@ def meta_init(rank: int, world_size: int) -> dict:
         opt.zero_grad()
         losses.append(loss.item())
     return dict(local=local, full=full, losses=losses, types={k: type(p).__name__ for k, p in params.items()})
+
+
+def checkpoint_helpers(rank: int, world_size: int, path: str) -> dict:
+    """save_checkpoint after 2 steps; load_checkpoint into a fresh model and optimizer (bit-identical state); then
+    load it into models of other configs, which must fail naming the first mismatching entry."""
+    from dataclasses import replace
+
+    from models import GPT, GPT_CFG
+
+    from fsdp2_compile.checkpoint import load_checkpoint, save_checkpoint
+
+    model, opt, step = _gpt_for_checkpoint(rank, world_size)
+    step(0), step(1)
+    save_checkpoint(path, model, opt)
+    fresh, fresh_opt, _ = _gpt_for_checkpoint(rank, world_size)
+    load_checkpoint(path, fresh, fresh_opt)
+    errors = {}
+    for label, cfg in (("wider", replace(GPT_CFG, d_model=48)), ("deeper", replace(GPT_CFG, n_layer=3))):
+        other = fc.shard_compile(GPT(cfg))
+        try:
+            load_checkpoint(path, other, make_optimizer(other))
+            errors[label] = "no error"
+        except ValueError as e:
+            errors[label] = str(e)
+    return dict(saved=_full_state(model, opt), loaded=_full_state(fresh, fresh_opt), errors=errors)
