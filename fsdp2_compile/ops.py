@@ -1,7 +1,12 @@
-"""The two custom ops the capture sees: `fsdp2::unshard` and its autograd twin `fsdp2::reduce_grad`.
+"""The custom ops the capture sees: `fsdp2::unshard` and its autograd twin `fsdp2::reduce_grad`, and the two that
+gradient accumulation without sync uses, `fsdp2::stash_grad` / `fsdp2::add_pending_grad`.
 
 `unshard(shard)` returns the full parameter (all ranks' shards, cast to `param_dtype`); its backward is
 `reduce_grad(grad)`, which returns this rank's shard of the averaged gradient in the parameter's dtype.
+With gradient sync off (`set_requires_gradient_sync(False)`, as in FSDP2) the backward instead adds the unsharded
+gradient to one kept on this rank (`stash_grad`, no communication) and gives the shard a zero gradient; the next
+synced backward adds what was kept before reducing (`add_pending_grad`). Reduction is linear, so the result is
+the reduction of the summed gradients.
 Both run eagerly (through the functional collectives, so eager and compiled runs issue the same collectives)
 and have fake implementations, so Dynamo/AOTAutograd trace them as single opaque nodes that the lowering
 passes later expand into cast / pad / collective / wait / unpad nodes.
@@ -16,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["unshard", "reduce_grad", "UNSHARD", "REDUCE_GRAD", "padded_rows", "pad_rows"]
+__all__ = ["REDUCE_GRAD", "UNSHARD", "add_pending_grad", "pad_rows", "padded_rows", "reduce_grad", "stash_grad", "unshard"]
 
 _funcol = torch.ops._c10d_functional
 
@@ -45,11 +50,15 @@ def unshard(
     fqn: str,
     bucket: str,
     reshard_after_forward: bool,
-    replicate_size: int,
-    replicate_group_name: str,
+    replicate_size: int = 1,
+    replicate_group_name: str = "",
+    requires_grad_sync: bool = True,
+    pending_key: str = "",
 ) -> Tensor:
     """All-gather a dim-0 shard into the full parameter of `dim0` rows, cast to `param_dtype` first.
-    (`replicate_*` name the HSDP replicate group, `1` / `""` without one: only the backward uses them.)"""
+    Only the backward uses the rest: `replicate_*` name the HSDP replicate group (`1` / `""` without one);
+    `requires_grad_sync=False` keeps the gradient unsharded under `pending_key` instead of reducing it, and a
+    synced backward with a `pending_key` adds what was kept first."""
     x = shard if param_dtype is None else shard.to(param_dtype)
     x = pad_rows(x, padded_rows(dim0, world_size)).contiguous()
     full = _funcol.wait_tensor(_funcol.all_gather_into_tensor(x, world_size, group_name))
@@ -57,7 +66,7 @@ def unshard(
 
 
 @unshard.register_fake
-def _(shard, dim0, world_size, group_name, param_dtype, reduce_dtype, fqn, bucket, reshard_after_forward, *_replicate):
+def _(shard, dim0, world_size, group_name, param_dtype, reduce_dtype, fqn, bucket, reshard_after_forward, *_backward):
     return shard.new_empty((dim0, *shard.shape[1:]), dtype=param_dtype or shard.dtype)
 
 
@@ -89,13 +98,50 @@ def _(grad, local_rows, world_size, group_name, reduce_dtype, out_dtype, fqn, bu
     return grad.new_empty((local_rows, *grad.shape[1:]), dtype=out_dtype)
 
 
+_PENDING_GRADS: dict[str, Tensor] = {}
+"""Unsharded gradients accumulated while gradient sync is off, by `pending_key`."""
+
+
+@torch.library.custom_op("fsdp2::stash_grad", mutates_args=())
+def stash_grad(grad: Tensor, pending_key: str, reduce_dtype: torch.dtype, local_rows: int, out_dtype: torch.dtype) -> Tensor:
+    """Add `grad` (in `reduce_dtype`) to the unsharded gradient kept under `pending_key`; a zero shard back."""
+    kept = _PENDING_GRADS.get(pending_key)
+    _PENDING_GRADS[pending_key] = grad.to(reduce_dtype, copy=True) if kept is None else kept + grad
+    return grad.new_zeros((local_rows, *grad.shape[1:]), dtype=out_dtype)
+
+
+@stash_grad.register_fake
+def _(grad, pending_key, reduce_dtype, local_rows, out_dtype):
+    return grad.new_empty((local_rows, *grad.shape[1:]), dtype=out_dtype)
+
+
+@torch.library.custom_op("fsdp2::add_pending_grad", mutates_args=())
+def add_pending_grad(grad: Tensor, pending_key: str, reduce_dtype: torch.dtype) -> Tensor:
+    """`grad` in `reduce_dtype`, plus (and releasing) the gradient kept under `pending_key`, if any."""
+    kept = _PENDING_GRADS.pop(pending_key, None)
+    return grad.to(reduce_dtype, copy=True) if kept is None else kept + grad
+
+
+@add_pending_grad.register_fake
+def _(grad, pending_key, reduce_dtype):
+    return grad.new_empty(grad.shape, dtype=reduce_dtype)
+
+
 def _unshard_setup_context(ctx, inputs, output) -> None:
-    shard, _, world_size, group_name, _, reduce_dtype, fqn, bucket, _, *replicate = inputs
-    ctx.reduce_args = (shard.shape[0], world_size, group_name, reduce_dtype, shard.dtype, fqn, bucket, *replicate)
+    shard, _, world_size, group_name, _, reduce_dtype, fqn, bucket, _, *rest = inputs
+    replicate_size, replicate_group, ctx.sync, ctx.pending_key = rest  # torch fills in the defaults
+    ctx.reduce_args = (shard.shape[0], world_size, group_name, reduce_dtype, shard.dtype, fqn, bucket, replicate_size, replicate_group)
 
 
 def _unshard_backward(ctx, grad: Tensor):
-    return (torch.ops.fsdp2.reduce_grad(grad, *ctx.reduce_args),) + (None,) * 10
+    local_rows, _, _, reduce_dtype, out_dtype, *_ = ctx.reduce_args
+    if not ctx.sync:
+        reduced = torch.ops.fsdp2.stash_grad(grad, ctx.pending_key, reduce_dtype, local_rows, out_dtype)
+    else:
+        if ctx.pending_key:
+            grad = torch.ops.fsdp2.add_pending_grad(grad, ctx.pending_key, reduce_dtype)
+        reduced = torch.ops.fsdp2.reduce_grad(grad, *ctx.reduce_args)
+    return (reduced,) + (None,) * 12
 
 
 unshard.register_autograd(_unshard_backward, setup_context=_unshard_setup_context)

@@ -29,6 +29,7 @@ from .ops import unshard
 __all__ = [
     "ParamInfo",
     "ShardState",
+    "ShardedModule",
     "is_known_param",
     "is_sharded",
     "managed_params",
@@ -55,6 +56,10 @@ class ParamInfo:
     replicate_size: int = 1
     """HSDP: ranks in the replicate group (gradients are all-reduced over it after the reduce-scatter)."""
     replicate_group_name: str = ""
+    requires_gradient_sync: bool = True
+    """False: backward keeps the unsharded gradient on this rank instead of reducing it (`set_requires_gradient_sync`)."""
+    pending_key: str = ""
+    """Where unsynced gradients are kept; set the first time sync is turned off (then synced backwards add them)."""
 
     def gather(self, param: nn.Parameter) -> torch.Tensor:
         if _SHARDED_ACCESS.active:
@@ -76,7 +81,14 @@ class ParamInfo:
             self.reshard_after_forward,
             self.replicate_size,
             self.replicate_group_name,
+            self.requires_gradient_sync,
+            self.pending_key,
         )
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
+        self.requires_gradient_sync = requires_gradient_sync
+        if not requires_gradient_sync and not self.pending_key:
+            self.pending_key = f"{self.fqn}@{id(self):x}"
 
 
 @dataclass(frozen=True)
@@ -204,8 +216,25 @@ def _shard_param(param: nn.Parameter, mesh: DeviceMesh) -> nn.Parameter:
     return nn.Parameter(dtensor, requires_grad=param.requires_grad)
 
 
+class ShardedModule:
+    """Methods FSDP2's `FSDPModule` offers, mixed into every module class `shard` swaps."""
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """FSDP2's gradient-accumulation switch. False: backward reduces no gradient; each rank keeps the
+        unsharded gradients of this module's parameters (their `.grad` gets zeros), and the next backward with
+        sync on adds them before the reduce-scatter, so micro-batches with sync off, then one with it on, equal
+        one large batch. `recurse=False`: only the parameters of this module's own `shard` call.
+        Each setting is one compiled graph (Dynamo guards on it)."""
+        state = getattr(self, _STATE_ATTR, None)
+        own = set(state.param_fqns) if state is not None and not recurse else None
+        for name, _param, info in managed_params(self):
+            if own is None or name in own:
+                info.set_requires_gradient_sync(requires_gradient_sync)
+
+
 def _install_properties(module: nn.Module, infos: dict[str, ParamInfo]) -> None:
-    """Swap `module`'s class for a subclass whose `name` attributes return the gathered parameters."""
+    """Swap `module`'s class for a subclass of it and `ShardedModule` whose `name` attributes return the gathered
+    parameters."""
     cls = type(module)
     base = cls.__bases__[0] if getattr(cls, "_fsdp2_generated", False) else cls
     existing = dict(getattr(cls, "_fsdp2_infos", {}))
@@ -216,7 +245,7 @@ def _install_properties(module: nn.Module, infos: dict[str, ParamInfo]) -> None:
 
     namespace = {name: make(name, info) for name, info in existing.items()}
     namespace.update(_fsdp2_generated=True, _fsdp2_infos=existing, __module__=base.__module__)
-    module.__class__ = type(f"Sharded{base.__name__}", (base,), namespace)
+    module.__class__ = type(f"Sharded{base.__name__}", (base, ShardedModule), namespace)
 
 
 def _group_path(root: nn.Module, mod_name: str) -> str:
@@ -315,6 +344,7 @@ def shard(
         if new_infos:
             _install_properties(mod, new_infos)
 
+    _install_properties(module, {})  # the module gets ShardedModule's methods even without parameters of its own
     _register_mp_hooks(module, mp_policy)
     object.__setattr__(module, _STATE_ATTR, ShardState(mesh, mp_policy, reshard_after_forward, tuple(param_fqns)))
     return module

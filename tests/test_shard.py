@@ -149,3 +149,18 @@ def test_hsdp_mesh_replicates_over_dim_0_and_shards_over_dim_1(fake_pg):
 def test_two_dim_mesh_without_dim_names_is_refused(fake_pg):
     with pytest.raises(ValueError, match=r"2-D mesh \(2, 2\) without dim names.*mesh_dim_names=\(\"replicate\", \"shard\"\)"):
         fc.shard(nn.Linear(4, 4), init_device_mesh("cpu", (2, 2)))
+
+
+def test_set_requires_gradient_sync_recurses_like_fsdp2(fake_pg):
+    from fsdp2_compile.shard import managed_params
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    fc.shard(model[0])
+    fc.shard(model)
+    sync = lambda: {name: info.requires_gradient_sync for name, _, info in managed_params(model)}  # noqa: E731
+    model.set_requires_gradient_sync(False, recurse=False)  # only the root's own group
+    assert sync() == {"0.weight": True, "0.bias": True, "1.weight": False, "1.bias": False}
+    model.set_requires_gradient_sync(False)
+    assert not any(sync().values())
+    model[0].set_requires_gradient_sync(True)
+    assert sync() == {"0.weight": True, "0.bias": True, "1.weight": False, "1.bias": False}

@@ -218,3 +218,18 @@ def test_hsdp_reduce_scatters_within_the_shard_group_then_all_reduces_across_rep
     # and the all-reduces overlap the rest of the backward: the first starts before the last reduce-scatter
     kinds = [c.kind for c in bw["collectives"]]
     assert kinds.index("all_reduce") < len(kinds) - 1 - kinds[::-1].index("reduce_scatter"), kinds
+
+
+@pytest.mark.parametrize("mode", ["compiled", "eager"])
+def test_set_requires_gradient_sync_accumulates_unsharded_and_reduces_once(mode):
+    # 2 micro-batches a step: the first with gradient sync off, the second on — equal to one large batch
+    result = run("gpt", 2, mode, accumulate=2, no_sync=True)
+    ref_losses, ref_params = reference("gpt")
+    torch.testing.assert_close(result["losses"], ref_losses, rtol=1e-5, atol=0)
+    assert_params_close(result["full"], ref_params, PARAM_RTOL, PARAM_ATOL)
+    assert result["live_unsharded"] == []  # the kept unsharded gradients were released by the synced backward
+    if mode == "compiled":  # one graph per setting; the unsynced backward issues no reduce-scatter
+        backward = [[c.kind for c in g["collectives"]] for g in result["graphs"] if g["kind"] == "backward"]
+        # unsynced, synced, and (after training) a recompile for the worker's final full-batch backward
+        assert len(backward) == 3 and "reduce_scatter" not in backward[0] and "all_gather" in backward[0]
+        assert all(b.count("reduce_scatter") == 3 for b in backward[1:])

@@ -74,7 +74,9 @@ def train(rank: int, world_size: int, name: str, spec: dict) -> dict:
         x, y = local_slice(x, rank, world_size), local_slice(y, rank, world_size)
         micro = spec.get("accumulate", 1)
         step_loss = torch.zeros(())
-        for xm, ym in zip(x.chunk(micro), y.chunk(micro)):
+        for i, (xm, ym) in enumerate(zip(x.chunk(micro), y.chunk(micro))):
+            if spec.get("no_sync"):  # FSDP2's accumulation: reduce only on the last micro-batch
+                model.set_requires_gradient_sync(i == micro - 1)
             loss = loss_fn(name, model(xm), ym) / micro
             loss.backward()
             step_loss += loss.detach()
