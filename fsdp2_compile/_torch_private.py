@@ -5,7 +5,6 @@ If a torch upgrade moves one of these, this is the only file to change.
 
 from __future__ import annotations
 
-
 import torch
 from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
 from torch._functorch.partitioners import min_cut_rematerialization_partition
@@ -15,12 +14,13 @@ from torch.utils.checkpoint import CheckpointPolicy
 __all__ = [
     "CheckpointPolicy",
     "aot_module_simplified",
-    "make_boxed_func",
+    "current_compile_id",
     "default_store",
-    "inductor_compile",
-    "inductor_decompositions",
     "detect_fake_mode",
     "fake_process_group",
+    "inductor_compile",
+    "inductor_decompositions",
+    "make_boxed_func",
     "min_cut_rematerialization_partition",
 ]
 
@@ -39,6 +39,17 @@ def default_store():
 
     return _get_default_store()
 
+
+
+def current_compile_id() -> tuple[int, int] | None:
+    """(frame, attempt) of the Dynamo compilation in progress: a graph break's continuation is a new frame, a
+    recompile (guards failed, e.g. a new input shape) a new attempt of the same frame. None outside Dynamo."""
+    from torch._guards import CompileContext
+
+    cid = CompileContext.current_compile_id()
+    if cid is None or cid.frame_id is None:
+        return None
+    return cid.frame_id, cid.frame_compile_id
 
 
 def inductor_compile(gm, example_inputs, *, is_backward: bool, is_inference: bool):

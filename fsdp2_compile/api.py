@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from .backend import make_backend
+from .backend import check_input_devices, make_backend
 from .config import CompileConfig, MixedPrecisionPolicy
 from .shard import shard
 
@@ -48,6 +49,24 @@ def compile_in_place(module: nn.Module, backend, dynamic: bool | None = None) ->
     """
 
     def call(*args, **kwargs):
+        _check_call_inputs(module, args, kwargs)  # traced: runs when Dynamo compiles, guarded like the inputs
         return module._call_impl(*args, **kwargs)
 
     module._compiled_call_impl = torch.compile(call, backend=backend, dynamic=dynamic)
+
+
+def _check_call_inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+    """Input tensors must be on the device of the module's (sharded) parameters; see `check_input_devices`."""
+    param = next(iter(module.parameters()), None)
+    if param is None:
+        return
+    check_input_devices([*_named_leaves("args", args), *_named_leaves("kwargs", kwargs)], param.device)
+
+
+def _named_leaves(name: str, obj: Any) -> list[tuple[str, Any]]:
+    """(path, leaf) of nested tuples, lists and dicts, e.g. ("kwargs['input_ids']", tensor)."""
+    if isinstance(obj, (tuple, list)):
+        return [leaf for i, o in enumerate(obj) for leaf in _named_leaves(f"{name}[{i}]", o)]
+    if isinstance(obj, dict):
+        return [leaf for k, o in obj.items() for leaf in _named_leaves(f"{name}[{k!r}]", o)]
+    return [(name, obj)]

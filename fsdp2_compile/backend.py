@@ -8,15 +8,17 @@ or MUST_SAVE (`False`: gathered once, kept until backward).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+import torch
 from torch import fx, nn
 from torch.distributed.tensor import DTensor
 
 from ._torch_private import (
     CheckpointPolicy,
     aot_module_simplified,
+    current_compile_id,
     inductor_compile,
     inductor_decompositions,
     make_boxed_func,
@@ -32,7 +34,7 @@ from .pipeline import PassContext, run_pipeline
 from .report import GraphRecord, record_graph
 from .shard import is_known_param
 
-__all__ = ["fsdp2_backend", "make_backend"]
+__all__ = ["check_input_devices", "fsdp2_backend", "make_backend"]
 
 
 def _check_sharded(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:
@@ -46,6 +48,48 @@ def _check_sharded(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:
                 f"torch.compile(backend='fsdp2'): parameter {name} (shape {tuple(value.shape)}) is not sharded; "
                 "call fsdp2_compile.shard(model, mesh) (or use fsdp2_compile.shard_compile) before compiling"
             )
+
+
+def check_input_devices(inputs: Iterable[tuple[str, Any]], param_device: torch.device | None) -> None:
+    """Refuse input tensors the sharded parameters cannot compute with: on the meta device (no data) while the
+    parameters hold data, or off the CPU while the parameters (and the mesh) are on the CPU. `inputs` are
+    (name, value) pairs; values that are not tensors, and parameters, are skipped."""
+    if param_device is None:
+        return
+    for name, value in inputs:
+        if not isinstance(value, torch.Tensor) or isinstance(value, nn.Parameter):
+            continue
+        device = value.device
+        if device.type == param_device.type:
+            continue
+        if device.type == "meta" or param_device.type == "cpu":
+            raise ValueError(
+                f"fsdp2_compile: input {name} (shape {tuple(value.shape)}, {value.dtype}) is on device '{device}' "
+                f"but the sharded parameters are on '{param_device}'; move it there before calling the model, "
+                f"e.g. {name}.to('{param_device.type}')"
+                + (" (a meta tensor has no data: create it on that device)" if device.type == "meta" else "")
+            )
+
+
+def _param_device(example_inputs: Sequence[Any]) -> torch.device | None:
+    for value in example_inputs:
+        if isinstance(value, nn.Parameter):
+            return value.device
+    return None
+
+
+def _check_graph_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:
+    """Meta tensors among a graph's non-parameter inputs, when its parameters hold data, are always a mistake."""
+    device = _param_device(example_inputs)
+    if device is None or device.type == "meta":
+        return
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    named = []
+    for node, value in zip(placeholders, example_inputs):
+        source = getattr(node.meta.get("grapharg"), "source", None)
+        if isinstance(value, torch.Tensor) and value.device.type == "meta":
+            named.append((source.name if source is not None else node.name, value))
+    check_input_devices(named, device)
 
 
 def _tag_unshards(joint: fx.GraphModule) -> None:
@@ -77,7 +121,7 @@ def _compiler(kind: str, config: CompileConfig) -> Callable[[fx.GraphModule, Any
         gm = run_pipeline(gm, ctx)
         if config.check_rank_consistency:
             check_same_schedule(gm, kind)
-        record_graph(GraphRecord(kind, gm, ctx.snapshots, timeline=ctx.timeline))
+        record_graph(GraphRecord(kind, gm, ctx.snapshots, timeline=ctx.timeline, compile_id=current_compile_id()))
         dump_from_env()
         if config.compiler == "inductor":
             return inductor_compile(gm, example_inputs, is_backward=kind == "backward", is_inference=kind == "inference")
@@ -90,6 +134,7 @@ def fsdp2_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Com
     """torch.compile backend: lowers the fsdp2 ops of a captured graph of a sharded module into collectives."""
     config = config or CompileConfig()
     _check_sharded(gm, example_inputs)
+    _check_graph_inputs(gm, example_inputs)
     return aot_module_simplified(
         gm,
         example_inputs,

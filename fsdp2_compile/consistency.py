@@ -2,7 +2,8 @@
 
 After compiling a graph, each rank publishes the sequence of its collectives (kind, dtype, bytes) in the process
 group's store and reads every other rank's; any difference raises, on every rank, an error naming the ranks and
-the first differing collective. A rank that never publishes (it failed to compile) makes the others raise after
+the first differing collective and the parameters one rank gathers or reduces but the other does not (e.g. a
+parameter used under `if rank == 0:`). A rank that never publishes (it failed to compile) makes the others raise after
 `timeout_s` instead of hanging in the first collective.
 """
 
@@ -18,14 +19,34 @@ from torch import fx
 from ._torch_private import default_store
 from .report import collectives
 
-__all__ = ["schedule_signature", "check_same_schedule"]
+__all__ = ["check_same_schedule", "schedule_signature"]
 
 _counter = itertools.count()
 
 
 def schedule_signature(gm: fx.GraphModule) -> str:
-    """The collectives of `gm` in order, one `kind:dtype:bytes` per line."""
-    return "\n".join(f"{c.kind}:{str(c.dtype).removeprefix('torch.')}:{c.nbytes}" for c in collectives(gm))
+    """The collectives of `gm` in order, one `kind:dtype:bytes:param,param,...` per line."""
+    return "\n".join(
+        f"{c.kind}:{str(c.dtype).removeprefix('torch.')}:{c.nbytes}:{','.join(c.params)}" for c in collectives(gm)
+    )
+
+
+def _served(lines: list[str]) -> set[tuple[str, str]]:
+    """(collective kind, parameter) for every parameter the collectives of a signature serve."""
+    return {(line.split(":", 1)[0], p) for line in lines for p in line.split(":", 3)[3].split(",") if p}
+
+
+def _only_on(rank: int, served: set[tuple[str, str]]) -> str:
+    """"; all_gather of a, b on rank 0 only" per collective kind ("" when `served` is empty)."""
+    kinds = sorted({kind for kind, _ in served})
+    return "".join(
+        f"; {kind} of {', '.join(sorted(p for k, p in served if k == kind))} on rank {rank} only" for kind in kinds
+    )
+
+
+def _short(lines: list[str], i: int) -> str:
+    """Collective #i of a signature without its parameter list ("none" past the end)."""
+    return lines[i].rsplit(":", 1)[0] if i < len(lines) else "none"
 
 
 def check_same_schedule(gm: fx.GraphModule, kind: str, timeout_s: float = 120.0) -> None:
@@ -51,9 +72,11 @@ def check_same_schedule(gm: fx.GraphModule, kind: str, timeout_s: float = 120.0)
         if theirs != mine:
             ours, other = mine.splitlines(), theirs.splitlines()
             i = next((i for i, (a, b) in enumerate(zip(ours, other)) if a != b), min(len(ours), len(other)))
+            params = _only_on(rank, _served(ours) - _served(other)) + _only_on(r, _served(other) - _served(ours))
             raise RuntimeError(
                 f"fsdp2_compile: rank {rank} and rank {r} compiled different {kind} schedules "
                 f"(sha256 {hashlib.sha256(mine.encode()).hexdigest()[:12]} vs {hashlib.sha256(theirs.encode()).hexdigest()[:12]}); "
-                f"collective #{i}: {ours[i] if i < len(ours) else 'none'} here vs {other[i] if i < len(other) else 'none'} "
-                f"on rank {r}. Give every rank the same model, CompileConfig and inputs"
+                f"collective #{i}: {_short(ours, i)} here vs {_short(other, i)} on rank {r}{params}. "
+                "Give every rank the same model, CompileConfig and inputs, and use every parameter on every rank "
+                "(not under a rank-dependent branch)"
             )

@@ -87,7 +87,7 @@ def concrete(x) -> int | float:
     if isinstance(x, (torch.SymInt, torch.SymFloat)):
         node = x.node
         expr = sympy.sympify(node.expr)
-        return int(expr.xreplace({s: sympy.Integer(v) for s, v in node.shape_env.var_to_val.items()}))
+        return int(expr.xreplace({s: sympy.Integer(v) for s, v in node.shape_env.backed_var_to_val.items()}))
     return x
 
 

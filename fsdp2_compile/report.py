@@ -17,10 +17,12 @@ from .graph import PARAMS, val
 
 __all__ = [
     "Collective",
+    "CompileCounts",
     "GraphRecord",
     "clear_compiled_graphs",
     "collective",
     "collectives",
+    "compile_counts",
     "compiled_graphs",
     "record_graph",
 ]
@@ -68,6 +70,9 @@ class GraphRecord:
     snapshots: list[tuple[str, str]] = field(default_factory=list)
     timeline: Timeline | None = None
     """The scheduler's simulated step for this graph."""
+    compile_id: tuple[int, int] | None = None
+    """Dynamo's (frame, attempt) this graph came from: each graph break's continuation is a new frame, each
+    recompile (e.g. for a new input shape) a new attempt of its frame. None when compiled outside Dynamo."""
 
     def summary(self) -> Counter:
         return Counter(c.kind for c in collectives(self.gm))
@@ -89,3 +94,34 @@ def compiled_graphs() -> list[GraphRecord]:
 
 def clear_compiled_graphs() -> None:
     _RECORDS.clear()
+
+
+@dataclass(frozen=True)
+class CompileCounts:
+    """How many graphs the backend compiled, and why: subgraphs (graph breaks) or recompiles."""
+
+    forward: int
+    backward: int
+    inference: int
+    frames: int
+    """Distinct Dynamo frames (subgraphs) among the forward and inference graphs: the first, plus one per graph-break
+    continuation that ran (a data-dependent branch has one per branch taken)."""
+    recompiles: int
+    """Forward and inference graphs beyond the first of their frame (guards failed, e.g. a new input shape)."""
+
+
+def compile_counts() -> CompileCounts:
+    """Counts of `compiled_graphs()`. Each subgraph (Dynamo frame) of a model with graph breaks compiles one forward
+    and one backward graph (one inference graph under no_grad); a recompile, e.g. for a new input shape, adds one
+    more of each for its frame."""
+    kinds = Counter(r.kind for r in _RECORDS)
+    ids = [r.compile_id for r in _RECORDS if r.kind in ("forward", "inference") and r.compile_id is not None]
+    frames = {frame for frame, _ in ids}
+    attempts = {(frame, attempt) for frame, attempt in ids}
+    return CompileCounts(
+        forward=kinds["forward"],
+        backward=kinds["backward"],
+        inference=kinds["inference"],
+        frames=len(frames),
+        recompiles=len(attempts) - len(frames),
+    )
