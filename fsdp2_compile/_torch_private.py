@@ -9,10 +9,12 @@ import torch
 from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._guards import detect_fake_mode
+from torch._library.fake_class_registry import FakeScriptObject
 from torch.utils.checkpoint import CheckpointPolicy
 
 __all__ = [
     "CheckpointPolicy",
+    "FakeScriptObject",
     "aot_module_simplified",
     "current_compile_id",
     "default_store",

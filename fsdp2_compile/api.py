@@ -52,6 +52,9 @@ def compile_in_place(module: nn.Module, backend, dynamic: bool | None = None) ->
         _check_call_inputs(module, args, kwargs)  # traced: runs when Dynamo compiles, guarded like the inputs
         return module._call_impl(*args, **kwargs)
 
+    # A code object of its own: Dynamo keeps at most `recompile_limit` (8) graphs per code object, and every
+    # module compiled here would otherwise share `call`'s, so the 9th would silently run uncompiled.
+    call.__code__ = call.__code__.replace()
     module._compiled_call_impl = torch.compile(call, backend=backend, dynamic=dynamic)
 
 

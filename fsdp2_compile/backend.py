@@ -8,6 +8,7 @@ or MUST_SAVE (`False`: gathered once, kept until backward).
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -17,6 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from ._torch_private import (
     CheckpointPolicy,
+    FakeScriptObject,
     aot_module_simplified,
     current_compile_id,
     inductor_compile,
@@ -98,9 +100,41 @@ def _tag_unshards(joint: fx.GraphModule) -> None:
         node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE if reshard else CheckpointPolicy.MUST_SAVE
 
 
+def _is_opaque(node: Any) -> bool:
+    return isinstance(node, fx.Node) and isinstance(node.meta.get("val"), FakeScriptObject)
+
+
+def _rng_states_before_opaques(fw: fx.GraphModule, bw: fx.GraphModule) -> None:
+    """Work around torch 2.13 with activation checkpointing: the partitioner saves the RNG state of recomputed
+    seeded ops (CPU SDPA is one) after the saved opaque objects (DTensor's DeviceMesh), where AOTAutograd's runtime
+    expects only non-tensors ("expected all tensors_saved_with_vc_check to be Tensors"). Move those states before
+    the first opaque object, among the forward's outputs and the backward's inputs alike."""
+    output = fw.graph.output_node()
+    outs = list(output.args[0])
+    rng = [
+        o for o in outs
+        if isinstance(o, fx.Node) and o.target is operator.getitem and o.args[1] == 0
+        and o.args[0].target is torch.ops.higher_order.run_and_save_rng_state
+    ]
+    if not rng or not any(_is_opaque(o) for o in outs):
+        return
+    rest = [o for o in outs if not any(o is r for r in rng)]
+    at = next(i for i, o in enumerate(rest) if _is_opaque(o))
+    output.args = (tuple(rest[:at] + rng + rest[at:]),)
+    placeholders = list(bw.graph.find_nodes(op="placeholder"))
+    first_opaque = next(p for p in placeholders if _is_opaque(p))
+    for p in placeholders:
+        if p.name.startswith("rng_state_output"):
+            first_opaque.prepend(p)
+    fw.recompile()
+    bw.recompile()
+
+
 def _partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any):
     _tag_unshards(joint)
-    return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+    fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+    _rng_states_before_opaques(fw, bw)
+    return fw, bw
 
 
 def resolve_profile(config: CompileConfig, gm: fx.GraphModule) -> HardwareProfile:

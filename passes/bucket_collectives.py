@@ -83,11 +83,11 @@ def _fuse_all_gathers(graph: fx.Graph, members: list[fx.Node], hoist: dict[fx.No
                 graph, aten.clone.default, (cols,), tag("copy_out"), {"memory_format": torch.contiguous_format}
             )
             full = insert_call(graph, aten.view.default, (dense, [world * rows, *rest]), tag("copy_out"))
-            old_wait = _wait_of(m)
-            old_wait.replace_all_uses_with(full)
-            graph.erase_node(old_wait)
-            graph.erase_node(m)
+            _wait_of(m).replace_all_uses_with(full)
             offset += size
+    for m in members:  # only now: `first` is the insertion point above
+        graph.erase_node(_wait_of(m))
+        graph.erase_node(m)
     for n in later_copy_in:
         hoist[n] = flat[0]
 

@@ -1,4 +1,6 @@
-"""Lower every `fsdp2::unshard` into `[cast to param_dtype] → [pad] → all_gather_into_tensor → wait_tensor → [unpad]`.
+"""Lower every `fsdp2::unshard` into `[cast to param_dtype] → [pad] → all_gather_into_tensor → wait_tensor → [unpad]`,
+after folding repeated unshards of one parameter (tied weights, a weight read twice) into the first: training
+graphs get that from the partitioner's CSE, inference graphs do not.
 
 Needs: nothing (runs on any forward, backward or inference graph). Provides: functional collectives tagged with
 `fsdp.param_fqn` and `fsdp.role`. The cast comes before the all-gather, so a bf16 policy moves half the bytes.
@@ -16,8 +18,24 @@ aten = torch.ops.aten
 funcol = torch.ops._c10d_functional
 
 
+def _fold_repeated(graph: fx.Graph) -> None:
+    """One `fsdp2::unshard` per parameter: its static args (fqn included) identify the parameter."""
+    first: dict[tuple, fx.Node] = {}
+    for node in nodes_calling(graph, UNSHARD):
+        key = node.args[1:]
+        if key not in first:
+            first[key] = node
+            continue
+        shard = node.args[0]
+        node.replace_all_uses_with(first[key])
+        graph.erase_node(node)
+        if shard.op == "call_function" and not shard.users:  # a view of the shard placeholder
+            graph.erase_node(shard)
+
+
 def lower_unshard(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     graph = gm.graph
+    _fold_repeated(graph)
     for node in nodes_calling(graph, UNSHARD):
         shard, dim0, world_size, group_name, param_dtype, _reduce_dtype, fqn, bucket, *_ = node.args
         tag = lambda role: {PARAMS: (fqn,), BUCKET: bucket, ROLE: role}  # noqa: E731

@@ -51,3 +51,23 @@ def test_backend_on_an_unsharded_module_says_to_call_shard():
     )
     assert proc.returncode != 0
     assert "not sharded; call fsdp2_compile.shard(model, mesh)" in proc.stderr
+
+
+def test_every_compiled_module_gets_its_own_dynamo_cache():
+    # Dynamo keeps at most 8 graphs per code object; ten modules compiled in one process must all compile
+    proc = python(
+        """
+        import torch
+        from torch import nn
+        import fsdp2_compile as fc
+        from fsdp2_compile._torch_private import fake_process_group
+        from fsdp2_compile.report import compile_counts
+        fake_process_group(rank=0, world_size=2)
+        for i in range(10):
+            model = fc.shard_compile(nn.Linear(4, 4), compile_config=fc.CompileConfig(check_rank_consistency=False))
+            model(torch.randn(2, 4)).sum().backward()
+            print(i, compile_counts().forward)
+        """
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split()[-1] == "10", proc.stdout  # one forward graph per module, the tenth included

@@ -56,6 +56,18 @@ def test_lower_unshard_without_cast_or_padding(fake_pg):
     assert [c.nbytes for c in collectives(gm)] == [32 * 3 * 4]
 
 
+def test_lower_unshard_gathers_a_parameter_read_twice_once(fake_pg):
+    # no CSE runs on inference graphs: a tied weight (embedding and head) reaches the pass as two unshards
+    def f(shard):
+        return UNSHARD(shard.view(8, 3), 32, 4, fake_pg, None, fp32, "emb", "", True, 1, "") + UNSHARD(
+            shard.view(8, 3), 32, 4, fake_pg, None, fp32, "emb", "", True, 1, ""
+        )
+
+    gm = lower_unshard(make_fx(f, tracing_mode="fake")(torch.randn(8, 3)), PassContext("inference"))
+    assert [c.params for c in collectives(gm)] == [("emb",)]
+    assert targets(gm).count(aten.view.default) == 1  # the second read's view went with it
+
+
 def test_lower_reduce_grad_casts_pads_reduce_scatters_and_unpads(fake_pg):
     def f(grad):
         return REDUCE_GRAD(grad, 6, 4, fake_pg, fp32, fp32, "fc.weight", "", 1, "")
