@@ -127,8 +127,10 @@ def test_training_resumes_after_eval():
 # --- activation checkpointing ----------------------------------------------------------------------------------
 
 
-def test_activation_checkpointing_keeps_parity():
-    result = job("ac")
+@pytest.mark.parametrize("name", ["ac", "per_module_reshard"])
+def test_activation_checkpointing_and_per_module_resharding_keep_parity(name):
+    # "ac": checkpoint_wrapper on each block; "per_module_reshard": only block 0 reshards after forward
+    result = job(name)
     ref = reference()
     torch.testing.assert_close(losses(result["steps"]), ref["losses"], rtol=1e-5, atol=0)
     assert_params_close(result["full"], ref["params"], PARAM_RTOL, PARAM_ATOL)
@@ -177,14 +179,6 @@ def test_state_dicts_resume_training_in_a_fresh_model():
 
 
 # --- reshard_after_forward per shard() call -----------------------------------------------------------------------
-
-
-def test_per_module_reshard_after_forward_keeps_parity():
-    result = job("per_module_reshard")
-    ref = reference()
-    torch.testing.assert_close(losses(result["steps"]), ref["losses"], rtol=1e-5, atol=0)
-    assert_params_close(result["full"], ref["params"], PARAM_RTOL, PARAM_ATOL)
-    assert result["live"] == []
 
 
 def test_backward_regathers_only_the_groups_that_reshard():
