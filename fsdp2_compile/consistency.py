@@ -65,7 +65,9 @@ def check_same_schedule(gm: fx.GraphModule, kind: str, timeout_s: float = 120.0)
         missing = [r for r in range(world) if not store.check([f"{key}/{r}"])]
         raise RuntimeError(
             f"fsdp2_compile: rank(s) {missing} did not publish their {kind} schedule within {timeout_s:.0f} s "
-            "(they failed to compile or compiled different graphs); look at their errors"
+            "(they failed to compile, or compiled different graphs: e.g. a data-dependent branch went another way "
+            "there, so they did not need this graph); look at their errors, and keep control flow the same on "
+            "every rank"
         ) from e
     for r in range(world):
         theirs = store.get(f"{key}/{r}").decode()

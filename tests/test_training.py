@@ -13,7 +13,7 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 from harness import run_ranks
 from models import make_model, reference_train
-from workers import mismatched_configs, train
+from workers import mismatched_configs, train, unpublished_schedule
 
 STEPS = 10
 bf16 = torch.bfloat16
@@ -188,6 +188,12 @@ def test_ranks_configured_differently_fail_clearly_on_every_rank():
     for message in messages:
         assert "compiled different forward schedules" in message, message
         assert "collective #0" in message and "same model, CompileConfig" in message
+
+
+def test_a_rank_that_never_compiles_the_graph_is_named_after_the_timeout():
+    message = run_ranks(unpublished_schedule, 2, timeout=120)[0]
+    assert "rank(s) [1] did not publish their forward schedule within 2 s" in message, message
+    assert "data-dependent branch" in message
 
 
 @pytest.mark.parametrize("name", ["mlp", "gpt"])

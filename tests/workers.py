@@ -314,3 +314,17 @@ def checkpoint_helpers(rank: int, world_size: int, path: str) -> dict:
         except ValueError as e:
             errors[label] = str(e)
     return dict(saved=_full_state(model, opt), loaded=_full_state(fresh, fresh_opt), errors=errors)
+
+
+def unpublished_schedule(rank: int, world_size: int) -> str:
+    """Only rank 0 compiles a graph (as when a data-dependent branch differs): it must raise, not wait forever."""
+    from fsdp2_compile.consistency import check_same_schedule
+
+    message = "no error"
+    if rank == 0:
+        try:
+            check_same_schedule(torch.fx.symbolic_trace(torch.nn.Linear(2, 2)), "forward", timeout_s=2)
+        except RuntimeError as e:
+            message = str(e)
+    dist.barrier()
+    return message
