@@ -13,6 +13,7 @@ mesh's last dim, replicated over its first; gradients are reduce-scattered, then
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -24,6 +25,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .config import MixedPrecisionPolicy
 from .cost_model import measure_profile
+from .eager_reshard import note_gathered, register_reshard_hooks
 from .ops import unshard
 
 __all__ = [
@@ -69,6 +71,12 @@ class ParamInfo:
                 f"parameter '{self.fqn}' was replaced by a {type(param).__name__} after shard(); "
                 "assign parameters before calling fsdp2_compile.shard, or load values with load_state_dict"
             )
+        full = self._unshard(param)
+        if self.reshard_after_forward and not torch.compiler.is_compiling():
+            note_gathered(full, functools.partial(self._unshard, param))
+        return full
+
+    def _unshard(self, param: DTensor) -> torch.Tensor:
         return unshard(
             param.to_local(),
             self.dim0,
@@ -346,5 +354,7 @@ def shard(
 
     _install_properties(module, {})  # the module gets ShardedModule's methods even without parameters of its own
     _register_mp_hooks(module, mp_policy)
+    if reshard_after_forward:
+        register_reshard_hooks(module)
     object.__setattr__(module, _STATE_ATTR, ShardState(mesh, mp_policy, reshard_after_forward, tuple(param_fqns)))
     return module

@@ -67,6 +67,9 @@ def test_eager_sharded_module_matches_compiled_and_reference(name):
     torch.testing.assert_close(eager["losses"], compiled["losses"], rtol=1e-5, atol=0)
     torch.testing.assert_close(eager["losses"], reference(name)[0], rtol=1e-5, atol=0)
     assert eager["graphs"] == []  # nothing was compiled
+    # resharding after forward, eager and compiled: between forward and backward no gathered parameter is alive
+    # (eager: saved-tensor hooks keep a recipe and gather again in backward)
+    assert eager["live_after_forward"] == [] and compiled["live_after_forward"] == []
 
 
 def test_bf16_params_fp32_reduce_matches_a_reference_with_the_same_casts():
@@ -124,6 +127,7 @@ def test_without_resharding_gathered_parameters_are_kept_and_not_gathered_twice(
     [bw] = [g for g in result["graphs"] if g["kind"] == "backward"]
     assert not [c for c in bw["collectives"] if c.kind == "all_gather"]
     assert fw["saved_gathered"]  # what backward needs is kept from forward
+    assert result["live_after_forward"]  # ... and alive between forward and backward (what the measure sees)
     # and with resharding, the same model re-gathers in backward
     assert [c for g in run("gpt", 2)["graphs"] if g["kind"] == "backward" for c in g["collectives"] if c.kind == "all_gather"]
 

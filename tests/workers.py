@@ -58,6 +58,24 @@ def _saved_gathered_params(fw: torch.fx.GraphModule) -> list[str]:
     return found
 
 
+def _live_unsharded(model, opt) -> list[tuple[int, ...]]:
+    """Shapes of live tensors shaped like a sharded parameter's full shape that are not a shard, gradient,
+    optimizer state or unmanaged parameter/buffer: gathered parameters (also those autograd saved for backward)."""
+    params = dict(model.named_parameters())
+    gc.collect()
+    full_shapes = {tuple(p.shape) for p in params.values() if isinstance(p, DTensor) and p.to_local().shape != p.shape}
+    opt_state = [v for s in opt.state.values() for k, v in s.items() if k != "step"]
+    shards = [*params.values(), *(p.grad for p in params.values()), *opt_state]
+    shard_ptrs = {t.to_local().data_ptr() for t in shards if isinstance(t, DTensor)}
+    shard_ptrs |= {t.data_ptr() for t in [*params.values(), *model.buffers()] if not isinstance(t, DTensor)}  # unmanaged
+    live = [
+        o
+        for o in gc.get_objects()
+        if type(o) in (torch.Tensor, torch.nn.Parameter) and tuple(o.shape) in full_shapes and o.data_ptr() not in shard_ptrs
+    ]
+    return sorted({tuple(o.shape) for o in live})
+
+
 def _local_bytes(tensors) -> int:
     return sum((t.to_local() if isinstance(t, DTensor) else t).nbytes for t in tensors)
 
@@ -87,27 +105,21 @@ def train(rank: int, world_size: int, name: str, spec: dict) -> dict:
         dist.all_reduce(step_loss)
         losses.append(step_loss.item() / world_size)
 
-    # one more backward without zero_grad, so grads exist for the memory figures
+    # one more forward: what is alive before its backward; then the backward, without zero_grad, so grads exist
     x, y = batch(name, 0)
-    loss_fn(name, model(local_slice(x, rank, world_size)), local_slice(y, rank, world_size)).backward()
+    loss = loss_fn(name, model(local_slice(x, rank, world_size)), local_slice(y, rank, world_size))
+    live_after_forward = _live_unsharded(model, opt)
+    loss.backward()
+    del loss
+    live_unsharded = _live_unsharded(model, opt)
     params = dict(model.named_parameters())
-    gc.collect()
-    full_shapes = {tuple(p.shape) for p in params.values() if isinstance(p, DTensor) and p.to_local().shape != p.shape}
     opt_state = [v for s in opt.state.values() for k, v in s.items() if k != "step"]
-    shards = [p for p in params.values()] + [p.grad for p in params.values()] + opt_state
-    shard_ptrs = {t.to_local().data_ptr() for t in shards if isinstance(t, DTensor)}
-    shard_ptrs |= {t.data_ptr() for t in [*params.values(), *model.buffers()] if not isinstance(t, DTensor)}  # unmanaged
-    live = [
-        o
-        for o in gc.get_objects()
-        if type(o) in (torch.Tensor, torch.nn.Parameter) and tuple(o.shape) in full_shapes and o.data_ptr() not in shard_ptrs
-    ]
-    live_unsharded = sorted({tuple(o.shape) for o in live})
     full = {k: p.full_tensor() if isinstance(p, DTensor) else p.detach().clone() for k, p in params.items()}
     result = dict(
         losses=losses,
         full=full,
         live_unsharded=live_unsharded,
+        live_after_forward=live_after_forward,
         param_types={k: (type(p).__name__, tuple(p.placements) if isinstance(p, DTensor) else None) for k, p in params.items()},
         grad_placements={k: tuple(p.grad.placements) for k, p in params.items() if isinstance(p.grad, DTensor)},
         plain_grads=[k for k, p in params.items() if p.grad is not None and not isinstance(p.grad, DTensor)],
