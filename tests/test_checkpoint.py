@@ -35,9 +35,12 @@ def test_dcp_save_and_load_at_another_world_size(tmp_path, save_ranks, save_hsdp
     torch.testing.assert_close(loaded["losses"], saved["losses"], rtol=1e-5, atol=0)
 
 
-@pytest.mark.parametrize("saver", ["fsdp2", "ours"])
-def test_checkpoints_move_between_fsdp2_eager_and_shard_compile(tmp_path, saver):
-    result = run_ranks(checkpoint_interop, 2, str(tmp_path / "ckpt"), saver)[0]
+@pytest.mark.parametrize(
+    "saver,world_size,hsdp", [("fsdp2", 2, False), ("ours", 2, False), ("fsdp2", 4, True)], ids=["fsdp2", "ours", "fsdp2-hsdp"]
+)
+def test_checkpoints_move_between_fsdp2_eager_and_shard_compile(tmp_path, saver, world_size, hsdp):
+    # hsdp: both systems on a 2x2 (replicate, shard) mesh
+    result = run_ranks(checkpoint_interop, world_size, str(tmp_path / "ckpt"), saver, hsdp)[0]
     # the other system, loaded from the checkpoint, takes the same next steps as the one that saved it
     torch.testing.assert_close(result["loaded"], result["continued"], rtol=1e-6, atol=0)
 

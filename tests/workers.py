@@ -221,18 +221,19 @@ def checkpoint_load(rank: int, world_size: int, path: str, hsdp: bool = False) -
     return dict(loaded=loaded, losses=[step(i) for i in range(3, 5)])
 
 
-def _gpt_fsdp2_eager(rank: int, world_size: int):
+def _gpt_fsdp2_eager(rank: int, world_size: int, hsdp: bool = False):
     """The same GPT under PyTorch's own FSDP2 (fully_shard per block, then the root): the interop reference."""
     from torch.distributed.fsdp import fully_shard
 
     model = make_model("gpt")
+    mesh = _mesh(dict(hsdp=hsdp))
     for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     return model, make_optimizer(model)
 
 
-def checkpoint_interop(rank: int, world_size: int, path: str, saver: str) -> dict:
+def checkpoint_interop(rank: int, world_size: int, path: str, saver: str, hsdp: bool = False) -> dict:
     """Save with one system (`saver`: "fsdp2" eager or "ours") after 3 steps, load into the other, step 3 and 4."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -242,8 +243,8 @@ def checkpoint_interop(rank: int, world_size: int, path: str, saver: str) -> dic
 
     def build(system):
         if system == "fsdp2":
-            return _gpt_fsdp2_eager(rank, world_size)
-        model, opt, _ = _gpt_for_checkpoint(rank, world_size)
+            return _gpt_fsdp2_eager(rank, world_size, hsdp)
+        model, opt, _ = _gpt_for_checkpoint(rank, world_size, hsdp)
         return model, opt
 
     saver_model, saver_opt = build(saver)
