@@ -20,6 +20,7 @@ __all__ = [
     "default_store",
     "detect_fake_mode",
     "fake_process_group",
+    "group_size",
     "inductor_compile",
     "inductor_decompositions",
     "make_boxed_func",
@@ -41,6 +42,13 @@ def default_store():
 
     return _get_default_store()
 
+
+
+def group_size(group_name: str) -> int:
+    """Ranks in the process group registered under `group_name` (what functional collectives take)."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(group_name).size()
 
 
 def current_compile_id() -> tuple[int, int] | None:

@@ -16,6 +16,8 @@ import torch
 from torch import fx
 from torch.utils.flop_counter import flop_registry
 
+from ._torch_private import group_size
+
 __all__ = [
     "PROFILES",
     "Event",
@@ -104,9 +106,10 @@ def _val(a):
 
 
 def collective_time(node: fx.Node, profile: HardwareProfile) -> float:
-    """alpha + (N-1)/N * bytes * beta (an all-reduce, a reduce-scatter plus an all-gather, counts 2 * bytes)."""
+    """alpha + (N-1)/N * bytes * beta (an all-reduce, a reduce-scatter plus an all-gather, counts twice that)."""
     if node.target is _funcol.all_reduce.default:
-        return profile.alpha_s + 2 * _nbytes(_val(node.args[0])) * profile.beta_s_per_byte
+        world = group_size(node.args[2])
+        return profile.alpha_s + 2 * (world - 1) / world * _nbytes(_val(node.args[0])) * profile.beta_s_per_byte
     world = node.args[-2]
     full = _val(node) if node.target is _funcol.all_gather_into_tensor.default else _val(node.args[0])
     return profile.alpha_s + (world - 1) / world * _nbytes(full) * profile.beta_s_per_byte

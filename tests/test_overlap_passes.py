@@ -157,3 +157,41 @@ def test_scheduler_never_picks_an_order_it_estimates_slower(fake_pg):
     run_pipeline(three_blocks(fake_pg), plain)
     run_pipeline(three_blocks(fake_pg), full)
     assert full.timeline.exposed_comm_s < plain.timeline.exposed_comm_s  # prefetching hides communication
+
+
+def test_hsdp_reduce_scatter_then_all_reduce_per_bucket_overlapping_the_next_gradient(fake_pg):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fsdp2_compile.cost_model import PROFILES, collective_time
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    shard_group, replicas = mesh.get_group("shard").group_name, mesh.get_group("replicate").group_name
+
+    def f(g0, g1, g2, x):
+        grad = lambda g, name, bucket: REDUCE_GRAD(torch.relu(g), 8, 2, shard_group, fp32, fp32, name, bucket, 2, replicas)  # noqa: E731
+        return grad(g0, "b1.a", "b1"), grad(g1, "b1.b", "b1"), grad(g2, "b0.w", "b0"), torch.relu(x)
+
+    t = torch.randn(16, 3)
+    gm = make_fx(f, tracing_mode="fake")(t, t, t, t)
+    ctx = PassContext("backward")
+    for p in (lower_reduce_grad, bucket_collectives, reorder_for_overlap):
+        gm = p(gm, ctx)
+    gm.graph.lint()
+    nodes = order(gm)
+    kinds = [(c.kind, c.params, c.nbytes) for c in collectives(gm)]
+    # one reduce-scatter (shard group) and one all-reduce (replicas, of the reduced half) per bucket
+    assert kinds == [
+        ("reduce_scatter", ("b1.a", "b1.b"), 2 * 16 * 3 * 4),
+        ("all_reduce", ("b1.a", "b1.b"), 2 * 8 * 3 * 4),
+        ("reduce_scatter", ("b0.w",), 16 * 3 * 4),
+        ("all_reduce", ("b0.w",), 8 * 3 * 4),
+    ]
+    [rs1, rs0] = [i for i, n in enumerate(nodes) if n.target is RS]
+    [ar1, ar0] = [i for i, n in enumerate(nodes) if n.target is funcol.all_reduce.default]
+    relus = [i for i, n in enumerate(nodes) if n.target is torch.ops.aten.relu.default]
+    assert rs1 < ar1 < rs0 < max(relus)  # b1's all-reduce starts before b0's reduce-scatter, while compute remains
+    ar = nodes[ar1]
+    assert ar.args[2] == replicas and nodes.index(ar.args[0].args[0]) == rs1  # on b1's reduced shards
+    # cost: a ring all-reduce over 2 replicas moves 2 * (2-1)/2 of its bytes
+    profile = PROFILES["cpu-gloo-1gbit"]
+    assert collective_time(ar, profile) == profile.alpha_s + 2 * 8 * 3 * 4 * profile.beta_s_per_byte
