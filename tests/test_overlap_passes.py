@@ -168,7 +168,7 @@ def test_hsdp_reduce_scatter_then_all_reduce_per_bucket_overlapping_the_next_gra
     shard_group, replicas = mesh.get_group("shard").group_name, mesh.get_group("replicate").group_name
 
     def f(g0, g1, g2, x):
-        grad = lambda g, name, bucket: REDUCE_GRAD(torch.relu(g), 8, 2, shard_group, fp32, fp32, name, bucket, 2, replicas)  # noqa: E731
+        grad = lambda g, name, bucket: REDUCE_GRAD(torch.relu(g), 8, 2, shard_group, fp32, fp32, name, bucket, 2, replicas)
         return grad(g0, "b1.a", "b1"), grad(g1, "b1.b", "b1"), grad(g2, "b0.w", "b0"), torch.relu(x)
 
     t = torch.randn(16, 3)
@@ -187,7 +187,7 @@ def test_hsdp_reduce_scatter_then_all_reduce_per_bucket_overlapping_the_next_gra
         ("all_reduce", ("b0.w",), 8 * 3 * 4),
     ]
     [rs1, rs0] = [i for i, n in enumerate(nodes) if n.target is RS]
-    [ar1, ar0] = [i for i, n in enumerate(nodes) if n.target is funcol.all_reduce.default]
+    ar1, _ = (i for i, n in enumerate(nodes) if n.target is funcol.all_reduce.default)
     relus = [i for i, n in enumerate(nodes) if n.target is torch.ops.aten.relu.default]
     assert rs1 < ar1 < rs0 < max(relus)  # b1's all-reduce starts before b0's reduce-scatter, while compute remains
     ar = nodes[ar1]
