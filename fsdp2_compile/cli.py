@@ -21,12 +21,18 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-__all__ = ["main", "load_target", "call_factory"]
+__all__ = ["call_factory", "load_target", "main"]
 
 PROG = "fsdp2-compile"
 TARGET_HELP = (
     "module:factory or path/to/file.py:factory; the factory returns (model, args) or (model, args, loss_fn) "
     "(default loss: sum of the first floating-point output)"
+)
+
+
+REPLICATE_HELP = (
+    "HSDP: R replicas of N/R shards, on the mesh R x N/R (replicate x shard); gradients are reduce-scattered over "
+    "N/R ranks, then all-reduced over R (default 1: shard over all N ranks; N must be a multiple of R)"
 )
 
 
@@ -144,6 +150,13 @@ def _mp_policy(name: str | None):
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
+def _mesh_words(world_size: int, replicate: int) -> str:
+    """'4 ranks' or '4 ranks, mesh 2 x 2 (replicate x shard)'."""
+    if replicate == 1:
+        return f"{world_size} ranks"
+    return f"{world_size} ranks, mesh {replicate} x {world_size // replicate} (replicate x shard)"
+
+
 def _gib(n: float) -> str:
     return f"{n / 2**30:10.3f} GiB"
 
@@ -161,7 +174,7 @@ def cmd_dump(ns: argparse.Namespace) -> int:
     from .config import CompileConfig
     from .cost_model import PROFILES
     from .dump import write_dump
-    from .plan import block_list
+    from .plan import block_list, hsdp_mesh
     from .report import clear_compiled_graphs, compiled_graphs
     from .shard import shard
 
@@ -170,16 +183,18 @@ def cmd_dump(ns: argparse.Namespace) -> int:
     mp = _mp_policy(ns.mp)
     reshard = not ns.no_reshard
     with fake_group(ns.world_size):
+        mesh = hsdp_mesh(ns.world_size, ns.replicate)
         with progress(f"building {ns.target}", ns.quiet):
             model, args, loss_fn = call_factory(factory)
-        with progress(f"sharding over {ns.world_size} ranks (rank 0, fake process group) and compiling", ns.quiet):
+        where = _mesh_words(ns.world_size, ns.replicate)
+        with progress(f"sharding over {where} (rank 0, fake process group) and compiling", ns.quiet):
             _, blocks = block_list(model)
             if blocks is not None and not ns.no_block_shard:
                 for block in blocks:
-                    shard(block, reshard_after_forward=reshard, mp_policy=mp)
+                    shard(block, mesh, reshard_after_forward=reshard, mp_policy=mp)
             clear_compiled_graphs()
             shard_compile(
-                model, reshard_after_forward=reshard, mp_policy=mp,
+                model, mesh, reshard_after_forward=reshard, mp_policy=mp,
                 compile_config=CompileConfig(hardware=hardware, check_rank_consistency=False),
             )
             try:
@@ -194,6 +209,7 @@ def cmd_dump(ns: argparse.Namespace) -> int:
             raise RunError("nothing was compiled (did the model run any sharded parameter?)")
         with progress(f"writing {len(records)} graphs to {ns.out}", ns.quiet):
             summary = write_dump(records, ns.out, PROFILES[hardware])
+    print(f"sharded over {where}")
     print(summary, end="")
     print(f"artefacts in {os.path.abspath(ns.out)}")
     return 0
@@ -203,18 +219,23 @@ def format_plan(plan, seconds: float, rss: int) -> str:
     from .cost_model import PROFILES
 
     pr, an = plan.per_rank_bytes, plan.analytical_bytes
-    out = [f"plan: {plan.params:,} parameters, {plan.layers} blocks, world size {plan.world_size}", "",
-           "per-rank memory (rank 0, the largest shard)"]
+    header = f"plan: {plan.params:,} parameters, {plan.layers} blocks, world size {plan.world_size}"
+    if plan.replicate > 1:
+        header += f", mesh {plan.replicate} x {plan.shard_size} (replicate x shard)"
+    divisor = "N" if plan.replicate == 1 else "(N/R)"
+    out = [header, "", "per-rank memory (rank 0, the largest shard)"]
     for key in ("params", "grads", "optimizer"):
         error = (pr[key] - an[key]) / an[key] * 100 if an[key] else 0.0
-        out.append(f"  {key:<14}{_gib(pr[key])}   analytical numel*bytes/N {_gib(an[key])}  ({error:+.3f}%)")
+        out.append(f"  {key:<14}{_gib(pr[key])}   analytical numel*bytes/{divisor} {_gib(an[key])}  ({error:+.3f}%)")
     out.append(f"  {'gathered_peak':<14}{_gib(pr['gathered_peak'])}   root bucket + 2 largest block buckets")
     out.append(f"  {'activations':<14}{_gib(pr['activations'])}   saved by forward for backward")
     out.append(f"  {'total':<14}{_gib(pr['total'])}")
     out.append("")
     buffers = ", ".join(f"{k} {_gib(v).strip()}" for k, v in sorted(plan.collective_buffer_bytes.items()))
-    out.append(f"communication per step: {_gib(plan.comm_bytes_per_step).strip()} sent per rank "
-               f"((N-1)/N of the buffers: {buffers})")
+    ring = "(N-1)/N of the buffers" if plan.replicate == 1 else (
+        f"(G-1)/G of each buffer, 2(G-1)/G of an all-reduce's; G = its group, "
+        f"{plan.shard_size} or {plan.replicate} ranks")
+    out.append(f"communication per step: {_gib(plan.comm_bytes_per_step).strip()} sent per rank ({ring}: {buffers})")
     out.append("")
     out.append(f"  {'profile':<20}{'step time':>12}{'exposed comm':>14}   alpha, link, FLOP/s, memory; source")
     for name, t in plan.step_time_s.items():
@@ -245,7 +266,8 @@ def cmd_plan(ns: argparse.Namespace) -> int:
 
     with fake_group(ns.world_size):
         try:
-            plan = make_plan(factory, ns.world_size, call=call_factory, profiles=profiles, mp_policy=_mp_policy(ns.mp),
+            plan = make_plan(factory, ns.world_size, replicate=ns.replicate, call=call_factory, profiles=profiles,
+                             mp_policy=_mp_policy(ns.mp),
                              reshard_after_forward=not ns.no_reshard, progress=step)
         except (RunError, UsageError):
             raise
@@ -279,6 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="examples:\n"
                f"  {PROG} dump examples/llama.py:llama_tiny --world-size 4 --out /tmp/dump\n"
                f"  {PROG} plan examples/llama.py:llama3_70b --world-size 1024\n"
+               f"  {PROG} plan examples/llama.py:llama3_70b --world-size 1024 --replicate 8   # HSDP, 8 x 128\n"
                f"  python -m fsdp2_compile plan examples/llama.py:llama3_8b --world-size 64 --json\n\n"
                "exit codes: 0 ok, 1 runtime failure, 2 usage error",
     )
@@ -297,10 +320,12 @@ def build_parser() -> argparse.ArgumentParser:
                     "Blocks of the model's longest nn.ModuleList are sharded first (FSDP2's pattern), then the root.\n"
                     "In a real run, FSDP2_COMPILE_DUMP=DIR writes the same artefacts to DIR/rank<r>.",
         epilog=f"examples:\n  {PROG} dump examples/llama.py:llama3_8b --world-size 8 --mp bf16 --out /tmp/llama\n"
+               f"  {PROG} dump examples/llama.py:llama_tiny --world-size 4 --replicate 2 --out /tmp/hsdp\n"
                f"  {PROG} dump mypkg.models:make_model --world-size 2 --no-reshard",
     )
     dump.add_argument("target", metavar="TARGET", help=TARGET_HELP)
-    dump.add_argument("--world-size", type=int, required=True, help="number of ranks to shard over")
+    dump.add_argument("--world-size", type=int, required=True, help="number of ranks (N)")
+    dump.add_argument("--replicate", type=int, default=1, metavar="R", help=REPLICATE_HELP)
     dump.add_argument("--mp", choices=["bf16"], help="mixed precision: bf16 parameters, fp32 gradient reduction")
     dump.add_argument("--no-reshard", action="store_true", help="reshard_after_forward=False")
     dump.add_argument("--no-block-shard", action="store_true", help="shard only the root (one bucket)")
@@ -317,10 +342,12 @@ def build_parser() -> argparse.ArgumentParser:
                     "collectives, activations and the simulated step of every cost-model profile, scaled to the "
                     "full block count.",
         epilog=f"examples:\n  {PROG} plan examples/llama.py:llama3_70b --world-size 1024\n"
+               f"  {PROG} plan examples/llama.py:llama3_70b --world-size 1024 --replicate 8\n"
                f"  {PROG} plan examples/llama.py:llama3_8b --world-size 64 --hardware h100-nvlink --json",
     )
     plan.add_argument("target", metavar="TARGET", help=TARGET_HELP)
-    plan.add_argument("--world-size", type=int, required=True, help="number of ranks to shard over")
+    plan.add_argument("--world-size", type=int, required=True, help="number of ranks (N)")
+    plan.add_argument("--replicate", type=int, default=1, metavar="R", help=REPLICATE_HELP)
     plan.add_argument("--hardware", help="only this cost-model profile (default: all of cost_model.PROFILES)")
     plan.add_argument("--mp", choices=["bf16"], help="mixed precision: bf16 parameters, fp32 gradient reduction")
     plan.add_argument("--no-reshard", action="store_true", help="reshard_after_forward=False")
@@ -339,6 +366,14 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         if ns.world_size < 1:
             raise UsageError(f"--world-size must be >= 1, got {ns.world_size}")
+        if ns.replicate < 1:
+            raise UsageError(f"--replicate must be >= 1, got {ns.replicate}")
+        if ns.world_size % ns.replicate:
+            raise UsageError(
+                f"--world-size {ns.world_size} is not a multiple of --replicate {ns.replicate}: HSDP needs "
+                f"--world-size = --replicate x shard size; pass a --replicate that divides {ns.world_size} or a "
+                f"--world-size that is a multiple of {ns.replicate}"
+            )
         if ns.hardware is not None:
             from .cost_model import PROFILES
 

@@ -2,7 +2,8 @@
 
     forward/00_captured.txt ...   the graph after every pass; collective / wait / cast lines annotated with their
                                   parameters and bucket (provenance)
-    forward/graph.dot, .svg       the final graph, all-gathers, reduce-scatters, waits and casts highlighted
+    forward/graph.dot, .svg       the final graph, all-gathers, reduce-scatters, all-reduces (HSDP), waits and
+                                  casts highlighted
     trace.json                    the simulated schedule (cost_model.simulate) as a Perfetto / Chrome trace
     memory.png                    estimated live bytes over the step
     summary.txt                   the table `summarize` returns (also printed by `fsdp2-compile dump`)
@@ -28,7 +29,7 @@ from .cost_model import PROFILES, HardwareProfile, Timeline, simulate
 from .graph import BUCKET, PARAMS, ROLE
 from .report import GraphRecord, collective, collectives, compiled_graphs
 
-__all__ = ["DUMP_ENV", "dump_from_env", "write_dump", "summarize", "annotate", "png_line_chart", "saved_bytes"]
+__all__ = ["DUMP_ENV", "annotate", "dump_from_env", "png_line_chart", "saved_bytes", "summarize", "write_dump"]
 
 DUMP_ENV = "FSDP2_COMPILE_DUMP"
 
@@ -45,12 +46,13 @@ _FSDP_OP = re.compile(r"fsdp2\.(unshard|reduce_grad)")
 COLOURS = {  # category -> (fill, stroke)
     "all_gather": ("#8fd18f", "#2e7d32"),
     "reduce_scatter": ("#f6a38e", "#c62828"),
-    "all_reduce": ("#f6a38e", "#c62828"),
+    "all_reduce": ("#ce93d8", "#6a1b9a"),
     "wait": ("#ffe082", "#f57f17"),
     "cast": ("#90caf9", "#1565c0"),
     "placeholder": ("#eeeeee", "#9e9e9e"),
     "other": ("#ffffff", "#bdbdbd"),
 }
+_LEGEND = ("all_gather", "reduce_scatter", "all_reduce", "wait", "cast", "placeholder", "other")
 
 
 # ---------------------------------------------------------------------------------------------- graph text
@@ -182,6 +184,26 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def _snapshot_bytes(line: _Line, lines: dict[str, _Line], final_nodes: dict[str, fx.Node]) -> tuple[str, int] | None:
+    """(dtype name, full buffer bytes) of a collective line of an earlier snapshot, from its input as it is in the
+    final graph: an all-gather's input times its group size; a reduce-scatter's input; an all-reduce's input or,
+    when that is gone (HSDP before bucketing: wait(reduce_scatter(x))), x divided by the reduce-scatter's group."""
+    short = _short_target(line.target)
+    source = final_nodes.get(line.inputs[0]) if line.inputs else None
+    value = source.meta.get("val") if source is not None else None
+    if isinstance(value, torch.Tensor):
+        scale = int(line.args.split(",")[1]) if short == _AG else 1
+        return _dtype_name(value.dtype), value.numel() * value.element_size() * scale
+    wait = lines.get(line.inputs[0]) if short == _AR and line.inputs else None
+    scatter = lines.get(wait.inputs[0]) if wait is not None and wait.inputs else None
+    if scatter is None or _short_target(wait.target) != "wait_tensor" or _short_target(scatter.target) != _RS:
+        return None
+    full = _snapshot_bytes(scatter, lines, final_nodes)
+    if full is None:
+        return None
+    return full[0], full[1] // int(scatter.args.split(",")[2])
+
+
 def pass_stats(record: GraphRecord) -> list[PassStats]:
     """Per pass: node count, collectives by kind, bytes by dtype. Counts come from the snapshot text; bytes from
     each collective's input as it is in the final graph (the last pass: from `report.collectives`)."""
@@ -201,13 +223,11 @@ def pass_stats(record: GraphRecord) -> list[PassStats]:
             s.counts[kind] += 1
             if is_final:
                 continue
-            source = final_nodes.get(line.inputs[0]) if line.inputs else None
-            value = source.meta.get("val") if source is not None else None
-            if not isinstance(value, torch.Tensor):
+            found = _snapshot_bytes(line, lines, final_nodes)
+            if found is None:
                 s.unknown_bytes += 1
                 continue
-            world = int(line.args.split(",")[1]) if kind == "all_gather" else 1
-            s.bytes_by_dtype[(kind, _dtype_name(value.dtype))] += value.numel() * value.element_size() * world
+            s.bytes_by_dtype[(kind, found[0])] += found[1]
         if is_final:
             for c in collectives(record.gm):
                 s.bytes_by_dtype[(c.kind, _dtype_name(c.dtype))] += c.nbytes
@@ -251,14 +271,15 @@ def summarize(records: list[GraphRecord], profile: HardwareProfile) -> str:
     timelines = _timelines(records, profile)
     for label, record, tl in zip(_labels(records), records, timelines):
         out.append(f"== {label} graph ({len(record.gm.graph.nodes)} nodes)")
-        out.append(f"  {'pass':<22}{'nodes':>7}{'all_gather':>12}{'reduce_scat':>12}{'wait':>6}  bytes by dtype")
+        out.append(f"  {'pass':<22}{'nodes':>7}{'all_gather':>12}{'reduce_scat':>12}{'all_reduce':>12}{'wait':>6}"
+                   "  bytes by dtype")
         for s in pass_stats(record):
             parts = [f"{k[0]} {k[1]} {_mib(v)}" for k, v in sorted(s.bytes_by_dtype.items())]
             if s.unknown_bytes:
                 parts.append(f"{s.unknown_bytes} collective(s) of unknown size")
             out.append(
                 f"  {s.name:<22}{s.nodes:>7}{s.counts['all_gather']:>12}{s.counts['reduce_scatter']:>12}"
-                f"{s.counts['wait']:>6}  {'; '.join(parts) or '-'}"
+                f"{s.counts['all_reduce']:>12}{s.counts['wait']:>6}  {'; '.join(parts) or '-'}"
             )
         out.append(f"  {'bucket':<22}{'collective':<16}{'dtype':<10}{'bytes':>16}  params")
         for node in record.gm.graph.nodes:
@@ -302,7 +323,7 @@ def write_dot(gm: fx.GraphModule, path: str) -> None:
     """The graph as Graphviz DOT text, collective / wait / cast nodes filled with their colour, plus a legend."""
     out = ["digraph G {", "  rankdir=TB; node [shape=box, fontname=monospace, fontsize=9, style=filled];"]
     out.append("  subgraph cluster_legend { label=legend;")
-    for category in ("all_gather", "reduce_scatter", "wait", "cast", "placeholder", "other"):
+    for category in _LEGEND:
         fill, stroke = COLOURS[category]
         out.append(f'    legend_{category} [label="{category}", fillcolor="{fill}", color="{stroke}"];')
     out.append("  }")
@@ -326,13 +347,13 @@ def write_svg(gm: fx.GraphModule, path: str, title: str = "") -> None:
     index = {n: i for i, n in enumerate(nodes)}
     width, height = box_w + 320, top + row * len(nodes) + 20
     out = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="monospace" '
-        'font-size="10">',
+        (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="monospace" '
+         'font-size="10">'),
         f'<text x="{left}" y="16" font-size="13">{escape(title)} ({len(nodes)} nodes, execution order)</text>',
     ]
-    for i, category in enumerate(("all_gather", "reduce_scatter", "wait", "cast", "placeholder", "other")):
+    for i, category in enumerate(_LEGEND):
         fill, stroke = COLOURS[category]
-        x = left + i * 130
+        x = left + i * 120
         out.append(f'<rect x="{x}" y="28" width="12" height="12" fill="{fill}" stroke="{stroke}"/>')
         out.append(f'<text x="{x + 16}" y="38">{category}</text>')
     out.append(f'<text x="{left}" y="56" fill="#555">arcs on the right: data edges into and out of '

@@ -3,14 +3,17 @@ without the memory or the ranks (the model on the meta device, one process, the 
 
 Method:
 - parameters, gradients, optimizer state: the REAL `shard` of the full model at world size N (rank 0, which holds
-  the largest shard, ceil(dim0 / N) rows); gradients are sharded like the parameters, in their dtype; AdamW keeps
-  two fp32 states per element of the shard. Compared with the analytical numel x bytes / N.
+  the largest shard, ceil(dim0 / S) rows, S = N the shard size; HSDP with R replicas: S = N / R, mesh R x S);
+  gradients are sharded like the parameters, in their dtype; AdamW keeps two fp32 states per element of the shard.
+  Compared with the analytical numel x bytes / S.
 - gathered working set: the root bucket (its parameters are used at both ends of the step) plus the two largest
   other buckets (the one in use and the one prefetched), full padded size in the parameter (communication) dtype.
 - collectives, activations and time: the real pipeline compiles a reduced copy of the model (1 and 2 layers, same
   widths, when the factory takes `layers=`), runs its forward and backward on meta tensors, and the final graphs
   are simulated with each cost-model profile; per-layer figures (2 layers minus 1 layer) are scaled to the full
   layer count. Activations: the bytes the forward graph leaves alive for the backward (its non-input outputs).
+  Bytes sent per rank: a ring over a collective's own group of G ranks sends (G-1)/G of an all-gather's or a
+  reduce-scatter's full buffer and 2(G-1)/G of an all-reduce's (HSDP: G = R for the all-reduces).
 """
 
 from __future__ import annotations
@@ -22,13 +25,15 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from .cost_model import PROFILES, simulate
 from .dump import saved_bytes
-from .report import clear_compiled_graphs, collectives, compiled_graphs
+from .shard import default_device_type
+from .report import clear_compiled_graphs, collective, compiled_graphs
 
-__all__ = ["Plan", "analytical_bytes", "block_list", "make_plan", "shard_for_plan"]
+__all__ = ["Plan", "analytical_bytes", "block_list", "hsdp_mesh", "make_plan", "shard_for_plan", "wire_bytes"]
 
 ADAMW_STATES = 2
 """AdamW keeps exp_avg and exp_avg_sq per parameter element (fp32 here)."""
@@ -43,16 +48,26 @@ class Plan:
     per_rank_bytes: dict[str, int]
     analytical_bytes: dict[str, float]
     comm_bytes_per_step: int
-    """Bytes one rank sends per step: (N-1)/N of every collective's full buffer (ring algorithms)."""
+    """Bytes one rank sends per step (ring algorithms over each collective's group of G ranks): (G-1)/G of every
+    all-gather's and reduce-scatter's full buffer, 2(G-1)/G of every all-reduce's."""
     collective_buffer_bytes: dict[str, int]
     step_time_s: dict[str, float]
     exposed_comm_s: dict[str, float]
     method: str
     buckets: dict[str, int] = field(default_factory=dict)
+    replicate: int = 1
+    """HSDP: replicas (the mesh is replicate x shard_size); 1 = plain FSDP over all ranks."""
+
+    @property
+    def shard_size(self) -> int:
+        """Ranks each parameter is sharded over: world_size / replicate."""
+        return self.world_size // self.replicate
 
     def to_json(self) -> dict:
         return {
             "world_size": self.world_size,
+            "replicate": self.replicate,
+            "shard_size": self.shard_size,
             "params": self.params,
             "layers": self.layers,
             "per_rank_bytes": self.per_rank_bytes,
@@ -66,6 +81,16 @@ class Plan:
                          for n, p in PROFILES.items() if n in self.step_time_s},
             "method": self.method,
         }
+
+
+def hsdp_mesh(world_size: int, replicate: int):
+    """The 2-D mesh `(replicate, world_size // replicate)` with dims ("replicate", "shard") over the default process
+    group; None for `replicate == 1` (shard() then uses its 1-D default mesh). Same device rule as that default."""
+    if replicate == 1:
+        return None
+    if replicate < 1 or world_size % replicate:
+        raise ValueError(f"world size {world_size} is not a multiple of {replicate} replicas")
+    return init_device_mesh(default_device_type(), (replicate, world_size // replicate), mesh_dim_names=("replicate", "shard"))
 
 
 def block_list(model: nn.Module) -> tuple[str, nn.ModuleList | None]:
@@ -98,7 +123,8 @@ def _unique_params(model: nn.Module) -> list[nn.Parameter]:
 
 
 def analytical_bytes(model: nn.Module, world_size: int) -> dict[str, float]:
-    """numel x bytes / N for parameters and gradients, 2 x 4 bytes x numel / N for AdamW (unsharded model)."""
+    """numel x bytes / N for parameters and gradients, 2 x 4 bytes x numel / N for AdamW (unsharded model); N is
+    the number of ranks a parameter is sharded over (HSDP: the shard size)."""
     params = sum(p.numel() * p.element_size() for p in _unique_params(model))
     grads = sum(p.numel() * p.element_size() for p in _unique_params(model) if p.requires_grad)
     optim = sum(ADAMW_STATES * 4 * p.numel() for p in _unique_params(model) if p.requires_grad)
@@ -136,25 +162,43 @@ class _GraphFigures:
     exposed: dict[str, float]
 
 
-def _compile_and_measure(model, args, loss_fn, world_size, compile_kwargs, profiles) -> _GraphFigures:
+def wire_bytes(gm) -> tuple[float, dict[str, int]]:
+    """(bytes one rank sends, full buffer bytes by collective kind) of a graph's collectives: a ring over the
+    collective's own group of G ranks sends (G-1)/G of the buffer, twice that for an all-reduce."""
+    from ._torch_private import group_size
+
+    buffers: dict[str, int] = {}
+    wire = 0.0
+    for node in gm.graph.nodes:
+        c = collective(node)
+        if c is None:
+            continue
+        group = group_size(node.args[-1])  # every functional collective's last argument is its group name
+        buffers[c.kind] = buffers.get(c.kind, 0) + c.nbytes
+        wire += (group - 1) / group * c.nbytes * (2 if c.kind == "all_reduce" else 1)
+    return wire, buffers
+
+
+def _compile_and_measure(model, args, loss_fn, mesh, compile_kwargs, profiles) -> _GraphFigures:
     from .api import shard_compile
     from .shard import shard
 
     _, blocks = block_list(model)
     if blocks is not None:
         for block in blocks:
-            shard(block, reshard_after_forward=compile_kwargs["reshard_after_forward"],
+            shard(block, mesh, reshard_after_forward=compile_kwargs["reshard_after_forward"],
                   mp_policy=compile_kwargs["mp_policy"])
     clear_compiled_graphs()
-    shard_compile(model, **compile_kwargs)
+    shard_compile(model, mesh, **compile_kwargs)
     loss_fn(model(*args)).backward()
     records = [r for r in compiled_graphs() if r.kind in ("forward", "backward")]
     buffers: dict[str, int] = {}
     wire = 0.0
     for r in records:
-        for c in collectives(r.gm):
-            buffers[c.kind] = buffers.get(c.kind, 0) + c.nbytes
-            wire += (world_size - 1) / world_size * c.nbytes * (2 if c.kind == "all_reduce" else 1)
+        graph_wire, graph_buffers = wire_bytes(r.gm)
+        wire += graph_wire
+        for kind, nbytes in graph_buffers.items():
+            buffers[kind] = buffers.get(kind, 0) + nbytes
     forward = [r for r in records if r.kind == "forward"]
     timelines = {name: [simulate(r.gm, PROFILES[name]) for r in records] for name in profiles}
     clear_compiled_graphs()
@@ -176,28 +220,33 @@ def make_plan(
     factory: Callable,
     world_size: int,
     *,
+    replicate: int = 1,
     call: Callable = lambda f, **kw: f(**kw),
     profiles: list[str] | None = None,
     mp_policy=None,
     reshard_after_forward: bool = True,
     progress: Callable[[str], object] | None = None,
 ) -> Plan:
-    """Plan `factory`'s model at `world_size` ranks. Needs the default process group (the fake one, any size);
+    """Plan `factory`'s model at `world_size` ranks; `replicate` > 1: HSDP on a `replicate x world_size/replicate`
+    mesh (`hsdp_mesh`). Needs the default process group of `world_size` ranks (the fake one);
     `call(factory, **kwargs)` builds `(model, args, loss_fn)` (the CLI's checked call)."""
     from .config import CompileConfig, MixedPrecisionPolicy
 
     mp_policy = mp_policy or MixedPrecisionPolicy()
     profiles = profiles or list(PROFILES)
     step = progress or (lambda msg: None)
+    mesh = hsdp_mesh(world_size, replicate)
+    shard_size = world_size // replicate
 
     step("building the full model")
     model, _, _ = call(factory)
     path, blocks = block_list(model)
     layers = len(blocks) if blocks is not None else 0
-    analytical = analytical_bytes(model, world_size)
+    analytical = analytical_bytes(model, shard_size)
     n_params = sum(p.numel() for p in _unique_params(model))
-    step(f"sharding the full model over {world_size} ranks")
-    shard_for_plan(model, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
+    where = f"{world_size} ranks" if mesh is None else f"a {replicate} x {shard_size} mesh (replicate x shard)"
+    step(f"sharding the full model over {where}")
+    shard_for_plan(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
     measured = _sharded_bytes(model)
     buckets = _bucket_bytes(model, mp_policy.param_dtype)
     root = buckets.get("", 0)
@@ -205,17 +254,17 @@ def make_plan(
     gathered_peak = root + sum(others[:2])
     del model
 
-    compile_kwargs = dict(
-        reshard_after_forward=reshard_after_forward,
-        mp_policy=mp_policy,
-        compile_config=CompileConfig(hardware=profiles[0], check_rank_consistency=False),
-    )
+    compile_kwargs = {
+        "reshard_after_forward": reshard_after_forward,
+        "mp_policy": mp_policy,
+        "compile_config": CompileConfig(hardware=profiles[0], check_rank_consistency=False),
+    }
     takes_layers = "layers" in inspect.signature(factory).parameters
     if takes_layers and layers > 2:
         figures = []
         for n in (1, 2):
             step(f"compiling a {n}-layer copy (same widths) through the pipeline")
-            figures.append(_compile_and_measure(*call(factory, layers=n), world_size, compile_kwargs, profiles))
+            figures.append(_compile_and_measure(*call(factory, layers=n), mesh, compile_kwargs, profiles))
         one, two = figures
         comm = _scale(one.comm_wire, two.comm_wire, layers)
         buffers = {k: int(_scale(one.buffers.get(k, 0), two.buffers[k], layers)) for k in two.buffers}
@@ -227,7 +276,7 @@ def make_plan(
                   f"pipeline's graphs of 1- and 2-block copies, scaled linearly to {layers} blocks")
     else:
         step("compiling the model through the pipeline")
-        f = _compile_and_measure(*call(factory), world_size, compile_kwargs, profiles)
+        f = _compile_and_measure(*call(factory), mesh, compile_kwargs, profiles)
         comm, buffers, activations, time, exposed = f.comm_wire, f.buffers, f.activations, f.time, f.exposed
         method = (f"full model ({n_params:,} params) sharded with shard() for the per-rank bytes; collectives, "
                   "activations and time from the pipeline's graphs of the full model")
@@ -239,4 +288,8 @@ def make_plan(
         "activations": int(activations),
     }
     per_rank["total"] = sum(per_rank.values())
-    return Plan(world_size, n_params, layers, per_rank, analytical, int(comm), buffers, time, exposed, method, buckets)
+    if mesh is not None:
+        method += (f"; HSDP: parameters sharded over {shard_size} ranks, replicated {replicate} times, gradients "
+                   f"reduce-scattered over {shard_size} ranks then all-reduced over {replicate}")
+    return Plan(world_size, n_params, layers, per_rank, analytical, int(comm), buffers, time, exposed, method, buckets,
+                replicate)

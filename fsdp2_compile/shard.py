@@ -32,6 +32,7 @@ __all__ = [
     "ParamInfo",
     "ShardState",
     "ShardedModule",
+    "default_device_type",
     "is_known_param",
     "is_sharded",
     "managed_params",
@@ -161,6 +162,13 @@ def is_known_param(param: nn.Parameter) -> bool:
     return isinstance(param, DTensor) or getattr(param, _IGNORED_ATTR, False)
 
 
+def default_device_type() -> str:
+    """The device type of the default process group's mesh: the CPU for gloo or without an accelerator."""
+    accelerator = torch.accelerator.current_accelerator()
+    gloo = torch.distributed.get_backend() == "gloo"
+    return "cpu" if gloo or accelerator is None else accelerator.type
+
+
 def _default_mesh(mesh: DeviceMesh | None) -> DeviceMesh:
     if mesh is None:
         if not torch.distributed.is_initialized():
@@ -168,10 +176,7 @@ def _default_mesh(mesh: DeviceMesh | None) -> DeviceMesh:
                 "fsdp2_compile.shard(mesh=None) needs an initialised default process group; "
                 "call torch.distributed.init_process_group first or pass a DeviceMesh"
             )
-        accelerator = torch.accelerator.current_accelerator()
-        gloo = torch.distributed.get_backend() == "gloo"
-        device_type = "cpu" if gloo or accelerator is None else accelerator.type
-        return init_device_mesh(device_type, (torch.distributed.get_world_size(),))
+        return init_device_mesh(default_device_type(), (torch.distributed.get_world_size(),))
     if mesh.ndim > 2:
         raise ValueError(
             f"fsdp2_compile.shard got a {mesh.ndim}-D mesh {tuple(mesh.shape)}; FSDP uses a 1-D mesh (shard) "

@@ -25,7 +25,7 @@ FACTORIES = os.path.join(HERE, "cli_factories.py")
 def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "fsdp2_compile", *args], capture_output=True, text=True, cwd=ROOT,
-        env={**os.environ, **(env or {})}, timeout=300,
+        env={**os.environ, **(env or {})}, timeout=300, check=False,
     )
 
 
@@ -45,10 +45,21 @@ def decode_png(data: bytes) -> tuple[int, int, bytes]:
     return width, height, raw
 
 
-def graph_counts(text: str) -> tuple[int, int, int]:
-    """Nodes, all-gathers, reduce-scatters of a dumped graph text."""
+def graph_counts(text: str) -> tuple[int, int, int, int]:
+    """Nodes, all-gathers, reduce-scatters, all-reduces of a dumped graph text."""
     nodes = len(re.findall(r"^\s*(?:%\w+ : |return\b)", text, re.MULTILINE))
-    return nodes, text.count("all_gather_into_tensor.default]"), text.count("reduce_scatter_tensor.default]")
+    return (nodes, text.count("all_gather_into_tensor.default]"), text.count("reduce_scatter_tensor.default]"),
+            text.count("all_reduce.default]"))
+
+
+def check_summary_rows(stdout: str, folder, kind: str) -> list[str]:
+    """Every pass's row of `kind`'s summary table equals the counts in that pass's graph text; the pass files."""
+    passes = sorted(f for f in os.listdir(folder / kind) if f.endswith(".txt"))
+    section = stdout.split(f"== {kind} graph")[1].split("==")[0]
+    for name in passes:
+        row = re.search(rf"^\s+{name[3:-4]}\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)", section, re.MULTILINE)
+        assert tuple(map(int, row.groups())) == graph_counts((folder / kind / name).read_text()), name
+    return passes
 
 
 def test_dump_end_to_end(tmp_path):
@@ -61,16 +72,11 @@ def test_dump_end_to_end(tmp_path):
         assert files[0] == "00_captured.txt" and "graph.svg" in files and "graph.dot" in files
         ET.parse(out / kind / "graph.svg")  # valid XML
         assert (out / kind / "graph.dot").read_text().startswith("digraph")
-        passes = [f for f in files if f.endswith(".txt")]
+        passes = check_summary_rows(r.stdout, out, kind)
         assert len(passes) == 7
-        # the summary's row for every pass equals the counts in that pass's graph text
-        section = r.stdout.split(f"== {kind} graph")[1].split("==")[0]
-        for name in passes:
-            nodes, gathers, scatters = graph_counts((out / kind / name).read_text())
-            row = re.search(rf"^\s+{name[3:-4]}\s+(\d+)\s+(\d+)\s+(\d+)", section, re.MULTILINE)
-            assert tuple(map(int, row.groups())) == (nodes, gathers, scatters), name
         final = (out / kind / passes[-1]).read_text()
         assert "bucket='blocks.0'" in final and "params=[" in final  # provenance on collective lines
+        assert graph_counts(final)[3] == 0  # no all-reduce without --replicate
     trace = json.loads((out / "trace.json").read_text())
     lanes = {e["tid"] for e in trace["traceEvents"] if e["ph"] == "X"}
     assert lanes == {1, 2}
@@ -80,21 +86,25 @@ def test_dump_end_to_end(tmp_path):
     assert "exposed communication" in r.stdout and "peak memory" in r.stdout
 
 
-def test_summary_counts_match_the_compiled_graphs(fake_pg, tmp_path, monkeypatch):
+@pytest.mark.parametrize("hsdp", [False, True], ids=["fsdp", "hsdp_2x2"])
+def test_summary_counts_match_the_compiled_graphs(fake_pg, tmp_path, monkeypatch, hsdp):
     """In process, on the real records: the per-pass stats of the final pass equal the graph, bytes are kept by
-    every pass after lowering, and FSDP2_COMPILE_DUMP writes the artefacts of a real run to DIR/rank<r>."""
+    every pass after lowering (HSDP: the all-reduces' too, before bucketing re-derived through their
+    reduce-scatter), and FSDP2_COMPILE_DUMP writes the artefacts of a real run to DIR/rank<r>."""
     import cli_factories
 
     import fsdp2_compile as fc
     from fsdp2_compile.dump import pass_stats
+    from fsdp2_compile.plan import hsdp_mesh
     from fsdp2_compile.report import clear_compiled_graphs, collectives, compiled_graphs
 
     monkeypatch.setenv("FSDP2_COMPILE_DUMP", str(tmp_path))
     clear_compiled_graphs()
+    mesh = hsdp_mesh(4, 2) if hsdp else None
     model, (idx,) = cli_factories.tiny()
     for block in model.blocks:
-        fc.shard(block)
-    fc.shard_compile(model, compile_config=fc.CompileConfig(hardware="cpu-gloo-loopback"))
+        fc.shard(block, mesh)
+    fc.shard_compile(model, mesh, compile_config=fc.CompileConfig(hardware="cpu-gloo-loopback"))
     model(idx).sum().backward()
     records = compiled_graphs()
     assert [r.kind for r in records] == ["forward", "backward"]
@@ -102,18 +112,25 @@ def test_summary_counts_match_the_compiled_graphs(fake_pg, tmp_path, monkeypatch
         stats = pass_stats(record)
         final, found = stats[-1], collectives(record.gm)
         assert final.nodes == len(record.gm.graph.nodes)
-        for kind in ("all_gather", "reduce_scatter"):
+        for kind in ("all_gather", "reduce_scatter", "all_reduce"):
             assert final.counts[kind] == sum(c.kind == kind for c in found)
         lowered = [s for s in stats if s.name not in ("captured", "combine_tied_grads", "lower_unshard")]
         assert all(s.bytes_by_dtype == final.bytes_by_dtype and not s.unknown_bytes for s in lowered)
+        if hsdp and record.kind == "backward":  # 3 buckets; each all-reduce moves its reduced shard: 1/2
+            assert final.counts["all_reduce"] == final.counts["reduce_scatter"] == 3
+            reduced, scattered = (final.bytes_by_dtype[(k, "float32")] for k in ("all_reduce", "reduce_scatter"))
+            assert 2 * reduced == scattered
+        else:
+            assert final.counts["all_reduce"] == 0
     clear_compiled_graphs()
     assert sorted(os.listdir(tmp_path / "rank3")) == ["backward", "forward", "memory.png", "summary.txt", "trace.json"]
 
 
 @pytest.mark.parametrize("world_size", [8, 64, 1024])
 def test_plan_bytes_match_the_analytical_formula(world_size):
-    from fsdp2_compile._torch_private import fake_process_group
     import cli_factories
+
+    from fsdp2_compile._torch_private import fake_process_group
 
     fake_process_group(0, world_size)
     try:
@@ -142,6 +159,100 @@ def test_plan_json(tmp_path):
     assert abs(per_rank["params"] - numel * 4 / 64) / (numel * 4 / 64) < 0.01
     assert plan["comm_bytes_per_step"] > 0 and plan["step_time_s"]["h100-nvlink"] > 0
     assert plan["exposed_comm_s"]["h100-nvlink"] >= 0
+    assert plan["replicate"] == 1 and plan["shard_size"] == 64
+
+
+def test_dump_hsdp_has_one_all_reduce_per_reduce_scatter(tmp_path):
+    out = tmp_path / "dump"
+    r = cli("dump", f"{FACTORIES}:tiny", "--world-size", "4", "--replicate", "2", "--out", str(out), "-q")
+    assert r.returncode == 0, r.stderr
+    assert "mesh 2 x 2 (replicate x shard)" in r.stdout
+    for kind in ("forward", "backward"):
+        passes = check_summary_rows(r.stdout, out, kind)  # the all_reduce column included
+        final = (out / kind / passes[-1]).read_text()
+        _, gathers, scatters, reduces = graph_counts(final)
+        if kind == "forward":
+            assert gathers == 3 and scatters == reduces == 0
+            continue
+        assert scatters == reduces == 3  # one bucket per block and one for the root
+        # each all-reduce takes its bucket's reduce-scatter (through its wait), and has the same bucket
+        lines = {m.group(1): m.group(0) for m in re.finditer(r"^\s*%(\w+) : .*$", final, re.MULTILINE)}
+        waited = {}
+        for name, line in lines.items():
+            m = re.search(r"wait_tensor\.default\]\(args = \(%(\w+),", line)
+            if m:
+                waited[name] = m.group(1)
+        inputs = []
+        for line in lines.values():
+            if "all_reduce.default]" in line:
+                wait = re.search(r"all_reduce\.default\]\(args = \(%(\w+),", line).group(1)
+                scatter = lines[waited[wait]]
+                assert "reduce_scatter_tensor.default]" in scatter
+                bucket = re.compile(r"# bucket='([^']*)'")
+                assert bucket.search(scatter).group(1) == bucket.search(line).group(1)
+                inputs.append(waited[wait])
+        assert len(set(inputs)) == 3
+    dot = (out / "backward" / "graph.dot").read_text()
+    assert "legend_all_reduce" in dot and dot.count('fillcolor="#ce93d8"') == 1 + 3  # legend + the all-reduces
+
+
+def test_plan_hsdp_shards_over_n_over_r_and_adds_the_all_reduces():
+    """8 ranks as 2 x 4: per-rank bytes of a 4-rank plan (same shard size); the bytes sent grow by the all-reduces:
+    each rank all-reduces its gradient shard over 2 replicas once per step, sending 2 (R-1)/R of it."""
+    import cli_factories
+
+    args = ("plan", f"{FACTORIES}:wide_meta", "--hardware", "h100-nvlink", "--json", "-q")
+    r4, r8x2 = cli(*args, "--world-size", "4"), cli(*args, "--world-size", "8", "--replicate", "2")
+    assert r4.returncode == 0 and r8x2.returncode == 0, r4.stderr + r8x2.stderr
+    fsdp, hsdp = json.loads(r4.stdout), json.loads(r8x2.stdout)
+    assert (hsdp["world_size"], hsdp["replicate"], hsdp["shard_size"]) == (8, 2, 4)
+    model, _, _ = cli_factories.wide_meta()
+    numel = sum(p.numel() for p in model.parameters())  # every dim 0 divides by 4: no padding
+    shard_bytes = numel * 4 / 4
+    for key, factor in (("params", 1), ("grads", 1), ("optimizer", 2)):
+        assert hsdp["per_rank_bytes"][key] == fsdp["per_rank_bytes"][key] == factor * shard_bytes
+        assert hsdp["analytical_bytes"][key] == factor * shard_bytes
+    for kind in ("all_gather", "reduce_scatter"):  # the same collectives over the same 4-rank shard group
+        assert hsdp["collective_buffer_bytes"][kind] == fsdp["collective_buffer_bytes"][kind]
+    assert "all_reduce" not in fsdp["collective_buffer_bytes"]
+    assert hsdp["collective_buffer_bytes"]["all_reduce"] == shard_bytes
+    replicas = 2
+    extra = hsdp["comm_bytes_per_step"] - fsdp["comm_bytes_per_step"]
+    assert abs(extra - 2 * (replicas - 1) / replicas * shard_bytes) <= 2  # int() of each total
+    assert hsdp["step_time_s"]["h100-nvlink"] > fsdp["step_time_s"]["h100-nvlink"]
+
+
+def test_plan_text_names_the_mesh():
+    from fsdp2_compile.cli import format_plan
+    from fsdp2_compile.plan import Plan
+
+    bytes_ = {"params": 10, "grads": 10, "optimizer": 20, "gathered_peak": 1, "activations": 1, "total": 42}
+    analytical = {"params": 10.0, "grads": 10.0, "optimizer": 20.0}
+    plan = Plan(1024, 1, 80, bytes_, analytical, 5, {"all_reduce": 1}, {"h100-nvlink": 1.0}, {"h100-nvlink": 0.5},
+                "method", replicate=8)
+    text = format_plan(plan, 1.0, 2**20)
+    assert text.startswith("plan: 1 parameters, 80 blocks, world size 1024, mesh 8 x 128 (replicate x shard)\n")
+    assert "numel*bytes/(N/R)" in text and "128 or 8 ranks" in text
+    plan.replicate = 1
+    assert "mesh" not in format_plan(plan, 1.0, 2**20).splitlines()[0]
+
+
+@pytest.mark.parametrize("command", ["dump", "plan"])
+@pytest.mark.parametrize(
+    "world_size, replicate, message",
+    [
+        ("6", "4", ("--world-size 6 is not a multiple of --replicate 4: HSDP needs --world-size = --replicate x "
+                    "shard size; pass a --replicate that divides 6 or a --world-size that is a multiple of 4")),
+        ("4", "0", "--replicate must be >= 1, got 0"),
+    ],
+)
+def test_replicate_usage_errors(command, world_size, replicate, message, capsys):
+    from fsdp2_compile.cli import main
+
+    code = main([command, f"{FACTORIES}:tiny", "--world-size", world_size, "--replicate", replicate])
+    captured = capsys.readouterr()
+    assert code == 2 and captured.out == ""
+    assert captured.err == f"fsdp2-compile: error: {message}\n"  # one line
 
 
 @pytest.mark.parametrize(
