@@ -30,8 +30,8 @@ from torch.distributed.tensor import DTensor
 
 from .cost_model import PROFILES, simulate
 from .dump import saved_bytes
-from .shard import default_device_type
 from .report import clear_compiled_graphs, collective, compiled_graphs
+from .shard import default_device_type
 
 __all__ = ["Plan", "analytical_bytes", "block_list", "hsdp_mesh", "make_plan", "shard_for_plan", "wire_bytes"]
 
