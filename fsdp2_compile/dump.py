@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -26,22 +27,22 @@ import torch
 from torch import fx
 
 from .cost_model import PROFILES, HardwareProfile, Timeline, simulate
-from .graph import BUCKET, PARAMS, ROLE
-from .report import GraphRecord, collective, collectives, compiled_graphs
+from .graph import BUCKET, PARAMS
+from .pipeline import NodeFacts, Snapshot
+from .report import GraphRecord, collective, compiled_graphs
 
 __all__ = ["DUMP_ENV", "annotate", "dump_from_env", "png_line_chart", "saved_bytes", "summarize", "write_dump"]
 
 DUMP_ENV = "FSDP2_COMPILE_DUMP"
 
-_funcol = torch.ops._c10d_functional
 _AG, _RS, _AR = "all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce"
 _COLLECTIVE_KIND = {_AG: "all_gather", _RS: "reduce_scatter", _AR: "all_reduce"}
 _CAST = "convert_element_type"
-_LOWERING_OPS = {_AG, _RS, _AR, "wait_tensor", _CAST, "constant_pad_nd", "view", "cat", "clone", "slice",
-                 "_to_copy", "contiguous", "reshape", "split", "getitem"}
-_LINE = re.compile(r"^(\s*)%(\w+) : \[num_users=\d+\] = (\w+)\[target=([^\]]+)\]\(args = \((.*)\), kwargs = .*\)$")
+_NODE_NAME = re.compile(r"^\s*%(\w+) : ")
 _NODE_LINE = re.compile(r"^\s*(?:%\w+ : |return\b)", re.MULTILINE)  # one per node, the output node included
-_FSDP_OP = re.compile(r"fsdp2\.(unshard|reduce_grad)")
+_COUNTED = {*_COLLECTIVE_KIND.values(), "wait"}
+_NOT_LOWERED = {"unshard", "reduce_grad"}
+_ANNOTATED = {*_COUNTED, "cast", *_NOT_LOWERED, "stash_grad", "add_pending_grad"}
 
 COLOURS = {  # category -> (fill, stroke)
     "all_gather": ("#8fd18f", "#2e7d32"),
@@ -58,43 +59,10 @@ _LEGEND = ("all_gather", "reduce_scatter", "all_reduce", "wait", "cast", "placeh
 # ---------------------------------------------------------------------------------------------- graph text
 
 
-@dataclass
-class _Line:
-    name: str
-    op: str
-    target: str
-    inputs: list[str]
-    args: str
-
-
 def _short_target(target: str) -> str:
     """'torch.ops._c10d_functional.wait_tensor.default' -> 'wait_tensor'."""
     parts = target.split(".")
     return parts[-2] if len(parts) >= 2 and parts[-1] in ("default", "Tensor", "dim", "int", "Scalar") else parts[-1]
-
-
-def _parse(text: str) -> dict[str, _Line]:
-    lines = {}
-    for raw in text.splitlines():
-        m = _LINE.match(raw)
-        if m:
-            _, name, op, target, args = m.groups()[:5]
-            lines[name] = _Line(name, op, target, re.findall(r"%(\w+)", args), args)
-    return lines
-
-
-def _fsdp_sources(snapshots: list[tuple[str, str]]) -> dict[str, tuple[str, str]]:
-    """Name of every `fsdp2::unshard` / `fsdp2::reduce_grad` node and of its tensor input -> (fqn, bucket)."""
-    sources: dict[str, tuple[str, str]] = {}
-    for _, text in snapshots:
-        for line in _parse(text).values():
-            m = _FSDP_OP.search(line.target)
-            if not m or not line.inputs:
-                continue
-            args = [a.strip() for a in line.args.split(",")]
-            fqn, bucket = args[6], args[7]  # both ops: (tensor, 5 sizes/dtypes, fqn, bucket, ...)
-            sources[line.inputs[0]] = sources[line.name] = (fqn, bucket)
-    return sources
 
 
 def _category(target: str, op: str) -> str:
@@ -110,58 +78,22 @@ def _category(target: str, op: str) -> str:
     return "other"
 
 
-def _provenance(name: str, lines: dict[str, _Line], sources: dict[str, tuple[str, str]]) -> tuple[list[str], set]:
-    """Parameters and buckets a lowering node serves, found by walking its inputs back (through lowering ops only)
-    to the input of an fsdp2 op."""
-    params, buckets, seen, stack = [], set(), set(), [name]
-    while stack:
-        current = stack.pop()
-        if current in seen:
-            continue
-        seen.add(current)
-        if current in sources and current != name:
-            fqn, bucket = sources[current]
-            if fqn not in params:
-                params.append(fqn)
-            buckets.add(bucket)
-            continue
-        line = lines.get(current)
-        if line is not None and (current == name or _short_target(line.target) in _LOWERING_OPS):
-            stack.extend(reversed(line.inputs))
-    return params, buckets
-
-
-def _note(params, bucket, extra: str = "") -> str:
+def _note(facts: NodeFacts) -> str:
+    params = facts.params
     shown = ", ".join(params[:6]) + (f", ... ({len(params)} params)" if len(params) > 6 else "")
-    return f"  # bucket={bucket!r} params=[{shown}]{extra}"
+    extra = "  (not lowered yet)" if facts.role in _NOT_LOWERED else f" role={facts.role}"
+    return f"  # bucket={facts.bucket!r} params=[{shown}]{extra}"
 
 
-def annotate(text: str, snapshots: list[tuple[str, str]], final: fx.GraphModule | None = None) -> str:
-    """`text` (a graph snapshot) with every collective, wait and cast line followed by `# bucket=... params=[...]`.
-
-    With `final` (the graph the text is the final snapshot of), the provenance is the nodes' own `node.meta`;
-    otherwise it is traced back through the snapshot's lowering nodes to the fsdp2 op each one came from."""
-    lines = _parse(text)
-    sources = _fsdp_sources(snapshots)
-    meta = {n.name: n for n in final.graph.nodes} if final is not None else {}
+def annotate(snapshot: Snapshot) -> str:
+    """The snapshot's text with every collective, wait, cast and fsdp2 op line followed by
+    `# bucket=... params=[...] role=...`, from the snapshot's node facts."""
     out = []
-    for raw in text.splitlines():
-        m = _LINE.match(raw)
-        note = ""
-        if m:
-            name, op, target = m.group(2), m.group(3), m.group(4)
-            category = _category(target, op)
-            if _FSDP_OP.search(target) and name in sources:
-                note = _note([sources[name][0]], sources[name][1], "  (not lowered yet)")
-            elif category in ("all_gather", "reduce_scatter", "all_reduce", "wait", "cast"):
-                node = meta.get(name)
-                if node is not None and PARAMS in node.meta:
-                    note = _note(list(node.meta[PARAMS]), node.meta.get(BUCKET, ""), f" role={node.meta.get(ROLE)}")
-                else:
-                    params, buckets = _provenance(name, lines, sources)
-                    if params:
-                        note = _note(params, "|".join(sorted(buckets)))
-        out.append(raw + note)
+    for raw in snapshot.text.splitlines():
+        m = _NODE_NAME.match(raw)
+        facts = snapshot.nodes.get(m.group(1)) if m else None
+        shown = facts is not None and facts.params and facts.role in _ANNOTATED
+        out.append(raw + _note(facts) if shown else raw)
     return "\n".join(out) + "\n"
 
 
@@ -175,62 +107,23 @@ class PassStats:
     counts: Counter = field(default_factory=Counter)
     """Collectives by kind ("all_gather", "reduce_scatter", "all_reduce") and "wait"."""
     bytes_by_dtype: Counter = field(default_factory=Counter)
-    """Bytes of the full (padded) buffers collectives move, by (kind, dtype name); None values if unknown."""
-    unknown_bytes: int = 0
-    """Collectives whose bytes could not be re-derived (their input no longer exists in the final graph)."""
+    """Bytes of the full (padded) buffers collectives move, by (kind, dtype name)."""
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _snapshot_bytes(line: _Line, lines: dict[str, _Line], final_nodes: dict[str, fx.Node]) -> tuple[str, int] | None:
-    """(dtype name, full buffer bytes) of a collective line of an earlier snapshot, from its input as it is in the
-    final graph: an all-gather's input times its group size; a reduce-scatter's input; an all-reduce's input or,
-    when that is gone (HSDP before bucketing: wait(reduce_scatter(x))), x divided by the reduce-scatter's group."""
-    short = _short_target(line.target)
-    source = final_nodes.get(line.inputs[0]) if line.inputs else None
-    value = source.meta.get("val") if source is not None else None
-    if isinstance(value, torch.Tensor):
-        scale = int(line.args.split(",")[1]) if short == _AG else 1
-        return _dtype_name(value.dtype), value.numel() * value.element_size() * scale
-    wait = lines.get(line.inputs[0]) if short == _AR and line.inputs else None
-    scatter = lines.get(wait.inputs[0]) if wait is not None and wait.inputs else None
-    if scatter is None or _short_target(wait.target) != "wait_tensor" or _short_target(scatter.target) != _RS:
-        return None
-    full = _snapshot_bytes(scatter, lines, final_nodes)
-    if full is None:
-        return None
-    return full[0], full[1] // int(scatter.args.split(",")[2])
-
-
 def pass_stats(record: GraphRecord) -> list[PassStats]:
-    """Per pass: node count, collectives by kind, bytes by dtype. Counts come from the snapshot text; bytes from
-    each collective's input as it is in the final graph (the last pass: from `report.collectives`)."""
-    final_nodes = {n.name: n for n in record.gm.graph.nodes}
+    """Per pass: node count (from the text), collectives by kind and their bytes by dtype (from the facts)."""
     stats = []
-    for index, (name, text) in enumerate(record.snapshots):
-        lines = _parse(text)
-        s = PassStats(name, len(_NODE_LINE.findall(text)))
-        is_final = index == len(record.snapshots) - 1
-        for line in lines.values():
-            short = _short_target(line.target)
-            if short == "wait_tensor":
-                s.counts["wait"] += 1
-            if short not in _COLLECTIVE_KIND:
-                continue
-            kind = _COLLECTIVE_KIND[short]
-            s.counts[kind] += 1
-            if is_final:
-                continue
-            found = _snapshot_bytes(line, lines, final_nodes)
-            if found is None:
-                s.unknown_bytes += 1
-                continue
-            s.bytes_by_dtype[(kind, found[0])] += found[1]
-        if is_final:
-            for c in collectives(record.gm):
-                s.bytes_by_dtype[(c.kind, _dtype_name(c.dtype))] += c.nbytes
+    for snap in record.snapshots:
+        s = PassStats(snap.name, len(_NODE_LINE.findall(snap.text)))
+        for facts in snap.nodes.values():
+            if facts.role in _COUNTED:
+                s.counts[facts.role] += 1
+            if facts.role in _COLLECTIVE_KIND.values():
+                s.bytes_by_dtype[(facts.role, _dtype_name(facts.dtype))] += facts.nbytes
         stats.append(s)
     return stats
 
@@ -275,8 +168,6 @@ def summarize(records: list[GraphRecord], profile: HardwareProfile) -> str:
                    "  bytes by dtype")
         for s in pass_stats(record):
             parts = [f"{k[0]} {k[1]} {_mib(v)}" for k, v in sorted(s.bytes_by_dtype.items())]
-            if s.unknown_bytes:
-                parts.append(f"{s.unknown_bytes} collective(s) of unknown size")
             out.append(
                 f"  {s.name:<22}{s.nodes:>7}{s.counts['all_gather']:>12}{s.counts['reduce_scatter']:>12}"
                 f"{s.counts['all_reduce']:>12}{s.counts['wait']:>6}  {'; '.join(parts) or '-'}"
@@ -464,9 +355,9 @@ def png_line_chart(points: list[tuple[float, float]], width: int = 800, height: 
         line(x, bottom, x, bottom + 5)
         if k:
             line(left + 1, y, right, y, (230, 230, 230))
-    sx = lambda t: left + round((right - left) * t / t_max)  # noqa: E731
-    sy = lambda v: bottom - round((bottom - top) * v / v_max)  # noqa: E731
-    for (t0, v0), (t1, v1) in zip(points, points[1:]):
+    sx = lambda t: left + round((right - left) * t / t_max)
+    sy = lambda v: bottom - round((bottom - top) * v / v_max)
+    for (t0, v0), (t1, v1) in itertools.pairwise(points):
         line(sx(t0), sy(v0), sx(t1), sy(v0), (21, 101, 192))  # step chart: bytes change at node ends
         line(sx(t1), sy(v0), sx(t1), sy(v1), (21, 101, 192))
     text(left, 8, f"peak {v_max / 2**20:.2f} MiB")
@@ -487,11 +378,9 @@ def png_line_chart(points: list[tuple[float, float]], width: int = 800, height: 
 def write_graph(record: GraphRecord, folder: str, title: str) -> None:
     """The per-pass text files, DOT and SVG of one compiled graph into `folder`."""
     os.makedirs(folder, exist_ok=True)
-    last = len(record.snapshots) - 1
-    for i, (name, text) in enumerate(record.snapshots):
-        body = annotate(text, record.snapshots, record.gm if i == last else None)
-        with open(os.path.join(folder, f"{i:02d}_{name}.txt"), "w") as f:
-            f.write(f"# {title} graph after pass {i}: {name}\n{body}")
+    for i, snap in enumerate(record.snapshots):
+        with open(os.path.join(folder, f"{i:02d}_{snap.name}.txt"), "w") as f:
+            f.write(f"# {title} graph after pass {i}: {snap.name}\n{annotate(snap)}")
     write_dot(record.gm, os.path.join(folder, "graph.dot"))
     write_svg(record.gm, os.path.join(folder, "graph.svg"), f"{title} graph")
 

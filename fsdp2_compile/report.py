@@ -8,12 +8,16 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import fx
 
-from .cost_model import Timeline
+from .cost_model import Timeline, concrete
 from .graph import PARAMS, val
+
+if TYPE_CHECKING:
+    from .pipeline import Snapshot
 
 __all__ = [
     "Collective",
@@ -52,7 +56,7 @@ def collective(node: fx.Node) -> Collective | None:
     if kind is None:
         return None
     full = val(node) if kind == "all_gather" else val(node.args[0])
-    return Collective(kind, node.meta.get(PARAMS, ()), full.dtype, full.numel() * full.element_size())
+    return Collective(kind, node.meta.get(PARAMS, ()), full.dtype, int(concrete(full.numel())) * full.element_size())
 
 
 def collectives(gm: fx.GraphModule) -> list[Collective]:
@@ -62,12 +66,12 @@ def collectives(gm: fx.GraphModule) -> list[Collective]:
 
 @dataclass
 class GraphRecord:
-    """A graph the backend compiled: which one ("forward", "backward", "inference"), the final module, its text
-    after every pass, and the scheduler's simulated timeline."""
+    """A graph the backend compiled: which one ("forward", "backward", "inference"), the final module, its
+    snapshot after every pass, and the scheduler's simulated timeline."""
 
     kind: str
     gm: fx.GraphModule
-    snapshots: list[tuple[str, str]] = field(default_factory=list)
+    snapshots: list[Snapshot] = field(default_factory=list)
     timeline: Timeline | None = None
     """The scheduler's simulated step for this graph."""
     compile_id: tuple[int, int] | None = None

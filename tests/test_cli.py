@@ -89,8 +89,8 @@ def test_dump_end_to_end(tmp_path):
 @pytest.mark.parametrize("hsdp", [False, True], ids=["fsdp", "hsdp_2x2"])
 def test_summary_counts_match_the_compiled_graphs(fake_pg, tmp_path, monkeypatch, hsdp):
     """In process, on the real records: the per-pass stats of the final pass equal the graph, bytes are kept by
-    every pass after lowering (HSDP: the all-reduces' too, before bucketing re-derived through their
-    reduce-scatter), and FSDP2_COMPILE_DUMP writes the artefacts of a real run to DIR/rank<r>."""
+    every pass after lowering (HSDP: the all-reduces' too), and FSDP2_COMPILE_DUMP writes the artefacts of a real
+    run to DIR/rank<r>."""
     import cli_factories
 
     import fsdp2_compile as fc
@@ -115,7 +115,7 @@ def test_summary_counts_match_the_compiled_graphs(fake_pg, tmp_path, monkeypatch
         for kind in ("all_gather", "reduce_scatter", "all_reduce"):
             assert final.counts[kind] == sum(c.kind == kind for c in found)
         lowered = [s for s in stats if s.name not in ("captured", "combine_tied_grads", "lower_unshard")]
-        assert all(s.bytes_by_dtype == final.bytes_by_dtype and not s.unknown_bytes for s in lowered)
+        assert all(s.bytes_by_dtype == final.bytes_by_dtype for s in lowered)
         if hsdp and record.kind == "backward":  # 3 buckets; each all-reduce moves its reduced shard: 1/2
             assert final.counts["all_reduce"] == final.counts["reduce_scatter"] == 3
             reduced, scattered = (final.bytes_by_dtype[(k, "float32")] for k in ("all_reduce", "reduce_scatter"))
@@ -124,6 +124,47 @@ def test_summary_counts_match_the_compiled_graphs(fake_pg, tmp_path, monkeypatch
             assert final.counts["all_reduce"] == 0
     clear_compiled_graphs()
     assert sorted(os.listdir(tmp_path / "rank3")) == ["backward", "forward", "memory.png", "summary.txt", "trace.json"]
+
+
+def test_snapshots_carry_exact_provenance_and_bytes(fake_pg):
+    """Every pass's snapshot has exact facts: after `lower_unshard` each forward all-gather serves one parameter
+    and together they move the padded parameter bytes (ceil(rows / N) * N rows); after `bucket_collectives` each
+    all-gather lists its bucket's parameters."""
+    import cli_factories
+
+    import fsdp2_compile as fc
+    from fsdp2_compile.dump import annotate, pass_stats
+    from fsdp2_compile.report import clear_compiled_graphs, compiled_graphs
+
+    world = 4  # the fake group's size
+    model, (idx,) = cli_factories.tiny()
+    padded = sum(-(-p.shape[0] // world) * world * math.prod(p.shape[1:]) * 4 for p in model.parameters())
+    names = [n for n, _ in model.named_parameters()]
+    buckets = {b: {n for n in names if n.startswith(f"{b}.")} for b in ("blocks.0", "blocks.1")}
+    buckets[""] = {n for n in names if not n.startswith("blocks.")}  # the root's: embed and head
+    clear_compiled_graphs()
+    for block in model.blocks:
+        fc.shard(block)
+    fc.shard_compile(model)
+    model(idx).sum().backward()
+    forward = compiled_graphs()[0]
+    clear_compiled_graphs()
+    snaps = {s.name: s for s in forward.snapshots}
+    note = re.compile(r"# bucket='([^']*)' params=\[([^\]]*)\] role=all_gather$")
+
+    lowered = [note.search(line) for line in annotate(snaps["lower_unshard"]).splitlines()
+               if "all_gather_into_tensor.default]" in line]
+    assert all(lowered) and sorted(m.group(2) for m in lowered) == sorted(names)  # one parameter each
+    gathers = [f for f in snaps["lower_unshard"].nodes.values() if f.role == "all_gather"]
+    assert sum(f.nbytes for f in gathers) == padded
+    stats = {s.name: s for s in pass_stats(forward)}
+    assert stats["lower_unshard"].bytes_by_dtype == {("all_gather", "float32"): padded}
+
+    bucketed = [note.search(line) for line in annotate(snaps["bucket_collectives"]).splitlines()
+                if "all_gather_into_tensor.default]" in line]
+    assert all(bucketed) and len(bucketed) == len(buckets)
+    assert {m.group(1): set(m.group(2).split(", ")) for m in bucketed} == buckets
+    assert stats["bucket_collectives"].bytes_by_dtype == {("all_gather", "float32"): padded}
 
 
 @pytest.mark.parametrize("world_size", [8, 64, 1024])

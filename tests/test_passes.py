@@ -126,4 +126,4 @@ def test_pipeline_leaves_a_graph_without_fsdp_ops_unchanged(fake_pg):
     before = str(gm.graph)
     ctx = PassContext("forward")
     assert str(run_pipeline(gm, ctx).graph) == before
-    assert [name for name, _ in ctx.snapshots] == ["captured"] + [p.__name__ for p in PASSES]
+    assert [s.name for s in ctx.snapshots] == ["captured"] + [p.__name__ for p in PASSES]
