@@ -5,6 +5,11 @@ group's store and reads every other rank's; any difference raises, on every rank
 the first differing collective and the parameters one rank gathers or reduces but the other does not (e.g. a
 parameter used under `if rank == 0:`). A rank that never publishes (it failed to compile) makes the others raise after
 `timeout_s` instead of hanging in the first collective.
+
+Graphs are paired across ranks by their Dynamo frame (numbered in the order the fsdp2 backend first meets it) and
+kind. A recompile of a frame whose schedule the ranks already agreed on (e.g. for a new input shape, which ranks
+with different data meet at different steps) is not checked again, so it never waits for the other ranks; only a
+new schedule for a frame (e.g. after `set_requires_gradient_sync`, which every rank calls together) is.
 """
 
 from __future__ import annotations
@@ -16,12 +21,16 @@ from datetime import timedelta
 import torch.distributed as dist
 from torch import fx
 
-from ._torch_private import default_store
+from ._torch_private import current_compile_id, default_store
 from .report import collectives
 
 __all__ = ["check_same_schedule", "schedule_signature"]
 
 _counter = itertools.count()
+_FRAMES: dict[int, int] = {}
+"""Dynamo frame id -> the order in which the fsdp2 backend first compiled it (the same on every rank)."""
+_AGREED: dict[tuple[str, str], list[str]] = {}
+"""(frame, kind) -> the schedules all ranks agreed on for it, in order."""
 
 
 def schedule_signature(gm: fx.GraphModule) -> str:
@@ -53,10 +62,15 @@ def check_same_schedule(gm: fx.GraphModule, kind: str, timeout_s: float = 120.0)
     """Raise on every rank if the ranks compiled different collective schedules for this graph."""
     if not dist.is_initialized() or dist.get_world_size() == 1 or dist.get_backend() == "fake":
         return
+    mine = schedule_signature(gm)
+    compile_id = current_compile_id()
+    frame = f"f{_FRAMES.setdefault(compile_id[0], len(_FRAMES))}" if compile_id else f"n{next(_counter)}"
+    agreed = _AGREED.setdefault((frame, kind), [])
+    if mine in agreed:
+        return
     store = default_store()
     rank, world = dist.get_rank(), dist.get_world_size()
-    key = f"fsdp2_compile/schedule/{next(_counter)}/{kind}"
-    mine = schedule_signature(gm)
+    key = f"fsdp2_compile/schedule/{frame}/{kind}/{len(agreed)}"
     store.set(f"{key}/{rank}", mine)
     keys = [f"{key}/{r}" for r in range(world)]
     try:
@@ -82,3 +96,4 @@ def check_same_schedule(gm: fx.GraphModule, kind: str, timeout_s: float = 120.0)
                 "Give every rank the same model, CompileConfig and inputs, and use every parameter on every rank "
                 "(not under a rank-dependent branch)"
             )
+    agreed.append(mine)

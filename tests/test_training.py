@@ -12,8 +12,8 @@ import pytest
 import torch
 from torch.distributed.tensor import Replicate, Shard
 from harness import run_ranks
-from models import make_model, reference_train
-from workers import mismatched_configs, train, unpublished_schedule
+from models import batch, local_slice, loss_fn, make_model, reference_train
+from workers import mismatched_configs, rank_dependent_lengths, train, unpublished_schedule
 
 STEPS = 10
 bf16 = torch.bfloat16
@@ -244,3 +244,26 @@ def test_set_requires_gradient_sync_accumulates_unsharded_and_reduces_once(mode)
         # unsynced, synced, and (after training) a recompile for the worker's final full-batch backward
         assert len(backward) == 3 and "reduce_scatter" not in backward[0] and "all_gather" in backward[0]
         assert all(b.count("reduce_scatter") == 3 for b in backward[1:])
+
+
+def test_ranks_recompiling_for_new_shapes_at_different_steps_do_not_wait_for_each_other():
+    # rank 0 meets a new sequence length at step 1, rank 1 only at step 2: each recompiles alone, and the schedule
+    # check must not wait for the other rank (before, it waited 120 s and failed)
+    lengths = [[16, 12, 12, 9], [16, 16, 12, 9]]
+    results = run_ranks(rank_dependent_lengths, 2, lengths, timeout=300)
+    # reference: one process, each step the mean of the ranks' losses on their own slices and lengths
+    model, world = make_model("gpt"), 2
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(4):
+        x, y = batch("gpt", step)
+        per_rank = [
+            loss_fn("gpt", model(local_slice(x, r, world)[:, : lengths[r][step]]), local_slice(y, r, world)[:, : lengths[r][step]])
+            for r in range(world)
+        ]
+        sum(per_rank).div(world).backward()
+        opt.step()
+        opt.zero_grad()
+        for r in range(world):
+            torch.testing.assert_close(results[r]["losses"][step], per_rank[r].item(), rtol=1e-5, atol=0)
+    assert_params_close(results[0]["full"], dict(model.named_parameters()), PARAM_RTOL, PARAM_ATOL)
+    assert [r["forwards"] for r in results] == [2, 2]  # the static graph, then one dynamic recompile each

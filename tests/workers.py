@@ -341,3 +341,26 @@ def unpublished_schedule(rank: int, world_size: int) -> str:
             message = str(e)
     dist.barrier()
     return message
+
+
+def rank_dependent_lengths(rank: int, world_size: int, lengths: list[list[int]]) -> dict:
+    """GPT steps where each rank's sequence length follows its own list (`lengths[rank]`), so ranks recompile
+    for new shapes at different steps. Returns this rank's losses, its forward-graph count and, on rank 0, the
+    final parameters."""
+    model = make_model("gpt")
+    for block in model.blocks:
+        fc.shard(block)
+    fc.shard_compile(model)
+    opt = make_optimizer(model)
+    losses = []
+    for step, seq in enumerate(lengths[rank]):
+        x, y = batch("gpt", step)
+        loss = loss_fn("gpt", model(local_slice(x, rank, world_size)[:, :seq]), local_slice(y, rank, world_size)[:, :seq])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    forwards = sum(r.kind == "forward" for r in compiled_graphs())
+    with torch.no_grad():
+        full = {k: p.full_tensor() for k, p in model.named_parameters()}  # collective: every rank gathers
+    return dict(losses=losses, forwards=forwards, full=full if rank == 0 else None)
