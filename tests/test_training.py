@@ -10,10 +10,15 @@ import math
 
 import pytest
 import torch
-from torch.distributed.tensor import Replicate, Shard
 from harness import run_ranks
 from models import batch, local_slice, loss_fn, make_model, reference_train
-from workers import mismatched_configs, rank_dependent_lengths, train, unpublished_schedule
+from torch.distributed.tensor import Replicate, Shard
+from workers import (
+    mismatched_configs,
+    rank_dependent_lengths,
+    train,
+    unpublished_schedule,
+)
 
 STEPS = 10
 bf16 = torch.bfloat16
