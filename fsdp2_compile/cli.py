@@ -292,6 +292,14 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
+def _add_model_args(parser: argparse.ArgumentParser) -> None:
+    """What both subcommands take: the model, the ranks and the mixed precision."""
+    parser.add_argument("target", metavar="TARGET", help=TARGET_HELP)
+    parser.add_argument("--world-size", type=int, required=True, help="number of ranks (N)")
+    parser.add_argument("--replicate", type=int, default=1, metavar="R", help=REPLICATE_HELP)
+    parser.add_argument("--mp", choices=["bf16"], help="mixed precision: bf16 parameters, fp32 gradient reduction")
+
+
 def build_parser() -> argparse.ArgumentParser:
     fmt = argparse.RawDescriptionHelpFormatter
     parser = _Parser(
@@ -323,10 +331,7 @@ def build_parser() -> argparse.ArgumentParser:
                f"  {PROG} dump examples/llama.py:llama_tiny --world-size 4 --replicate 2 --out /tmp/hsdp\n"
                f"  {PROG} dump mypkg.models:make_model --world-size 2 --no-reshard",
     )
-    dump.add_argument("target", metavar="TARGET", help=TARGET_HELP)
-    dump.add_argument("--world-size", type=int, required=True, help="number of ranks (N)")
-    dump.add_argument("--replicate", type=int, default=1, metavar="R", help=REPLICATE_HELP)
-    dump.add_argument("--mp", choices=["bf16"], help="mixed precision: bf16 parameters, fp32 gradient reduction")
+    _add_model_args(dump)
     dump.add_argument("--no-reshard", action="store_true", help="reshard_after_forward=False")
     dump.add_argument("--no-block-shard", action="store_true", help="shard only the root (one bucket)")
     dump.add_argument("--hardware", help="cost-model profile for the trace (default cpu-gloo-loopback)")
@@ -345,11 +350,8 @@ def build_parser() -> argparse.ArgumentParser:
                f"  {PROG} plan examples/llama.py:llama3_70b --world-size 1024 --replicate 8\n"
                f"  {PROG} plan examples/llama.py:llama3_8b --world-size 64 --hardware h100-nvlink --json",
     )
-    plan.add_argument("target", metavar="TARGET", help=TARGET_HELP)
-    plan.add_argument("--world-size", type=int, required=True, help="number of ranks (N)")
-    plan.add_argument("--replicate", type=int, default=1, metavar="R", help=REPLICATE_HELP)
+    _add_model_args(plan)
     plan.add_argument("--hardware", help="only this cost-model profile (default: all of cost_model.PROFILES)")
-    plan.add_argument("--mp", choices=["bf16"], help="mixed precision: bf16 parameters, fp32 gradient reduction")
     plan.add_argument("--no-reshard", action="store_true", help="reshard_after_forward=False")
     plan.add_argument("--json", action="store_true", help="print one JSON object")
     plan.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
