@@ -17,6 +17,7 @@ from torch import fx
 from torch.utils.flop_counter import flop_registry
 
 from ._torch_private import group_size
+from .ops import KEEP_ALIVE
 
 __all__ = [
     "PROFILES",
@@ -118,7 +119,7 @@ def collective_time(node: fx.Node, profile: HardwareProfile) -> float:
 def compute_time(node: fx.Node, profile: HardwareProfile) -> float:
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
         return 0.0
-    if node.target.overloadpacket.__name__ in _VIEWS:
+    if node.target.overloadpacket.__name__ in _VIEWS or node.target is KEEP_ALIVE:
         return 0.0
     out = node.meta.get("val")
     moved = _nbytes(out) + sum(_nbytes(_val(a)) for a in node.all_input_nodes)

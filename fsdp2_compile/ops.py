@@ -21,7 +21,18 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["REDUCE_GRAD", "UNSHARD", "add_pending_grad", "pad_rows", "padded_rows", "reduce_grad", "stash_grad", "unshard"]
+__all__ = [
+    "KEEP_ALIVE",
+    "REDUCE_GRAD",
+    "UNSHARD",
+    "add_pending_grad",
+    "keep_alive",
+    "pad_rows",
+    "padded_rows",
+    "reduce_grad",
+    "stash_grad",
+    "unshard",
+]
 
 _funcol = torch.ops._c10d_functional
 
@@ -146,5 +157,17 @@ def _unshard_backward(ctx, grad: Tensor):
 
 unshard.register_autograd(_unshard_backward, setup_context=_unshard_setup_context)
 
+
+@torch.library.custom_op("fsdp2::keep_alive", mutates_args=())
+def keep_alive(tensors: list[Tensor]) -> None:
+    """Does nothing: a use of `tensors` placed right after a collective's wait, so the generated code keeps the
+    collective's input alive until the collective is done (see `passes/keep_inputs_until_wait.py`)."""
+
+
+@keep_alive.register_fake
+def _(tensors):
+    return None
+
 UNSHARD = torch.ops.fsdp2.unshard.default
 REDUCE_GRAD = torch.ops.fsdp2.reduce_grad.default
+KEEP_ALIVE = torch.fx.node.has_side_effect(torch.ops.fsdp2.keep_alive.default)

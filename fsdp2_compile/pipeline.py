@@ -11,9 +11,11 @@ from torch import fx
 from .config import CompileConfig
 from .cost_model import PROFILES, HardwareProfile, Timeline, concrete
 from .graph import BUCKET, PARAMS, ROLE
+from .invariants import check_collectives_safe
 from .passes import (
     bucket_collectives,
     combine_tied_grads,
+    keep_inputs_until_wait,
     lower_reduce_grad,
     lower_unshard,
     reorder_for_overlap,
@@ -99,15 +101,18 @@ PASSES: list[Pass] = [
     bucket_collectives,
     reorder_for_overlap,
     schedule,
+    keep_inputs_until_wait,
 ]
 
 
 def run_pipeline(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    """Run every pass in order; each leaves a graph that still lints and recompiles."""
+    """Run every pass in order; each leaves a graph that still lints and recompiles. The result must pass
+    `invariants.check_collectives_safe`."""
     ctx.snapshots.append(snapshot("captured", gm))
     for p in PASSES:
         gm = p(gm, ctx)
         gm.graph.lint()
         gm.recompile()
         ctx.snapshots.append(snapshot(p.__name__, gm))
+    check_collectives_safe(gm)
     return gm

@@ -2,6 +2,7 @@
 
 from .bucket_collectives import bucket_collectives
 from .combine_tied_grads import combine_tied_grads
+from .keep_inputs_until_wait import keep_inputs_until_wait
 from .lower_reduce_grad import lower_reduce_grad
 from .lower_unshard import lower_unshard
 from .reorder_for_overlap import reorder_for_overlap
@@ -10,6 +11,7 @@ from .schedule import schedule
 __all__ = [
     "bucket_collectives",
     "combine_tied_grads",
+    "keep_inputs_until_wait",
     "lower_reduce_grad",
     "lower_unshard",
     "reorder_for_overlap",

@@ -141,7 +141,7 @@ def test_changing_sequence_length_matches_step_by_step_with_one_dynamic_recompil
 
 @functools.cache
 def bad_input_messages() -> list[dict[str, str]]:
-    return run_ranks(bad_input, 2, timeout=120)
+    return run_ranks(bad_input, 2, timeout=600)
 
 
 @pytest.mark.parametrize(
