@@ -1,12 +1,17 @@
-"""Checkpoints and initialisation: DCP across world sizes, interop with FSDP2 eager, full state dicts, and
-materialising a model built on the meta device shard by shard."""
+"""Checkpoints and initialisation: DCP across world sizes, interop with FSDP2 eager, full state dicts, materialising
+a model built on the meta device shard by shard, and save_checkpoint / load_checkpoint surviving killed saves and
+refusing damaged files."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+from checkpoint_workers import damaged_checkpoints, load_after_kill, save_then_die
 from harness import run_ranks
 from models import make_model
+from torch.multiprocessing.spawn import ProcessException
 from workers import (
     checkpoint_helpers,
     checkpoint_interop,
@@ -82,3 +87,72 @@ def test_checkpoint_helpers_roundtrip_and_name_the_first_mismatching_entry(tmp_p
         wider, deeper = result["errors"]["wider"], result["errors"]["deeper"]
         assert "'tok_emb.weight' has shape (98, 32) in the checkpoint but (98, 48) in the model" in wider, wider
         assert "no entry for model parameter/buffer 'blocks.2." in deeper and "another architecture" in deeper, deeper
+
+
+def _same_state(a: dict, b: dict) -> bool:
+    return all(a[p].keys() == b[p].keys() and all(torch.equal(v, b[p][k]) for k, v in a[p].items()) for p in a)
+
+
+@pytest.mark.parametrize("kill", ["rank1-after-writing-its-data", "rank0-before-commit", "rank0-after-commit"])
+def test_a_save_killed_part_way_leaves_a_checkpoint_that_loads(tmp_path, kill):
+    path, snapshot = str(tmp_path / "ckpt"), str(tmp_path / "states.pt")
+    with pytest.raises(ProcessException):  # one rank dies inside the second save; the harness ends the other
+        run_ranks(save_then_die, 2, path, kill, snapshot, timeout=300)
+    states = torch.load(snapshot)
+    assert not _same_state(states["committed"], states["next"])  # the killed save had other values to write
+    result = run_ranks(load_after_kill, 2, path)[0]
+    # bit-identical to the previous commit, or to the new one when the kill came after its commit
+    expected = states["next"] if kill == "rank0-after-commit" else states["committed"]
+    assert _same_state(result["loaded"], expected), f"killed at {kill}: loaded another state than was committed"
+    assert result["left"] == ["committed.json", "save-000001", "save-000002"], result["left"]
+    # the next save commits past the leftovers and deletes them
+    assert result["after"] == ["committed.json", "save-000003"], result["after"]
+    assert _same_state(result["reloaded"], result["resaved"])
+
+
+@pytest.fixture(scope="module")
+def damaged(tmp_path_factory):
+    results = run_ranks(damaged_checkpoints, 2, str(tmp_path_factory.mktemp("damaged")))
+    assert results[0] == results[1], "the ranks raised different errors"  # same exception text on every rank
+    return results[0]
+
+
+@pytest.mark.parametrize("damage", ["truncated", "missing"])
+def test_a_truncated_or_missing_data_file_fails_naming_the_file_and_the_rank_that_wrote_it(damaged, damage):
+    error = damaged[damage]
+    assert error.startswith("CheckpointError: checkpoint ") and "is damaged" in error, error
+    assert "save-000001/__1_0.distcp (written by rank 1)" in error, error
+    assert ("bytes but had" in error) if damage == "truncated" else ("cannot be read (FileNotFoundError" in error)
+    assert damaged["intact"] == "no error"  # the same checkpoint, undamaged, loads
+
+
+@pytest.mark.parametrize("damage", ["flipped", "mixed", "metadata"])
+def test_flipped_bytes_or_a_mixed_in_file_fail_their_checksum(damaged, damage):
+    # "mixed": the same rank's file from a save one step later, as when a save overwrote only some files
+    error = damaged[damage]
+    name = "save-000001/.metadata " if damage == "metadata" else "save-000001/__1_0.distcp (written by rank 1)"
+    assert error.startswith("CheckpointError: ") and name in error and "fails its checksum: sha256" in error, error
+
+
+@pytest.mark.parametrize("where", ["empty", "nonexistent", "uncommitted", "plain", "save folder"])
+def test_loading_where_no_checkpoint_was_committed_says_so(damaged, where):
+    error = damaged[where]
+    assert error.startswith("FileNotFoundError: no committed checkpoint at ") and "save_checkpoint" in error, error
+    why = {
+        "empty": "has no committed.json",
+        "nonexistent": "the folder does not exist",
+        "uncommitted": "holds only save-000001, which no save_checkpoint committed",
+        "plain": "DCP files but no committed.json",
+        "save folder": "a save folder of save_checkpoint; pass the folder above it",
+    }[where]
+    assert why in error, error
+
+
+def test_saving_where_no_folder_can_be_made_and_dcp_failures_are_ordinary_errors(damaged):
+    error = damaged["unwritable"]  # a CheckpointError (a RuntimeError), not DCP's BaseException
+    assert error.startswith("CheckpointError: cannot save a checkpoint to ") and "a-file" + os.sep + "ckpt" in error
+    assert "Not a directory" in error, error
+    # DCP's own failure (here: optimizer state asked of a model-only checkpoint) names the rank and its cause
+    error = damaged["model-only into an optimizer"]
+    assert error.startswith("CheckpointError: DCP could not load from ") and "on rank 0: " in error, error
+    assert "CheckpointException ranks" not in error, error

@@ -1,0 +1,153 @@
+"""Per-rank jobs for the checkpoint safety tests: saves killed part-way, damaged files, paths holding no checkpoint.
+
+The GPT is sharded but runs eagerly (no compilation), which keeps these jobs fast; what they test is the files."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from models import make_model, make_optimizer
+from workers import _full_state, _gpt_steps
+
+import fsdp2_compile as fc
+from fsdp2_compile import checkpoint
+from fsdp2_compile.checkpoint import load_checkpoint, save_checkpoint
+
+
+def _gpt():
+    model = make_model("gpt")
+    for block in model.blocks:
+        fc.shard(block)
+    fc.shard(model)
+    return model, make_optimizer(model)
+
+
+def _state(model, opt) -> dict:
+    """The full (unsharded) parameters and optimizer state, copied: `_full_state` shares the `step` tensors, which
+    the optimizer increments in place."""
+    return {part: {k: v.clone() for k, v in d.items()} for part, d in _full_state(model, opt).items()}
+
+
+def _die() -> None:
+    os._exit(1)  # no cleanup, no collective: as if the process were killed
+
+
+def _arm(kill: str, rank: int) -> None:
+    """Make this rank die at `kill` during the next save_checkpoint."""
+    if kill == "rank1-after-writing-its-data" and rank == 1:
+        writer = dcp.FileSystemWriter
+        write_data = writer.write_data
+
+        def write_then_die(self, plan, planner):
+            write_data(self, plan, planner).wait()  # its __1_*.distcp is on disk; rank 0 waits in DCP's gather
+            _die()
+
+        writer.write_data = write_then_die
+    elif kill == "rank0-before-commit" and rank == 0:  # every file written and checksummed, rank 1 waits for rank 0
+        checkpoint._commit = lambda *args: _die()
+    elif kill == "rank0-after-commit" and rank == 0:  # the new record is in place, the old save folder not deleted
+        shutil.rmtree = lambda *args, **kwargs: _die()
+
+
+def save_then_die(rank: int, world_size: int, path: str, kill: str, snapshot: str) -> None:
+    """Commit a checkpoint after 2 steps, take a 3rd step, then die in the next save. Both states go to `snapshot`."""
+    model, opt = _gpt()
+    _gpt_steps(model, opt, rank, world_size, range(2))
+    save_checkpoint(path, model, opt)
+    committed = _state(model, opt)
+    _gpt_steps(model, opt, rank, world_size, range(2, 3))
+    states = dict(committed=committed, next=_state(model, opt))
+    if rank == 0:
+        torch.save(states, snapshot)
+    dist.barrier()
+    _arm(kill, rank)
+    save_checkpoint(path, model, opt)
+    dist.barrier()  # a rank whose part survived waits here for the one that died, until the harness ends it
+
+
+def load_after_kill(rank: int, world_size: int, path: str) -> dict:
+    """Load what is committed at `path` into a fresh model; then save over the leftovers and load that."""
+    model, opt = _gpt()
+    load_checkpoint(path, model, opt)
+    loaded, left = _state(model, opt), sorted(os.listdir(path))
+    dist.barrier()  # every rank listed `path` before the next save changes it
+    _gpt_steps(model, opt, rank, world_size, range(2, 3))
+    save_checkpoint(path, model, opt)
+    fresh, fresh_opt = _gpt()
+    load_checkpoint(path, fresh, fresh_opt)
+    after = sorted(os.listdir(path))
+    return dict(loaded=loaded, left=left, after=after, resaved=_state(model, opt), reloaded=_state(fresh, fresh_opt))
+
+
+def _flip(file: str, count: int = 16) -> None:
+    with open(file, "r+b") as f:
+        f.seek(os.path.getsize(file) // 2)
+        data = f.read(count)
+        f.seek(-len(data), os.SEEK_CUR)
+        f.write(bytes(b ^ 0xFF for b in data))
+
+
+def _truncate(file: str) -> None:
+    os.truncate(file, os.path.getsize(file) // 2)
+
+
+def damaged_checkpoints(rank: int, world_size: int, root: str) -> dict:
+    """Commit a checkpoint, then damage it (one way at a time, undone after) and load it; load paths that hold no
+    committed checkpoint; save where no folder can be made. Returns each attempt's error, as "Type: message"."""
+    model, opt = _gpt()
+    _gpt_steps(model, opt, rank, world_size, range(2))
+    path, later = os.path.join(root, "ckpt"), os.path.join(root, "later")
+    save_checkpoint(path, model, opt)
+    _gpt_steps(model, opt, rank, world_size, range(2, 3))
+    save_checkpoint(later, model, opt)  # the same files one step later: the source of a mixed-in file
+    save_checkpoint(os.path.join(root, "model-only"), model)
+    dcp.save({"model": model.state_dict()}, checkpoint_id=os.path.join(root, "plain"))
+    if rank == 0:
+        os.mkdir(os.path.join(root, "empty"))
+        os.mkdir(os.path.join(root, "uncommitted"))
+        shutil.copytree(os.path.join(path, "save-000001"), os.path.join(root, "uncommitted", "save-000001"))
+        open(os.path.join(root, "a-file"), "w").close()
+    folder = os.path.join(path, "save-000001")
+    data1 = os.path.join(folder, "__1_0.distcp")
+    damages = {
+        "truncated": lambda: _truncate(data1),
+        "flipped": lambda: _flip(data1),
+        "mixed": lambda: shutil.copy(os.path.join(later, "save-000001", "__1_0.distcp"), data1),
+        "missing": lambda: os.remove(data1),
+        "metadata": lambda: _flip(os.path.join(folder, ".metadata"), 1),
+    }
+    fresh, fresh_opt = _gpt()
+
+    def attempt(fn, *args) -> str:
+        try:
+            fn(*args)
+            return "no error"
+        except Exception as e:  # every error the checkpoint helpers raise is an ordinary Exception
+            return f"{type(e).__name__}: {e}"
+
+    errors = {}
+    for label, damage in damages.items():
+        dist.barrier()
+        if rank == 0:
+            shutil.copy(data1, data1 + ".bak")
+            shutil.copy(os.path.join(folder, ".metadata"), os.path.join(root, "metadata.bak"))
+            damage()
+        dist.barrier()
+        errors[label] = attempt(load_checkpoint, path, fresh, fresh_opt)
+        dist.barrier()
+        if rank == 0:
+            os.replace(data1 + ".bak", data1)
+            os.replace(os.path.join(root, "metadata.bak"), os.path.join(folder, ".metadata"))
+    dist.barrier()
+    errors["intact"] = attempt(load_checkpoint, path, fresh, fresh_opt)  # undamaged again: it loads
+    for label in ("empty", "nonexistent", "uncommitted", "plain"):
+        errors[label] = attempt(load_checkpoint, os.path.join(root, label), fresh, fresh_opt)
+    errors["save folder"] = attempt(load_checkpoint, folder, fresh, fresh_opt)
+    model_only = os.path.join(root, "model-only")
+    errors["model-only into an optimizer"] = attempt(load_checkpoint, model_only, fresh, fresh_opt)
+    errors["unwritable"] = attempt(save_checkpoint, os.path.join(root, "a-file", "ckpt"), model, opt)
+    return errors
