@@ -20,7 +20,9 @@ __all__ = [
     "default_store",
     "detect_fake_mode",
     "fake_process_group",
+    "group_ranks",
     "group_size",
+    "group_timeout",
     "inductor_compile",
     "inductor_decompositions",
     "make_boxed_func",
@@ -49,6 +51,29 @@ def group_size(group_name: str) -> int:
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     return _resolve_process_group(group_name).size()
+
+
+def group_ranks(group_name: str) -> list[int]:
+    """Global ranks of the process group registered under `group_name`."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return torch.distributed.get_process_group_ranks(_resolve_process_group(group_name))
+
+
+def group_timeout(group_name: str | None = None) -> float:
+    """Seconds the process group registered under `group_name` (None: the default group) waits in a collective
+    before failing: the shortest of its backends' timeouts (set by `init_process_group` / `new_group(timeout=)`),
+    else the backend's default."""
+    from torch.distributed import distributed_c10d as c10d
+
+    pg = c10d._get_default_group() if group_name is None else c10d._resolve_process_group(group_name)
+    found = []
+    for device in pg._device_types:
+        try:
+            found.append(pg._get_backend(device).options._timeout.total_seconds())
+        except (AttributeError, RuntimeError):  # a backend without options (e.g. a wrapper): use the default
+            pass
+    return min(found) if found else c10d._get_default_timeout(torch.distributed.get_backend(pg)).total_seconds()
 
 
 def current_compile_id() -> tuple[int, int] | None:

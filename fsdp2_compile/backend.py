@@ -27,7 +27,7 @@ from ._torch_private import (
     min_cut_rematerialization_partition,
 )
 from .config import CompileConfig
-from .consistency import check_same_schedule
+from .consistency import rank_check
 from .cost_model import PROFILES, HardwareProfile, measured_profile
 from .dump import dump_from_env
 from .graph import nodes_calling
@@ -150,11 +150,12 @@ def resolve_profile(config: CompileConfig, gm: fx.GraphModule) -> HardwareProfil
 
 def _compiler(kind: str, config: CompileConfig) -> Callable[[fx.GraphModule, Any], Callable]:
     def compile_graph(gm: fx.GraphModule, example_inputs: Any) -> Callable:
-        ctx = PassContext(kind=kind, config=config)
-        ctx.profile = resolve_profile(config, gm)
-        gm = run_pipeline(gm, ctx)
-        if config.check_rank_consistency:
-            check_same_schedule(gm, kind)
+        # a failure in here is published to the graph's peers, which then stop naming it instead of waiting
+        with rank_check(gm, kind, config) as check_same_schedule:
+            ctx = PassContext(kind=kind, config=config)
+            ctx.profile = resolve_profile(config, gm)
+            gm = run_pipeline(gm, ctx)
+            check_same_schedule(gm)
         record_graph(GraphRecord(kind, gm, ctx.snapshots, timeline=ctx.timeline, compile_id=current_compile_id()))
         dump_from_env()
         if config.compiler == "inductor":

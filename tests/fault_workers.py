@@ -1,0 +1,228 @@
+"""Per-rank jobs for the fault tests (tests/test_faults.py) and their spawner, which, unlike `harness.run_ranks`,
+gives the process group a short timeout and reports per rank what ended it (result, error or exit code) and when.
+
+Each job returns {case: outcome}, where an outcome is {"error": "<type>: <message>" or None, "seconds": time from
+the case's start (a barrier) to its end}; `run_faults` adds "exitcode" per rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+import fsdp2_compile as fc
+
+PG_TIMEOUT_S = 20.0
+"""The process groups' timeout in these tests: the schedule check waits at most 15 s of it."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world_size: int, port: int, out: str, job: Callable, pg_timeout_s: float) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout_s))
+    try:
+        result = job(rank, world_size)
+    except Exception as e:  # noqa: BLE001 - a job's own error (outside its cases) is what the test reports
+        result = {"job": {"error": f"{type(e).__name__}: {e}", "seconds": None, "traceback": traceback.format_exc()}}
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    dist.destroy_process_group()
+
+
+def run_faults(job: Callable, world_size: int, pg_timeout_s: float = PG_TIMEOUT_S, limit_s: float = 150) -> list[dict]:
+    """Run `job(rank, world_size)` on `world_size` spawned gloo ranks whose process group times out after
+    `pg_timeout_s`; kill whatever still runs after `limit_s`. Per rank: the job's {case: outcome} dict (empty when
+    the rank died) and its "exitcode" (None when it was killed at the limit)."""
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as out:
+        port = _free_port()
+        procs = [
+            ctx.Process(target=_entry, args=(r, world_size, port, out, job, pg_timeout_s)) for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + limit_s
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        results = []
+        for r, p in enumerate(procs):
+            if p.is_alive():
+                p.kill()
+                p.join()
+            path = os.path.join(out, f"rank{r}.json")
+            result = json.load(open(path)) if os.path.exists(path) else {}
+            results.append(result | {"exitcode": p.exitcode if p.exitcode is not None and p.exitcode >= 0 else None})
+        return results
+
+
+class Net(nn.Module):
+    """A small MLP: Linear layers of the given widths with ReLUs between them."""
+
+    def __init__(self, widths: tuple[int, ...] = (8, 16, 16, 1)):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(widths, widths[1:]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            x = layer(x) if i == 0 else layer(torch.relu(x))
+        return x
+
+
+class Branchy(nn.Module):
+    """A data-dependent branch: `b` when the first layer's output sums to more than zero, else `c`."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c, self.d = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        h = self.b(h) if h.sum() > 0 else self.c(h)
+        return self.d(torch.relu(h))
+
+
+def _compiled(model: nn.Module, mesh=None, **config) -> nn.Module:
+    for layer in model.children():
+        if isinstance(layer, nn.ModuleList):
+            for sub in layer:
+                fc.shard(sub, mesh)
+        else:
+            fc.shard(layer, mesh)
+    return fc.shard_compile(model, mesh, compile_config=fc.CompileConfig(**config))
+
+
+def _steps(model: nn.Module, rank: int, steps: int = 2, x: torch.Tensor | None = None) -> list[float]:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(rank)
+    losses = []
+    for _ in range(steps):
+        inputs = torch.randn(4, 8, generator=g) if x is None else x
+        loss = model(inputs).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _case(fn: Callable[[], object]) -> dict:
+    """Run one case after a barrier: its error (None if it passed) and how long it took to end."""
+    dist.barrier()
+    start = time.monotonic()
+    try:
+        fn()
+        error = None
+    except Exception as e:  # noqa: BLE001 - the message is what the tests check
+        error = f"{type(e).__name__}: {e}"
+    return {"error": error, "seconds": round(time.monotonic() - start, 1)}
+
+
+def _raise_in_compile(rank: int) -> None:
+    """Rank 1's pass pipeline raises (an extra pass appended on rank 1 only)."""
+    from fsdp2_compile import pipeline
+
+    def broken_pass(gm, ctx):
+        raise ValueError(f"injected failure in a pass on rank {rank}\nsecond line, not published")
+
+    if rank == 1:
+        pipeline.PASSES.append(broken_pass)
+    try:
+        _steps(_compiled(Net()), rank)
+    finally:
+        if rank == 1:
+            pipeline.PASSES.remove(broken_pass)
+
+
+def _late(rank: int) -> None:
+    """Rank 1 starts its first step 8 s late (slow data loading): well within the process group's timeout."""
+    model = _compiled(Net())
+    if rank == 1:
+        time.sleep(8)
+    _steps(model, rank)
+
+
+def _raise_before_compile(rank: int) -> None:
+    """Rank 1 raises in its own code after sharding, before its first forward (so before the first compile)."""
+    model = _compiled(Net())
+    if rank == 1:
+        raise ValueError("data loader failed on rank 1")
+    _steps(model, rank)
+
+
+def same_process_group_faults(rank: int, world_size: int) -> dict:
+    """On 2 ranks, one case after the other (the process group stays usable after each): a pass raising on rank 1,
+    different widths, a data-dependent branch, different configs, a late rank, and last (it leaves rank 0 with a
+    frame rank 1 never compiled) rank 1 raising before its first compile."""
+    branch_x = torch.full((4, 8), 1.0 if rank == 0 else -1.0)
+    return {
+        "raise_in_compile": _case(lambda: _raise_in_compile(rank)),
+        "different_widths": _case(lambda: _steps(_compiled(Net((8, 16, 16 if rank == 0 else 24, 1))), rank)),
+        "data_dependent_branch": _case(lambda: _steps(_compiled(Branchy()), rank, x=branch_x)),
+        "prefetch_depth": _case(lambda: _steps(_compiled(Net(), prefetch_depth=2 if rank == 0 else 1), rank)),
+        "check_off_on_rank_1": _case(lambda: _steps(_compiled(Net(), check_rank_consistency=rank == 0), rank)),
+        "late_rank": _case(lambda: _late(rank)),
+        "raise_before_compile": _case(lambda: _raise_before_compile(rank)),
+    }
+
+
+def killed_mid_run(rank: int, world_size: int) -> dict:
+    """Rank 1's process exits (os._exit) after its first step; rank 0 goes on to its second."""
+    model = _compiled(Net())
+
+    def run() -> None:
+        _steps(model, rank, steps=1)
+        if rank == 1:
+            os._exit(3)
+        _steps(model, rank, steps=1)
+
+    return {"killed_mid_run": _case(run)}
+
+
+def store_host_raises_before_compile(rank: int, world_size: int) -> dict:
+    """Rank 0, whose process hosts the store, raises before its first compile and exits."""
+
+    def run() -> None:
+        model = _compiled(Net())
+        if rank == 0:
+            raise ValueError("data loader failed on rank 0")
+        _steps(model, rank)
+
+    return {"store_host_raises_before_compile": _case(run)}
+
+
+def sub_meshes(rank: int, world_size: int) -> dict:
+    """On 4 ranks: a pipeline-parallel layout, where ranks 0, 1 shard and train model A over a mesh of [0, 1] and
+    ranks 2, 3 a different model B over [2, 3] (the stages never talk to each other); then HSDP on a (replicate=2,
+    shard=2) mesh, where each rank's graphs use two groups (its shard pair and its replica pair)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))["dp"]  # every rank creates every group
+    widths = (8, 16, 16, 1) if rank < 2 else (8, 32, 24, 12, 1)
+    stage_losses: list[float] = []
+    stages = _case(lambda: stage_losses.extend(_steps(_compiled(Net(widths), mesh), rank, steps=3)))
+    hsdp_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    hsdp_losses: list[float] = []
+    hsdp = _case(lambda: hsdp_losses.extend(_steps(_compiled(Net(), hsdp_mesh), rank, steps=3)))
+    return {
+        "pipeline_stages": stages | {"losses": stage_losses, "mesh": mesh.mesh.tolist()},
+        "hsdp": hsdp | {"losses": hsdp_losses},
+    }

@@ -1,0 +1,118 @@
+"""Faults around the cross-rank schedule check (fsdp2_compile.consistency), on spawned gloo ranks whose process
+group times out after 20 s (so the check waits at most 15 s): every rank ends within a bound, and every surviving
+rank's error names the cause.
+
+One 2-rank job runs the cases that leave the process group usable one after the other (cached, several tests read
+it); a killed rank, a rank hosting the store that exits, and the 4-rank layouts (pipeline stages, HSDP) get a job each.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+
+import fault_workers
+from fault_workers import PG_TIMEOUT_S, run_faults
+
+WAIT_S = PG_TIMEOUT_S - 5  # what the check waits for a rank that never publishes (max(min(0.9 T, T - 5), T / 2))
+BOUND_S = 60  # a generous bound for any case on a busy machine
+
+
+@functools.cache
+def _job(name: str, world_size: int = 2) -> list[dict]:
+    return run_faults(getattr(fault_workers, name), world_size)
+
+
+def _case(case: str, job: str = "same_process_group_faults", world_size: int = 2) -> list[dict]:
+    """Every rank's outcome of `case`: {"error": "<type>: <message>" or None, "seconds": time to end}."""
+    results = _job(job, world_size)
+    assert all("job" not in r for r in results), [r.get("job") for r in results]  # a job's own error
+    return [r.get(case) for r in results]
+
+
+def test_a_rank_raising_in_its_pass_pipeline_is_named_by_the_others_at_once():
+    r0, r1 = _case("raise_in_compile")
+    assert "ValueError: injected failure in a pass on rank 1" in r1["error"], r1
+    words = "rank 1 failed to compile its forward graph: ValueError: injected failure in a pass on rank 1."
+    assert words in r0["error"], r0
+    assert "second line" not in r0["error"]  # only the first line of the message is published
+    assert abs(r0["seconds"] - r1["seconds"]) < 3 and r0["seconds"] < BOUND_S  # not after the 15 s wait
+
+
+def test_a_rank_raising_before_its_first_compile_is_named_after_the_bounded_wait():
+    r0, r1 = _case("raise_before_compile")
+    assert r1["error"] == "ValueError: data loader failed on rank 1", r1
+    words = f"rank(s) [1] did not publish their forward schedule within {WAIT_S:.0f} s (the process group times out"
+    assert f"{words} after {PG_TIMEOUT_S:.0f} s)" in r0["error"], r0
+    assert "raised or crashed before compiling" in r0["error"] and "are late" in r0["error"]
+    # its own message, before the process group's timeout would fire
+    assert WAIT_S <= r0["seconds"] < min(PG_TIMEOUT_S, BOUND_S), r0
+
+
+def test_a_late_rank_is_waited_for():
+    r0, r1 = _case("late_rank")
+    assert r0["error"] is None and r1["error"] is None, (r0, r1)
+    assert r0["seconds"] >= 8  # rank 0 waited for rank 1's 8 s late start
+
+
+def test_divergent_models_name_the_first_differing_collective():
+    r0, r1 = _case("different_widths")
+    assert "rank 0 and rank 1 compiled different forward schedules" in r0["error"], r0
+    assert "collective #1: all_gather:float32:1088 here vs all_gather:float32:1632 on rank 1" in r0["error"], r0
+    assert "collective #1: all_gather:float32:1632 here vs all_gather:float32:1088 on rank 0" in r1["error"], r1
+    assert max(r0["seconds"], r1["seconds"]) < BOUND_S
+
+
+def test_a_data_dependent_branch_names_the_parameters_each_rank_gathers_alone():
+    r0, r1 = _case("data_dependent_branch")
+    for rank, outcome in enumerate((r0, r1)):
+        error = outcome["error"]
+        assert f"rank {rank} and rank {1 - rank} compiled different forward schedules" in error, error
+        only = dict(re.findall(r"all_gather of (\w)\.bias, \w\.weight on rank (\d) only", error))
+        assert sorted(only) == ["b", "c"] and sorted(only.values()) == ["0", "1"], error
+        assert outcome["seconds"] < BOUND_S
+
+
+def test_different_configs_are_named_field_by_field():
+    for case, words in [
+        ("prefetch_depth", "rank 1 has CompileConfig.prefetch_depth=1, rank 0 2"),
+        ("check_off_on_rank_1", "rank 1 has CompileConfig.check_rank_consistency=False, rank 0 True"),
+    ]:
+        for outcome in _case(case):
+            assert words in outcome["error"] and "Give every rank the same CompileConfig" in outcome["error"], outcome
+            assert outcome["seconds"] < BOUND_S  # not a wait for a rank that does not check
+
+
+def test_a_killed_rank_ends_the_survivor_before_the_timeout():
+    r0, r1 = _case("killed_mid_run", "killed_mid_run")
+    assert r1 is None and _job("killed_mid_run", 2)[1]["exitcode"] == 3
+    # rank 0 is in a collective of its second step when rank 1's process exits: gloo sees the connection close
+    assert re.search(r"Connection (reset|closed) by peer", r0["error"]), r0
+    assert r0["seconds"] < PG_TIMEOUT_S
+
+
+def test_the_store_hosts_exit_is_named_by_the_others():
+    r0, r1 = _case("store_host_raises_before_compile", "store_host_raises_before_compile")
+    assert r0["error"] == "ValueError: data loader failed on rank 0", r0
+    assert "lost the process group's store while exchanging forward schedules with ranks [0, 1]" in r1["error"], r1
+    assert "rank 0, unless a launcher such as torchrun hosts it" in r1["error"]
+    assert r1["seconds"] < WAIT_S  # not the wait for a rank that never publishes
+
+
+def test_pipeline_stages_on_disjoint_sub_meshes_train_without_comparing_with_each_other():
+    # ranks 0, 1 shard model A over [0, 1]; ranks 2, 3 a model of other widths over [2, 3]; the check compares only
+    # the ranks of the groups a graph uses (before, rank 0 and rank 2 "compiled different forward schedules")
+    for rank, outcome in enumerate(_case("pipeline_stages", "sub_meshes", 4)):
+        assert outcome["error"] is None, outcome
+        assert outcome["mesh"] == ([0, 1] if rank < 2 else [2, 3])
+        assert all(math.isfinite(x) for x in outcome["losses"]) and outcome["losses"][-1] < outcome["losses"][0]
+
+
+def test_hsdp_exchanges_over_both_groups_of_each_rank():
+    # each rank's union of groups differs (rank 0: [0, 1] and [0, 2]; rank 1: [0, 1] and [1, 3]): one exchange per
+    # group keeps every group's ranks on the same keys (one over the union waited for keys nobody wrote)
+    outcomes = _case("hsdp", "sub_meshes", 4)
+    for outcome in outcomes:
+        assert outcome["error"] is None, outcome
+        assert all(math.isfinite(x) for x in outcome["losses"]) and outcome["losses"][-1] < outcome["losses"][0]
