@@ -2,8 +2,9 @@
 
     .venv/bin/python benchmarks/soak.py [--runs 3] [--steps 2000] [--malloc-check] [--system ours|fsdp2]
 
-Each run spawns 2 gloo ranks that train the tiny GPT of `examples/gpt.py` (blocks sharded, then the root through
-`shard_compile` with the default `CompileConfig`), all-reducing the loss every step as a logging loop would.
+Each run spawns 2 gloo ranks that train the GPT of `examples/train_gpt.py` (4 layers, d_model 128; blocks sharded,
+then the root through `shard_compile` with the default `CompileConfig`), all-reducing the loss every step as a
+logging loop would.
 `--malloc-check` runs the ranks under glibc's `MALLOC_CHECK_=3` and `MALLOC_PERTURB_`: freed memory is filled
 with a byte pattern at once, so a collective reading a freed buffer sends garbage (the losses stop matching) or
 glibc aborts. `--system fsdp2` runs `fully_shard` instead, and `--compare` runs both and checks the losses bitwise.
@@ -14,6 +15,7 @@ compile counts at step 100 and at the end.
 from __future__ import annotations
 
 import argparse
+import ast
 import os
 import socket
 import sys
@@ -27,7 +29,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 from gpt import GPT, GPTConfig, gpt_loss, make_batch  # noqa: E402
 
-CFG = GPTConfig()
+CFG = GPTConfig(vocab_size=512, block_size=64, n_layer=4, n_head=4, d_model=128)  # examples/train_gpt.py
 BATCH = 8
 
 
@@ -36,7 +38,7 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _build(system: str):
+def _build(system: str, config: dict):
     import fsdp2_compile as fc
 
     torch.manual_seed(0)
@@ -50,7 +52,7 @@ def _build(system: str):
     else:
         for block in model.blocks:
             fc.shard(block)
-        fc.shard_compile(model)
+        fc.shard_compile(model, compile_config=fc.CompileConfig(**config))
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
 
 
@@ -63,11 +65,11 @@ def _counts(system: str) -> tuple[int, ...]:
     return (c.forward, c.backward, c.inference)
 
 
-def _rank(rank: int, world: int, port: int, out: str, system: str, steps: int) -> None:
+def _rank(rank: int, world: int, port: int, out: str, system: str, steps: int, config: dict) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    model, opt = _build(system)
+    model, opt = _build(system, config)
     losses, marks = [], {}
     per_rank = BATCH // world
     for step in range(steps):
@@ -82,6 +84,8 @@ def _rank(rank: int, world: int, port: int, out: str, system: str, steps: int) -
         losses.append(logged.item() / world)
         if step + 1 in (min(100, steps), steps):
             marks[step + 1] = (_rss_bytes(), _counts(system))
+        with open(os.path.join(out, f"rank{rank}.step"), "w") as f:
+            f.write(str(step + 1))
         if rank == 0 and (step + 1) % 500 == 0:
             print(f"  step {step + 1}", flush=True)
     torch.save(dict(losses=losses, marks=marks), os.path.join(out, f"rank{rank}.pt"))
@@ -94,7 +98,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run(system: str, steps: int, malloc_check: bool, world: int = 2) -> dict:
+def _read_int(path: str) -> int:
+    try:
+        with open(path) as f:
+            return int(f.read() or 0)
+    except FileNotFoundError:
+        return 0
+
+
+def run(system: str, steps: int, malloc_check: bool, world: int = 2, config: dict | None = None) -> dict:
     """One run on `world` spawned ranks; returns how it ended and rank 0's results (None if it died)."""
     env = {"MALLOC_CHECK_": "3", "MALLOC_PERTURB_": "165"} if malloc_check else {}
     saved = {k: os.environ.get(k) for k in env}
@@ -103,7 +115,7 @@ def run(system: str, steps: int, malloc_check: bool, world: int = 2) -> dict:
     try:
         with tempfile.TemporaryDirectory() as out:
             ctx = mp.start_processes(
-                _rank, args=(world, _free_port(), out, system, steps), nprocs=world, join=False, start_method="spawn"
+                _rank, args=(world, _free_port(), out, system, steps, config or {}), nprocs=world, join=False, start_method="spawn"
             )
             codes = []
             for p in ctx.processes:
@@ -112,7 +124,8 @@ def run(system: str, steps: int, malloc_check: bool, world: int = 2) -> dict:
             if any(codes):
                 for p in ctx.processes:
                     p.kill()
-                return dict(codes=codes, result=None, seconds=time.monotonic() - start)
+                done = [_read_int(os.path.join(out, f"rank{r}.step")) for r in range(world)]
+                return dict(codes=codes, result=None, steps_done=done, seconds=time.monotonic() - start)
             return dict(codes=codes, result=torch.load(os.path.join(out, "rank0.pt")), seconds=time.monotonic() - start)
     finally:
         for k, v in saved.items():
@@ -129,16 +142,18 @@ def main() -> None:
     parser.add_argument("--malloc-check", action="store_true", help="MALLOC_CHECK_=3 and MALLOC_PERTURB_ in the ranks")
     parser.add_argument("--system", choices=("ours", "fsdp2"), default="ours")
     parser.add_argument("--compare", action="store_true", help="also run fully_shard once; compare losses bitwise")
+    parser.add_argument("--config", default="{}", help="CompileConfig fields as a Python dict, e.g. \"{'prefetch': False}\"")
     args = parser.parse_args()
+    config = ast.literal_eval(args.config)
 
     reference = run("fsdp2", args.steps, args.malloc_check)["result"] if args.compare else None
     aborts = 0
     for i in range(args.runs):
-        print(f"run {i + 1}/{args.runs}: {args.system}, {args.steps} steps, malloc check {args.malloc_check}", flush=True)
-        ended = run(args.system, args.steps, args.malloc_check)
+        print(f"run {i + 1}/{args.runs}: {args.system} {config}, {args.steps} steps, malloc check {args.malloc_check}", flush=True)
+        ended = run(args.system, args.steps, args.malloc_check, config=config)
         if ended["result"] is None:
             aborts += 1
-            print(f"  ABORTED: exit codes {ended['codes']} after {ended['seconds']:.0f} s")
+            print(f"  ABORTED: exit codes {ended['codes']} after {ended['seconds']:.0f} s, steps done per rank {ended['steps_done']}")
             continue
         res = ended["result"]
         (rss0, counts0), (rss1, counts1) = res["marks"][min(100, args.steps)], res["marks"][args.steps]

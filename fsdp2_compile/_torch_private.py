@@ -27,6 +27,8 @@ __all__ = [
     "inductor_decompositions",
     "make_boxed_func",
     "min_cut_rematerialization_partition",
+    "one_thread_gloo_backend",
+    "resolve_group",
 ]
 
 
@@ -102,3 +104,31 @@ def inductor_decompositions() -> dict:
     from torch._inductor.decomposition import select_decomp_table
 
     return select_decomp_table()
+
+
+def resolve_group(group_name: str):
+    """The process group registered under `group_name` (what functional collectives take)."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(group_name)
+
+
+_ONE_THREAD_GLOO = "fsdp2_gloo_one_thread"
+
+
+def one_thread_gloo_backend() -> str:
+    """The name of a registered backend that is gloo with one worker thread (`init_process_group` and
+    `new_group` ignore gloo's `pg_options`, so its thread count can only be set by constructing it)."""
+    from torch.distributed import Backend, ProcessGroupGloo
+
+    if not hasattr(Backend, _ONE_THREAD_GLOO.upper()):
+
+        def create(store, rank, size, timeout):
+            options = ProcessGroupGloo._Options()
+            options._threads = 1
+            options._timeout = timeout
+            options._devices = [ProcessGroupGloo.create_default_device()]
+            return ProcessGroupGloo(store, rank, size, options)
+
+        Backend.register_backend(_ONE_THREAD_GLOO, create, devices=["cpu"])
+    return _ONE_THREAD_GLOO

@@ -23,6 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .comm_groups import fsdp_group
 from .config import MixedPrecisionPolicy
 from .cost_model import measure_profile
 from .eager_reshard import note_gathered, register_reshard_hooks
@@ -191,12 +192,13 @@ def _default_mesh(mesh: DeviceMesh | None) -> DeviceMesh:
 
 
 def _mesh_groups(mesh: DeviceMesh) -> tuple[int, str, int, str]:
-    """(shard size, shard group, replicate size, replicate group) of a 1-D mesh or a 2-D (replicate, shard) one."""
+    """(shard size, shard group, replicate size, replicate group) of a 1-D mesh or a 2-D (replicate, shard) one:
+    the groups FSDP's collectives run on (`comm_groups.fsdp_group`)."""
     shard_dim = mesh.ndim - 1
-    shard_size, shard_group = mesh.size(shard_dim), mesh.get_group(shard_dim).group_name
+    shard_size, shard_group = mesh.size(shard_dim), fsdp_group(mesh.get_group(shard_dim).group_name)
     if mesh.ndim == 1:
         return shard_size, shard_group, 1, ""
-    return shard_size, shard_group, mesh.size(0), mesh.get_group(0).group_name
+    return shard_size, shard_group, mesh.size(0), fsdp_group(mesh.get_group(0).group_name)
 
 
 def _check_param(fqn: str, param: nn.Parameter, mesh: DeviceMesh) -> None:

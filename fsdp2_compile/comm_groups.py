@@ -1,0 +1,45 @@
+"""The process groups FSDP's own collectives run on: on gloo, a twin of each mesh group with one worker thread.
+
+Why: `ProcessGroupGloo` runs queued collectives on two worker threads, so with all-gathers prefetched (started
+before the compute they overlap, as the scheduler emits them) two collectives of one group execute at once. On
+torch 2.13 that corrupts the heap: glibc aborts ("malloc(): unaligned tcache chunk detected") or a rank segfaults
+inside gloo's all-gather, within a few hundred steps of a small GPT (`benchmarks/soak.py`); with at most one
+collective in flight, or with one worker thread, it does not happen. One worker thread is also what the cost model
+assumes (one communication lane, collectives in issue order) and what NCCL does (one stream per group), and it
+still overlaps communication with compute: collectives run on that thread while the graph computes.
+
+The twin has the same ranks and timeout as the mesh group; it is created once per group (`new_group` with local
+synchronization: only its members take part, in the order `shard` is called, which every rank shares) and used
+only by the fsdp2 ops. DTensor's own collectives (`full_tensor`, `clip_grad_norm_`) keep the mesh group. Other
+backends (NCCL) use the mesh group as it is.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from ._torch_private import group_ranks, group_timeout, one_thread_gloo_backend, resolve_group
+
+__all__ = ["fsdp_group"]
+
+_TWINS: dict[str, str] = {}
+"""Mesh group name -> the name of its one-thread gloo twin."""
+
+
+def fsdp_group(group_name: str) -> str:
+    """The name of the group FSDP collectives of the mesh group `group_name` run on."""
+    if not group_name or dist.get_backend(resolve_group(group_name)) != "gloo":
+        return group_name
+    if group_name not in _TWINS:
+        twin = dist.new_group(
+            ranks=group_ranks(group_name),
+            backend=one_thread_gloo_backend(),
+            timeout=timedelta(seconds=group_timeout(group_name)),
+            use_local_synchronization=True,
+            group_desc=f"fsdp2_compile serial twin of {group_name}",
+        )
+        _TWINS[group_name] = twin.group_name
+    return _TWINS[group_name]
+
