@@ -8,6 +8,7 @@ or MUST_SAVE (`False`: gathered once, kept until backward).
 from __future__ import annotations
 
 import functools
+import logging
 import operator
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -29,14 +30,15 @@ from ._torch_private import (
 from .config import CompileConfig
 from .consistency import rank_check
 from .cost_model import PROFILES, HardwareProfile, measured_profile
-from .dump import dump_from_env
 from .graph import nodes_calling
-from .ops import REDUCE_GRAD, UNSHARD
+from .ir import REDUCE_GRAD, UNSHARD, ReduceGradArgs, UnshardArgs
 from .pipeline import PassContext, run_pipeline
-from .report import GraphRecord, record_graph
+from .report import GraphRecord, dump_requested, record_graph
 from .shard import is_known_param
 
 __all__ = ["check_input_devices", "fsdp2_backend", "make_backend"]
+
+log = logging.getLogger("fsdp2_compile")
 
 
 def _check_sharded(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:
@@ -96,7 +98,7 @@ def _check_graph_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> No
 
 def _tag_unshards(joint: fx.GraphModule) -> None:
     for node in nodes_calling(joint.graph, UNSHARD):
-        reshard = node.args[8]
+        reshard = UnshardArgs.of(node).reshard_after_forward
         node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE if reshard else CheckpointPolicy.MUST_SAVE
 
 
@@ -110,12 +112,16 @@ def _rng_states_before_opaques(fw: fx.GraphModule, bw: fx.GraphModule) -> None:
     expects only non-tensors ("expected all tensors_saved_with_vc_check to be Tensors"). Move those states before
     the first opaque object, among the forward's outputs and the backward's inputs alike."""
     output = fw.graph.output_node()
-    outs = list(output.args[0])
-    rng = [
-        o for o in outs
-        if isinstance(o, fx.Node) and o.target is operator.getitem and o.args[1] == 0
-        and o.args[0].target is torch.ops.higher_order.run_and_save_rng_state
-    ]
+    [outs] = output.args
+    outs = list(outs)
+
+    def is_rng_state(o: Any) -> bool:  # getitem(run_and_save_rng_state(...), 0)
+        if not (isinstance(o, fx.Node) and o.target is operator.getitem):
+            return False
+        source, index = o.args
+        return index == 0 and source.target is torch.ops.higher_order.run_and_save_rng_state
+
+    rng = [o for o in outs if is_rng_state(o)]
     if not rng or not any(_is_opaque(o) for o in outs):
         return
     rest = [o for o in outs if not any(o is r for r in rng)]
@@ -144,20 +150,26 @@ def resolve_profile(config: CompileConfig, gm: fx.GraphModule) -> HardwareProfil
             raise ValueError(f"CompileConfig.hardware={config.hardware!r} is not one of {sorted(PROFILES)}")
         return PROFILES[config.hardware]
     op = next((n for n in gm.graph.nodes if n.target in (UNSHARD, REDUCE_GRAD)), None)
-    measured = measured_profile(op.args[3]) if op is not None else None
-    return measured or PROFILES["cpu-gloo-loopback"]
+    if op is None:
+        return PROFILES["cpu-gloo-loopback"]
+    group = (UnshardArgs if op.target is UNSHARD else ReduceGradArgs).of(op).group_name
+    return measured_profile(group) or PROFILES["cpu-gloo-loopback"]
 
 
 def _compiler(kind: str, config: CompileConfig) -> Callable[[fx.GraphModule, Any], Callable]:
     def compile_graph(gm: fx.GraphModule, example_inputs: Any) -> Callable:
         # a failure in here is published to the graph's peers, which then stop naming it instead of waiting
         with rank_check(gm, kind, config) as check_same_schedule:
-            ctx = PassContext(kind=kind, config=config)
-            ctx.profile = resolve_profile(config, gm)
+            ctx = PassContext(kind=kind, config=config, profile=resolve_profile(config, gm))
+            log.info("%s graph: cost-model profile %s (%s)", kind, ctx.profile.name, ctx.profile.source)
             gm = run_pipeline(gm, ctx)
             check_same_schedule(gm)
-        record_graph(GraphRecord(kind, gm, ctx.snapshots, timeline=ctx.timeline, compile_id=current_compile_id()))
-        dump_from_env()
+        record = GraphRecord(kind, gm, ctx.snapshots, ctx.timeline, current_compile_id(), ctx.profile)
+        record_graph(record)
+        if dump_requested():
+            from .dump import dump_from_env  # debug artefacts: the drawing code is imported only when asked for
+
+            dump_from_env(record)
         if config.compiler == "inductor":
             return inductor_compile(gm, example_inputs, is_backward=kind == "backward", is_inference=kind == "inference")
         return make_boxed_func(gm)

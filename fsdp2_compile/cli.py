@@ -195,7 +195,7 @@ def cmd_dump(ns: argparse.Namespace) -> int:
             clear_compiled_graphs()
             shard_compile(
                 model, mesh, reshard_after_forward=reshard, mp_policy=mp,
-                compile_config=CompileConfig(hardware=hardware, check_rank_consistency=False),
+                compile_config=CompileConfig(hardware=hardware, check_rank_consistency=False, keep_snapshots=True),
             )
             try:
                 loss = loss_fn(model(*args))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -60,6 +60,9 @@ class CompileConfig:
     """Cost-model profile name (see `cost_model.PROFILES`); None measures alpha/beta on the process group once."""
     check_rank_consistency: bool = True
     """At compile time, compare a hash of every schedule across ranks and raise on a mismatch."""
+    keep_snapshots: bool = field(default=False, metadata={"rank_local": True})
+    """Keep the graph after every pass in the report (`report.compiled_graphs()[i].snapshots`), for dumps; also
+    on when $FSDP2_COMPILE_DUMP is set. A debugging switch: it changes no decision, so ranks may differ in it."""
 
     def __post_init__(self) -> None:
         if self.compiler not in ("aot_eager", "inductor"):

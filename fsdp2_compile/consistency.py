@@ -51,6 +51,7 @@ import torch.distributed as dist
 from torch import fx
 
 from ._torch_private import current_compile_id, default_store, group_ranks, group_timeout
+from .ir import schema_args
 from .report import collectives
 
 __all__ = ["check_same_schedule", "graph_groups", "rank_check", "schedule_signature"]
@@ -77,12 +78,9 @@ def graph_groups(gm: fx.GraphModule) -> set[str]:
     its ops (the functional collectives' `group_name`, the fsdp2 ops' `group_name` / `replicate_group_name`)."""
     names = set()
     for node in gm.graph.nodes:
-        schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
-        for i, arg in enumerate(schema.arguments if schema is not None else ()):
-            if arg.name.endswith("group_name"):
-                value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
-                if isinstance(value, str) and value:
-                    names.add(value)
+        for name, value in schema_args(node).items():
+            if name.endswith("group_name") and isinstance(value, str) and value:
+                names.add(value)
     return names
 
 
@@ -239,7 +237,9 @@ def _exchange(gm: fx.GraphModule, kind: str, world_if_none: bool, timeout_s: flo
 
 def _check(ex: _Exchange, gm: fx.GraphModule, config) -> None:
     """Publish this rank's config and schedule, read the peers', raise on any difference."""
-    config_fields = {f.name: repr(getattr(config, f.name)) for f in dataclasses.fields(config)} if config else {}
+    config_fields = {
+        f.name: repr(getattr(config, f.name)) for f in dataclasses.fields(config) if not f.metadata.get("rank_local")
+    } if config else {}
     compare = config is None or config.check_rank_consistency
     mine = {"config": config_fields, "schedule": schedule_signature(gm) if compare else None}
     if all(json.dumps(mine) in ch.agreed for ch in ex.channels):

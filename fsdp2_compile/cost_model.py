@@ -11,13 +11,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-import sympy
 import torch
 from torch import fx
 from torch.utils.flop_counter import flop_registry
 
-from ._torch_private import group_size
-from .ops import KEEP_ALIVE
+from .ir import KEEP_ALIVE, WAIT, CollectiveArgs, Role, WaitArgs, collective_kind, concrete, nbytes
 
 __all__ = [
     "PROFILES",
@@ -32,11 +30,6 @@ __all__ = [
 ]
 
 _funcol = torch.ops._c10d_functional
-_COLLECTIVES = {
-    _funcol.all_gather_into_tensor.default,
-    _funcol.reduce_scatter_tensor.default,
-    _funcol.all_reduce.default,
-}
 _VIEWS = {"view", "_unsafe_view", "slice", "t", "transpose", "permute", "expand", "alias", "select", "split",
           "split_with_sizes", "unsqueeze", "squeeze", "as_strided", "detach", "unbind", "reshape"}
 
@@ -85,35 +78,18 @@ PROFILES: dict[str, HardwareProfile] = {
 }
 
 
-def concrete(x) -> int | float:
-    """A size as a number: SymInts are evaluated with sympy at the values the shape environment recorded."""
-    if isinstance(x, (torch.SymInt, torch.SymFloat)):
-        node = x.node
-        expr = sympy.sympify(node.expr)
-        return int(expr.xreplace({s: sympy.Integer(v) for s, v in node.shape_env.backed_var_to_val.items()}))
-    return x
-
-
-def _nbytes(v) -> int:
-    if isinstance(v, torch.Tensor):
-        return int(concrete(v.numel())) * v.element_size()
-    if isinstance(v, (list, tuple)):
-        return sum(_nbytes(x) for x in v)
-    return 0
-
-
 def _val(a):
     return a.meta.get("val") if isinstance(a, fx.Node) else a
 
 
 def collective_time(node: fx.Node, profile: HardwareProfile) -> float:
     """alpha + (N-1)/N * bytes * beta (an all-reduce, a reduce-scatter plus an all-gather, counts twice that)."""
-    if node.target is _funcol.all_reduce.default:
-        world = group_size(node.args[2])
-        return profile.alpha_s + 2 * (world - 1) / world * _nbytes(_val(node.args[0])) * profile.beta_s_per_byte
-    world = node.args[-2]
-    full = _val(node) if node.target is _funcol.all_gather_into_tensor.default else _val(node.args[0])
-    return profile.alpha_s + (world - 1) / world * _nbytes(full) * profile.beta_s_per_byte
+    call, kind = CollectiveArgs.of(node), collective_kind(node)
+    world = call.ranks()
+    if kind == Role.ALL_REDUCE:
+        return profile.alpha_s + 2 * (world - 1) / world * nbytes(_val(call.input)) * profile.beta_s_per_byte
+    full = _val(node) if kind == Role.ALL_GATHER else _val(call.input)
+    return profile.alpha_s + (world - 1) / world * nbytes(full) * profile.beta_s_per_byte
 
 
 def compute_time(node: fx.Node, profile: HardwareProfile) -> float:
@@ -122,7 +98,7 @@ def compute_time(node: fx.Node, profile: HardwareProfile) -> float:
     if node.target.overloadpacket.__name__ in _VIEWS or node.target is KEEP_ALIVE:
         return 0.0
     out = node.meta.get("val")
-    moved = _nbytes(out) + sum(_nbytes(_val(a)) for a in node.all_input_nodes)
+    moved = nbytes(out) + sum(nbytes(_val(a)) for a in node.all_input_nodes)
     flops = 0
     formula = flop_registry.get(node.target.overloadpacket)
     if formula is not None:
@@ -136,7 +112,7 @@ def compute_time(node: fx.Node, profile: HardwareProfile) -> float:
 
 def node_time(node: fx.Node, profile: HardwareProfile) -> float:
     """Seconds `node` keeps its lane busy (the communication lane for collectives, else the compute lane)."""
-    if node.target in _COLLECTIVES:
+    if collective_kind(node) is not None:
         return collective_time(node, profile)
     return compute_time(node, profile)
 
@@ -179,14 +155,14 @@ def simulate(gm: fx.GraphModule, profile: HardwareProfile) -> Timeline:
     live = 0
     owned: dict[fx.Node, int] = {}
     for i, n in enumerate(nodes):
-        if n.target in _COLLECTIVES:
+        if collective_kind(n) is not None:
             start = max(now, comm_free)
             duration = collective_time(n, profile)
             comm_free = done_at[n] = start + duration
             tl.comm_s += duration
             tl.events.append(Event(n.name, "comm", start, duration))
-        elif n.target is _funcol.wait_tensor.default:
-            ready = done_at.get(n.args[0], now)
+        elif n.target is WAIT:
+            ready = done_at.get(WaitArgs.of(n).tensor, now)
             if ready > now:
                 tl.events.append(Event(n.name, "wait", now, ready - now))
                 tl.exposed_comm_s += ready - now
@@ -198,10 +174,10 @@ def simulate(gm: fx.GraphModule, profile: HardwareProfile) -> Timeline:
                 tl.compute_s += duration
                 now += duration
         is_view = n.op == "call_function" and getattr(n.target, "overloadpacket", None) is not None and (
-            n.target.overloadpacket.__name__ in _VIEWS or n.target is _funcol.wait_tensor.default
+            n.target.overloadpacket.__name__ in _VIEWS or n.target is WAIT
         )
         if n.op == "call_function" and not is_view:
-            owned[n] = _nbytes(n.meta.get("val"))
+            owned[n] = nbytes(n.meta.get("val"))
             live += owned[n]
         tl.peak_bytes = max(tl.peak_bytes, live)
         for p in n.all_input_nodes:

@@ -27,20 +27,16 @@ import torch
 from torch import fx
 
 from .cost_model import PROFILES, HardwareProfile, Timeline, simulate
-from .graph import BUCKET, PARAMS
-from .pipeline import NodeFacts, Snapshot
-from .report import GraphRecord, collective, compiled_graphs
+from .ir import BUCKET, COLLECTIVE_KINDS, PARAMS, WAIT, Role, collective_kind
+from .report import DUMP_ENV, GraphRecord, NodeFacts, Snapshot, collective, compiled_graphs, saved_bytes
 
 __all__ = ["DUMP_ENV", "annotate", "dump_from_env", "png_line_chart", "saved_bytes", "summarize", "write_dump"]
 
-DUMP_ENV = "FSDP2_COMPILE_DUMP"
-
-_AG, _RS, _AR = "all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce"
-_COLLECTIVE_KIND = {_AG: "all_gather", _RS: "reduce_scatter", _AR: "all_reduce"}
-_CAST = "convert_element_type"
+_CAST = torch.ops.prims.convert_element_type.default
 _NODE_NAME = re.compile(r"^\s*%(\w+) : ")
 _NODE_LINE = re.compile(r"^\s*(?:%\w+ : |return\b)", re.MULTILINE)  # one per node, the output node included
-_COUNTED = {*_COLLECTIVE_KIND.values(), "wait"}
+_KINDS = set(COLLECTIVE_KINDS.values())
+_COUNTED = {*_KINDS, Role.WAIT}
 _NOT_LOWERED = {"unshard", "reduce_grad"}
 _ANNOTATED = {*_COUNTED, "cast", *_NOT_LOWERED, "stash_grad", "add_pending_grad"}
 
@@ -65,15 +61,15 @@ def _short_target(target: str) -> str:
     return parts[-2] if len(parts) >= 2 and parts[-1] in ("default", "Tensor", "dim", "int", "Scalar") else parts[-1]
 
 
-def _category(target: str, op: str) -> str:
-    short = _short_target(target)
-    if op == "placeholder":
+def _node_category(node: fx.Node) -> str:
+    if node.op == "placeholder":
         return "placeholder"
-    if short in _COLLECTIVE_KIND:
-        return _COLLECTIVE_KIND[short]
-    if short == "wait_tensor":
+    kind = collective_kind(node)
+    if kind is not None:
+        return str(kind)
+    if node.target is WAIT:
         return "wait"
-    if short == _CAST:
+    if node.target is _CAST:
         return "cast"
     return "other"
 
@@ -122,23 +118,10 @@ def pass_stats(record: GraphRecord) -> list[PassStats]:
         for facts in snap.nodes.values():
             if facts.role in _COUNTED:
                 s.counts[facts.role] += 1
-            if facts.role in _COLLECTIVE_KIND.values():
+            if facts.role in _KINDS:
                 s.bytes_by_dtype[(facts.role, _dtype_name(facts.dtype))] += facts.nbytes
         stats.append(s)
     return stats
-
-
-def saved_bytes(gm: fx.GraphModule) -> int:
-    """Bytes of the tensors a forward graph returns that are not its inputs (outputs + saved for backward)."""
-    total, seen = 0, set()
-    for arg in fx.node.map_arg(gm.graph.output_node().args, lambda n: n) or ():
-        for node in arg if isinstance(arg, (list, tuple)) else (arg,):
-            if isinstance(node, fx.Node) and node.op != "placeholder" and node not in seen:
-                seen.add(node)
-                value = node.meta.get("val")
-                if isinstance(value, torch.Tensor):
-                    total += value.numel() * value.element_size()
-    return total
 
 
 def _mib(n: float) -> str:
@@ -154,14 +137,23 @@ def _labels(records: list[GraphRecord]) -> list[str]:
     return labels
 
 
-def _timelines(records: list[GraphRecord], profile: HardwareProfile) -> list[Timeline]:
-    return [simulate(r.gm, profile) for r in records]
+def _profiles(records: list[GraphRecord], profile: HardwareProfile | None) -> list[HardwareProfile]:
+    """Each graph's profile: the one its scheduler used, else `profile`, else the loopback one."""
+    fallback = profile or PROFILES["cpu-gloo-loopback"]
+    return [r.profile or fallback for r in records]
 
 
-def summarize(records: list[GraphRecord], profile: HardwareProfile) -> str:
-    """The summary table: per graph and pass, per bucket, peak memory and exposed communication."""
-    out = [f"cost model profile: {profile.name} ({profile.source})", ""]
-    timelines = _timelines(records, profile)
+def _timelines(records: list[GraphRecord], profiles: list[HardwareProfile]) -> list[Timeline]:
+    """Each final graph played with its scheduler's profile."""
+    return [simulate(r.gm, p) for r, p in zip(records, profiles)]
+
+
+def summarize(records: list[GraphRecord], profile: HardwareProfile | None = None) -> str:
+    """The summary table: per graph and pass, per bucket, peak memory and exposed communication. Each graph is
+    simulated with the profile its scheduler used (`profile` for records that do not name one)."""
+    profiles = _profiles(records, profile)
+    out = [f"cost model profile: {p.name} ({p.source})" for p in dict.fromkeys(profiles)] + [""]
+    timelines = _timelines(records, profiles)
     for label, record, tl in zip(_labels(records), records, timelines):
         out.append(f"== {label} graph ({len(record.gm.graph.nodes)} nodes)")
         out.append(f"  {'pass':<22}{'nodes':>7}{'all_gather':>12}{'reduce_scat':>12}{'all_reduce':>12}{'wait':>6}"
@@ -200,14 +192,10 @@ def _node_label(node: fx.Node) -> str:
     value = node.meta.get("val")
     if isinstance(value, torch.Tensor):
         label += f" {_dtype_name(value.dtype)}{list(value.shape)}"
-    if PARAMS in node.meta and _category(str(node.target), node.op) != "other":
+    if PARAMS in node.meta and _node_category(node) != "other":
         params = node.meta[PARAMS]
         label += f"  [{node.meta.get(BUCKET) or '<root>'}: {len(params)} param{'s' * (len(params) != 1)}]"
     return label
-
-
-def _node_category(node: fx.Node) -> str:
-    return _category(str(node.target), node.op)
 
 
 def write_dot(gm: fx.GraphModule, path: str) -> None:
@@ -388,12 +376,11 @@ def write_graph(record: GraphRecord, folder: str, title: str) -> None:
 def write_dump(records: list[GraphRecord], out_dir: str, profile: HardwareProfile | None = None,
                graphs: bool = True) -> str:
     """Write every artefact for `records` into `out_dir` and return the summary text."""
-    profile = profile or PROFILES["cpu-gloo-loopback"]
     os.makedirs(out_dir, exist_ok=True)
     if graphs:
         for label, record in zip(_labels(records), records):
             write_graph(record, os.path.join(out_dir, label), label)
-    timelines = _timelines(records, profile)
+    timelines = _timelines(records, _profiles(records, profile))
     with open(os.path.join(out_dir, "trace.json"), "w") as f:
         json.dump(trace_events(records, timelines), f)
     points, _ = _memory_curve(records, timelines)

@@ -1,5 +1,6 @@
-"""Small helpers every pass shares: the `node.meta` keys passes leave for each other, and node insertion that
-keeps `meta["val"]` (a fake tensor) correct so later passes can read shapes and dtypes."""
+"""Small graph helpers every pass shares: node insertion that keeps `meta["val"]` (a fake tensor) correct so later
+passes can read shapes and dtypes, positions, the dependency DAG and a stable topological sort. The graph's contract
+(the `node.meta` keys, roles, argument views, byte counts) is `ir.py`'s; its keys are re-exported here."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 from torch import fx
 
 from ._torch_private import detect_fake_mode
+from .ir import BUCKET, PARAMS, ROLE, OpArgs, val
 
 __all__ = [
     "BUCKET",
@@ -21,24 +23,12 @@ __all__ = [
     "dependency_graph",
     "insert_call",
     "insert_contiguous",
+    "insert_op",
     "nodes_calling",
     "positions",
     "stable_topological_sort",
     "val",
 ]
-
-PARAMS = "fsdp.params"
-"""The parameter names (a tuple) a communication/cast/copy node serves; several once bucketed."""
-BUCKET = "fsdp.bucket"
-"""The FSDP group (module path of its `shard` call) a communication/cast node belongs to; bucketing may refine it."""
-ROLE = "fsdp.role"
-"""What a lowered node does: "cast", "pad", "contiguous", "copy_in", "all_gather", "reduce_scatter", "wait",
-"copy_out", "unpad"."""
-
-
-def val(node: Any) -> Any:
-    """The fake value of a node (or the argument itself when it is not a node)."""
-    return node.meta["val"] if isinstance(node, fx.Node) else node
 
 
 def nodes_calling(graph: fx.Graph, target: Any) -> list[fx.Node]:
@@ -57,6 +47,11 @@ def insert_call(
         node.meta["val"] = target(*fake_args, **(kwargs or {}))
     node.meta.update(meta or {})
     return node
+
+
+def insert_op(graph: fx.Graph, call: OpArgs, meta: dict[str, Any] | None = None) -> fx.Node:
+    """Insert the call a named argument view describes (e.g. `AllGatherArgs(input=x, group_size=n, group_name=g)`)."""
+    return insert_call(graph, call.op, call.as_args(), meta)
 
 
 def insert_contiguous(graph: fx.Graph, node: fx.Node, meta: dict[str, Any]) -> fx.Node:

@@ -10,15 +10,9 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-__all__ = ["COLLECTIVES", "WAIT", "UnsafeGraphError", "check_collectives_safe"]
+from .ir import WAIT, collective_kind
 
-_funcol = torch.ops._c10d_functional
-COLLECTIVES = {
-    _funcol.all_gather_into_tensor.default,
-    _funcol.reduce_scatter_tensor.default,
-    _funcol.all_reduce.default,
-}
-WAIT = _funcol.wait_tensor.default
+__all__ = ["UnsafeGraphError", "check_collectives_safe"]
 
 
 class UnsafeGraphError(RuntimeError):
@@ -31,7 +25,7 @@ def check_collectives_safe(gm: fx.GraphModule) -> None:
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     last_use = {n: max((order[u] for u in n.users), default=order[n]) for n in gm.graph.nodes}
     for node in gm.graph.nodes:
-        if node.op != "call_function" or node.target not in COLLECTIVES:
+        if collective_kind(node) is None:
             continue
         waits = [u for u in node.users if u.target is WAIT]
         others = [u.name for u in node.users if u.target is not WAIT]

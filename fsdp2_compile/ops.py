@@ -22,8 +22,10 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "ADD_PENDING_GRAD",
     "KEEP_ALIVE",
     "REDUCE_GRAD",
+    "STASH_GRAD",
     "UNSHARD",
     "add_pending_grad",
     "keep_alive",
@@ -114,45 +116,59 @@ _PENDING_GRADS: dict[str, Tensor] = {}
 
 
 @torch.library.custom_op("fsdp2::stash_grad", mutates_args=())
-def stash_grad(grad: Tensor, pending_key: str, reduce_dtype: torch.dtype, local_rows: int, out_dtype: torch.dtype) -> Tensor:
-    """Add `grad` (in `reduce_dtype`) to the unsharded gradient kept under `pending_key`; a zero shard back."""
+def stash_grad(
+    grad: Tensor, pending_key: str, reduce_dtype: torch.dtype, local_rows: int, out_dtype: torch.dtype, fqn: str
+) -> Tensor:
+    """Add `grad` (in `reduce_dtype`) to the unsharded gradient kept under `pending_key`; a zero shard back.
+    Side effect: it writes module-level state (`_PENDING_GRADS`) that no argument shows, so the op is marked with
+    `torch.fx.node.has_side_effect` (never dead-code eliminated, never reordered as pure). `fqn` names the
+    parameter (for reports; the key is opaque)."""
     kept = _PENDING_GRADS.get(pending_key)
     _PENDING_GRADS[pending_key] = grad.to(reduce_dtype, copy=True) if kept is None else kept + grad
     return grad.new_zeros((local_rows, *grad.shape[1:]), dtype=out_dtype)
 
 
 @stash_grad.register_fake
-def _(grad, pending_key, reduce_dtype, local_rows, out_dtype):
+def _(grad, pending_key, reduce_dtype, local_rows, out_dtype, fqn):
     return grad.new_empty((local_rows, *grad.shape[1:]), dtype=out_dtype)
 
 
 @torch.library.custom_op("fsdp2::add_pending_grad", mutates_args=())
-def add_pending_grad(grad: Tensor, pending_key: str, reduce_dtype: torch.dtype) -> Tensor:
-    """`grad` in `reduce_dtype`, plus (and releasing) the gradient kept under `pending_key`, if any."""
+def add_pending_grad(grad: Tensor, pending_key: str, reduce_dtype: torch.dtype, fqn: str) -> Tensor:
+    """`grad` in `reduce_dtype`, plus (and releasing) the gradient kept under `pending_key`, if any.
+    Side effect: it reads and clears module-level state (`_PENDING_GRADS`), so the op is marked with
+    `torch.fx.node.has_side_effect`. `fqn` names the parameter."""
     kept = _PENDING_GRADS.pop(pending_key, None)
     return grad.to(reduce_dtype, copy=True) if kept is None else kept + grad
 
 
 @add_pending_grad.register_fake
-def _(grad, pending_key, reduce_dtype):
+def _(grad, pending_key, reduce_dtype, fqn):
     return grad.new_empty(grad.shape, dtype=reduce_dtype)
 
 
 def _unshard_setup_context(ctx, inputs, output) -> None:
-    shard, _, world_size, group_name, _, reduce_dtype, fqn, bucket, _, *rest = inputs
-    replicate_size, replicate_group, ctx.sync, ctx.pending_key = rest  # torch fills in the defaults
-    ctx.reduce_args = (shard.shape[0], world_size, group_name, reduce_dtype, shard.dtype, fqn, bucket, replicate_size, replicate_group)
+    from .ir import ReduceGradArgs, UnshardArgs
+
+    a = UnshardArgs.bind(inputs)  # torch fills in the defaults
+    ctx.sync, ctx.pending_key, ctx.fqn = a.requires_grad_sync, a.pending_key, a.fqn
+    ctx.reduce = ReduceGradArgs(
+        grad=None, local_rows=a.shard.shape[0], world_size=a.world_size, group_name=a.group_name,
+        reduce_dtype=a.reduce_dtype, out_dtype=a.shard.dtype, fqn=a.fqn, bucket=a.bucket,
+        replicate_size=a.replicate_size, replicate_group_name=a.replicate_group_name,
+    )
+    ctx.n_inputs = len(inputs)
 
 
 def _unshard_backward(ctx, grad: Tensor):
-    local_rows, _, _, reduce_dtype, out_dtype, *_ = ctx.reduce_args
+    r = ctx.reduce
     if not ctx.sync:
-        reduced = torch.ops.fsdp2.stash_grad(grad, ctx.pending_key, reduce_dtype, local_rows, out_dtype)
+        reduced = torch.ops.fsdp2.stash_grad(grad, ctx.pending_key, r.reduce_dtype, r.local_rows, r.out_dtype, ctx.fqn)
     else:
         if ctx.pending_key:
-            grad = torch.ops.fsdp2.add_pending_grad(grad, ctx.pending_key, reduce_dtype)
-        reduced = torch.ops.fsdp2.reduce_grad(grad, *ctx.reduce_args)
-    return (reduced,) + (None,) * 12
+            grad = torch.ops.fsdp2.add_pending_grad(grad, ctx.pending_key, r.reduce_dtype, ctx.fqn)
+        reduced = torch.ops.fsdp2.reduce_grad(*r.replace(grad=grad).as_args())
+    return (reduced,) + (None,) * (ctx.n_inputs - 1)  # no gradient for the static arguments
 
 
 unshard.register_autograd(_unshard_backward, setup_context=_unshard_setup_context)
@@ -171,3 +187,7 @@ def _(tensors):
 UNSHARD = torch.ops.fsdp2.unshard.default
 REDUCE_GRAD = torch.ops.fsdp2.reduce_grad.default
 KEEP_ALIVE = torch.fx.node.has_side_effect(torch.ops.fsdp2.keep_alive.default)
+STASH_GRAD = torch.fx.node.has_side_effect(torch.ops.fsdp2.stash_grad.default)
+"""Writes `_PENDING_GRADS`: marked side-effecting, so no pass or DCE drops or treats it as pure."""
+ADD_PENDING_GRAD = torch.fx.node.has_side_effect(torch.ops.fsdp2.add_pending_grad.default)
+"""Reads and clears `_PENDING_GRADS`: marked side-effecting like `STASH_GRAD`."""

@@ -12,27 +12,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from torch import fx
 
-from .graph import ROLE, positions, stable_topological_sort, val
+from .graph import positions, stable_topological_sort
+from .ir import ROLE, AllReduceArgs, CollectiveArgs, Role, collective_kind, nbytes, val
 
 __all__ = ["Unit", "emit_order", "find_units", "memory_budget"]
 
-_funcol = torch.ops._c10d_functional
-_COLLECTIVES = {
-    _funcol.all_gather_into_tensor.default: "all_gather",
-    _funcol.reduce_scatter_tensor.default: "reduce_scatter",
-    _funcol.all_reduce.default: "all_reduce",
-}
-_START_ROLES = {"cast", "pad", "contiguous", "copy_in"}
-_FINISH_ROLES = {"wait", "copy_out", "unpad", "cast"}
+_START_ROLES = {Role.CAST, Role.PAD, Role.CONTIGUOUS, Role.COPY_IN}
+"""Roles of the nodes before a collective that move with it (its copy-in chain)."""
+_FINISH_ROLES = {Role.WAIT, Role.COPY_OUT, Role.UNPAD, Role.CAST}
+"""Roles of the nodes after a collective that move with its wait (its copy-out chain)."""
 
 
 @dataclass
 class Unit:
-    kind: str
-    """"all_gather", "reduce_scatter" or "all_reduce" (HSDP: over the replicas, after a reduce-scatter)."""
+    kind: Role
+    """`Role.ALL_GATHER`, `REDUCE_SCATTER` or `ALL_REDUCE` (HSDP: over the replicas, after a reduce-scatter)."""
     collective: fx.Node
     start: list[fx.Node]
     finish: list[fx.Node]
@@ -49,7 +45,7 @@ def _start_nodes(collective: fx.Node, kind: str) -> list[fx.Node]:
     while stack:
         for producer in stack.pop().all_input_nodes:
             movable = producer.op != "placeholder" and (
-                kind == "all_gather" or producer.meta.get(ROLE) in _START_ROLES
+                kind == Role.ALL_GATHER or producer.meta.get(ROLE) in _START_ROLES
             )
             if movable and producer not in found:
                 found.append(producer)
@@ -72,17 +68,15 @@ def find_units(gm: fx.GraphModule) -> list[Unit]:
     pos = positions(gm.graph)
     units = []
     for node in gm.graph.nodes:
-        kind = _COLLECTIVES.get(node.target) if node.op == "call_function" else None
+        kind = collective_kind(node)
         if kind is None:
             continue
         finish = _finish_nodes(node)
         users = [u for n in finish for u in n.users if u not in finish] or [gm.graph.output_node()]
-        full = val(node) if kind == "all_gather" else val(node.args[0])
-        units.append(
-            Unit(kind, node, _start_nodes(node, kind), finish, min(users, key=pos.__getitem__), full.numel() * full.element_size())
-        )
-    gathers = sorted((u for u in units if u.kind == "all_gather"), key=lambda u: pos[u.first_use])
-    return gathers + [u for u in units if u.kind != "all_gather"]
+        full = val(node) if kind == Role.ALL_GATHER else val(CollectiveArgs.of(node).input)
+        units.append(Unit(kind, node, _start_nodes(node, kind), finish, min(users, key=pos.__getitem__), nbytes(full)))
+    gathers = sorted((u for u in units if u.kind == Role.ALL_GATHER), key=lambda u: pos[u.first_use])
+    return gathers + [u for u in units if u.kind != Role.ALL_GATHER]
 
 
 def emit_order(gm: fx.GraphModule, units: list[Unit], anchors: dict[fx.Node, fx.Node]) -> None:
@@ -100,20 +94,20 @@ def emit_order(gm: fx.GraphModule, units: list[Unit], anchors: dict[fx.Node, fx.
             key[n] = max(key.get(p, pos[p]) for p in inputs) + gap
 
     for u in units:
-        if u.kind == "all_gather":
+        if u.kind == Role.ALL_GATHER:
             for n in u.start:
                 key[n] = pos[anchors.get(u.collective, u.first_use)] - 0.75
             for n in u.finish:
                 key[n] = pos[u.first_use] - 0.5
-    reduce_scatters = [u for u in units if u.kind == "reduce_scatter"]
+    reduce_scatters = [u for u in units if u.kind == Role.REDUCE_SCATTER]
     for u in reduce_scatters:
         start_after_inputs(u, 0.25)
     for u, later in zip(reduce_scatters, reduce_scatters[1:] + [None]):
-        replicated = any(user.target is _funcol.all_reduce.default for n in u.finish for user in n.users)
+        replicated = any(user.target is AllReduceArgs.op for n in u.finish for user in n.users)
         for n in u.finish:
             key[n] = key[later.collective] - 0.1 if replicated and later is not None else end
     for u in units:
-        if u.kind == "all_reduce":
+        if u.kind == Role.ALL_REDUCE:
             start_after_inputs(u, 0.05)
             for n in u.finish:
                 key[n] = end

@@ -29,8 +29,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from .cost_model import PROFILES, simulate
-from .dump import saved_bytes
-from .report import clear_compiled_graphs, collective, compiled_graphs
+from .ir import CollectiveArgs, Role, nbytes
+from .report import clear_compiled_graphs, collective, compiled_graphs, saved_bytes
 from .shard import default_device_type
 
 __all__ = ["Plan", "analytical_bytes", "block_list", "hsdp_mesh", "make_plan", "shard_for_plan", "wire_bytes"]
@@ -125,8 +125,8 @@ def _unique_params(model: nn.Module) -> list[nn.Parameter]:
 def analytical_bytes(model: nn.Module, world_size: int) -> dict[str, float]:
     """numel x bytes / N for parameters and gradients, 2 x 4 bytes x numel / N for AdamW (unsharded model); N is
     the number of ranks a parameter is sharded over (HSDP: the shard size)."""
-    params = sum(p.numel() * p.element_size() for p in _unique_params(model))
-    grads = sum(p.numel() * p.element_size() for p in _unique_params(model) if p.requires_grad)
+    params = sum(nbytes(p) for p in _unique_params(model))
+    grads = sum(nbytes(p) for p in _unique_params(model) if p.requires_grad)
     optim = sum(ADAMW_STATES * 4 * p.numel() for p in _unique_params(model) if p.requires_grad)
     return {"params": params / world_size, "grads": grads / world_size, "optimizer": optim / world_size}
 
@@ -134,8 +134,8 @@ def analytical_bytes(model: nn.Module, world_size: int) -> dict[str, float]:
 def _sharded_bytes(model: nn.Module) -> dict[str, int]:
     local = [(p, p.to_local() if isinstance(p, DTensor) else p) for p in _unique_params(model)]
     return {
-        "params": sum(t.numel() * t.element_size() for _, t in local),
-        "grads": sum(t.numel() * t.element_size() for p, t in local if p.requires_grad),
+        "params": sum(nbytes(t) for _, t in local),
+        "grads": sum(nbytes(t) for p, t in local if p.requires_grad),
         "optimizer": sum(ADAMW_STATES * 4 * t.numel() for p, t in local if p.requires_grad),
     }
 
@@ -173,9 +173,9 @@ def wire_bytes(gm) -> tuple[float, dict[str, int]]:
         c = collective(node)
         if c is None:
             continue
-        group = group_size(node.args[-1])  # every functional collective's last argument is its group name
+        group = group_size(CollectiveArgs.of(node).group_name)
         buffers[c.kind] = buffers.get(c.kind, 0) + c.nbytes
-        wire += (group - 1) / group * c.nbytes * (2 if c.kind == "all_reduce" else 1)
+        wire += (group - 1) / group * c.nbytes * (2 if c.kind == Role.ALL_REDUCE else 1)
     return wire, buffers
 
 

@@ -7,26 +7,38 @@ Reduce-scatters: each padded gradient viewed as `[world, rows * rest]`, concaten
 → per-parameter slices viewed as shards.
 
 Buckets follow `CompileConfig.buckets`; a bucket holding several dtypes becomes one collective per dtype.
-Needs: `lower_unshard` / `lower_reduce_grad` (their nodes carry `fsdp.params` and `fsdp.bucket`).
-Provides: fused collectives whose `fsdp.params` lists every member.
+Needs: `lower_unshard` / `lower_reduce_grad` (their nodes carry `ir.Tags`: `fsdp.params`, `fsdp.bucket`).
+Provides: fused collectives whose `fsdp.params` lists every member. Logs the bucket plan (logger "fsdp2_compile").
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import defaultdict
 
 import torch
 from torch import fx
 
-from fsdp2_compile.graph import BUCKET, PARAMS, ROLE, ancestors_after, insert_call, positions, stable_topological_sort, val
+from fsdp2_compile.graph import ancestors_after, insert_call, insert_op, positions, stable_topological_sort, val
+from fsdp2_compile.ir import (
+    BUCKET,
+    PARAMS,
+    WAIT,
+    AllGatherArgs,
+    AllReduceArgs,
+    CollectiveArgs,
+    ReduceScatterArgs,
+    Role,
+    Tags,
+    WaitArgs,
+    nbytes,
+)
+from fsdp2_compile.pass_api import Fact, PassContext, contract
 
 aten = torch.ops.aten
-funcol = torch.ops._c10d_functional
-AG = funcol.all_gather_into_tensor.default
-RS = funcol.reduce_scatter_tensor.default
-AR = funcol.all_reduce.default
-WAIT = funcol.wait_tensor.default
+AG, RS, AR = AllGatherArgs.op, ReduceScatterArgs.op, AllReduceArgs.op
+log = logging.getLogger("fsdp2_compile")
 
 
 def _bucket_of(fqn: str, node: fx.Node, buckets) -> str:
@@ -41,16 +53,17 @@ def _group(collectives: list[fx.Node], buckets) -> list[list[fx.Node]]:
     groups: dict[tuple, list[fx.Node]] = defaultdict(list)
     filled, index = 0, 0
     for node in collectives:
-        inp = val(node.args[0])
+        call = CollectiveArgs.of(node)
+        inp = val(call.input)
         if isinstance(buckets, int):
-            nbytes = inp.numel() * inp.element_size()
-            if filled and filled + nbytes > buckets:
+            size = nbytes(inp)
+            if filled and filled + size > buckets:
                 index, filled = index + 1, 0
-            filled += nbytes
+            filled += size
             name = f"cap{index}"
         else:
             name = _bucket_of(node.meta[PARAMS][0], node, buckets)
-        groups[(name, inp.dtype, node.args[-2], node.args[-1])].append(node)
+        groups[(name, inp.dtype, call.group_size, call.group_name)].append(node)
     return [g for g in groups.values() if len(g) > 1]
 
 
@@ -62,27 +75,28 @@ def _wait_of(collective: fx.Node) -> fx.Node:
 
 def _fuse_all_gathers(graph: fx.Graph, members: list[fx.Node], hoist: dict[fx.Node, fx.Node]) -> None:
     """Fuse `members`; record in `hoist` the later members' copy-in nodes, to start with the fused copy-in."""
-    first, world, group = members[0], members[0].args[1], members[0].args[2]
+    first, call = members[0], AllGatherArgs.of(members[0])
+    world = call.group_size
     params = tuple(p for m in members for p in m.meta[PARAMS])
-    tag = lambda role: {PARAMS: params, BUCKET: first.meta[BUCKET], ROLE: role}  # noqa: E731
+    tag = Tags(params, first.meta[BUCKET]).meta
     pos = positions(graph)
-    later_copy_in = [n for m in members[1:] for n in ancestors_after(m.args[0], pos[first], pos)]
-    shards = [m.args[0] for m in members]
+    shards = [AllGatherArgs.of(m).input for m in members]
+    later_copy_in = [n for s in shards[1:] for n in ancestors_after(s, pos[first], pos)]
     sizes = [val(s).numel() for s in shards]
     with graph.inserting_before(first):
-        flat = [insert_call(graph, aten.view.default, (s, [-1]), tag("copy_in")) for s in shards]
-        packed = insert_call(graph, aten.cat.default, (flat,), tag("copy_in"))
-        gathered = insert_call(graph, AG, (packed, world, group), tag("all_gather"))
-        waited = insert_call(graph, WAIT, (gathered,), tag("wait"))
-        table = insert_call(graph, aten.view.default, (waited, [world, sum(sizes)]), tag("copy_out"))
+        flat = [insert_call(graph, aten.view.default, (s, [-1]), tag(Role.COPY_IN)) for s in shards]
+        packed = insert_call(graph, aten.cat.default, (flat,), tag(Role.COPY_IN))
+        gathered = insert_op(graph, call.replace(input=packed), tag(Role.ALL_GATHER))
+        waited = insert_op(graph, WaitArgs(gathered), tag(Role.WAIT))
+        table = insert_call(graph, aten.view.default, (waited, [world, sum(sizes)]), tag(Role.COPY_OUT))
         offset = 0
         for m, shard, size in zip(members, shards, sizes):
             rows, *rest = val(shard).shape
-            cols = insert_call(graph, aten.slice.Tensor, (table, 1, offset, offset + size), tag("copy_out"))
+            cols = insert_call(graph, aten.slice.Tensor, (table, 1, offset, offset + size), tag(Role.COPY_OUT))
             dense = insert_call(
-                graph, aten.clone.default, (cols,), tag("copy_out"), {"memory_format": torch.contiguous_format}
+                graph, aten.clone.default, (cols,), tag(Role.COPY_OUT), {"memory_format": torch.contiguous_format}
             )
-            full = insert_call(graph, aten.view.default, (dense, [world * rows, *rest]), tag("copy_out"))
+            full = insert_call(graph, aten.view.default, (dense, [world * rows, *rest]), tag(Role.COPY_OUT))
             _wait_of(m).replace_all_uses_with(full)
             offset += size
     for m in members:  # only now: `first` is the insertion point above
@@ -99,27 +113,30 @@ def _replica_all_reduce(reduce_scatter: fx.Node) -> fx.Node | None:
 
 
 def _fuse_reduce_scatters(graph: fx.Graph, members: list[fx.Node]) -> None:
-    last, world, group = members[-1], members[0].args[2], members[0].args[3]
+    last, call = members[-1], ReduceScatterArgs.of(members[0])
+    world = call.group_size
     all_reduces = [_replica_all_reduce(m) for m in members]
-    if None in all_reduces or len({a.args[1:] for a in all_reduces}) != 1:
+    if None in all_reduces or len({AllReduceArgs.of(a).static() for a in all_reduces}) != 1:
         all_reduces = []
     params = tuple(p for m in members for p in m.meta[PARAMS])
-    tag = lambda role: {PARAMS: params, BUCKET: last.meta[BUCKET], ROLE: role}  # noqa: E731
-    grads = [m.args[0] for m in members]
+    tag = Tags(params, last.meta[BUCKET]).meta
+    grads = [ReduceScatterArgs.of(m).input for m in members]
     widths = [math.prod(val(g).shape) // world for g in grads]
     with graph.inserting_after(last):
-        per_rank = [insert_call(graph, aten.view.default, (g, [world, w]), tag("copy_in")) for g, w in zip(grads, widths)]
-        packed = insert_call(graph, aten.cat.default, (per_rank, 1), tag("copy_in"))
-        flat = insert_call(graph, aten.view.default, (packed, [-1]), tag("copy_in"))
-        reduced = insert_call(graph, RS, (flat, "avg", world, group), tag("reduce_scatter"))
-        waited = insert_call(graph, WAIT, (reduced,), tag("wait"))
+        per_rank = [insert_call(graph, aten.view.default, (g, [world, w]), tag(Role.COPY_IN)) for g, w in zip(grads, widths)]
+        packed = insert_call(graph, aten.cat.default, (per_rank, 1), tag(Role.COPY_IN))
+        flat = insert_call(graph, aten.view.default, (packed, [-1]), tag(Role.COPY_IN))
+        reduced = insert_op(graph, ReduceScatterArgs(flat, "avg", world, call.group_name), tag(Role.REDUCE_SCATTER))
+        waited = insert_op(graph, WaitArgs(reduced), tag(Role.WAIT))
         if all_reduces:
-            replicated = insert_call(graph, AR, (waited, *all_reduces[0].args[1:]), tag("all_reduce"))
-            waited = insert_call(graph, WAIT, (replicated,), tag("wait"))
+            replicated = insert_op(graph, AllReduceArgs.of(all_reduces[0]).replace(input=waited), tag(Role.ALL_REDUCE))
+            waited = insert_op(graph, WaitArgs(replicated), tag(Role.WAIT))
         offset = 0
         for final, g, width in zip(all_reduces or members, grads, widths):
-            part = insert_call(graph, aten.slice.Tensor, (waited, 0, offset, offset + width), tag("copy_out"))
-            shard = insert_call(graph, aten.view.default, (part, [val(g).shape[0] // world, *val(g).shape[1:]]), tag("copy_out"))
+            part = insert_call(graph, aten.slice.Tensor, (waited, 0, offset, offset + width), tag(Role.COPY_OUT))
+            shard = insert_call(
+                graph, aten.view.default, (part, [val(g).shape[0] // world, *val(g).shape[1:]]), tag(Role.COPY_OUT)
+            )
             _wait_of(final).replace_all_uses_with(shard)
             offset += width
     for collective in [*all_reduces, *members]:
@@ -128,15 +145,26 @@ def _fuse_reduce_scatters(graph: fx.Graph, members: list[fx.Node]) -> None:
         graph.erase_node(collective)
 
 
-def bucket_collectives(gm: fx.GraphModule, ctx) -> fx.GraphModule:
+def _log_bucket(ctx: PassContext, kind: Role, members: list[fx.Node]) -> None:
+    if log.isEnabledFor(logging.INFO):
+        params = [p for m in members for p in m.meta[PARAMS]]
+        size = sum(nbytes(val(CollectiveArgs.of(m).input)) for m in members)
+        log.info("%s graph: bucket %r fuses %d %s collectives (%d bytes of input): %s",
+                 ctx.kind, members[0].meta[BUCKET], len(members), kind, size, ", ".join(params))
+
+
+@contract(requires=(Fact.UNSHARD_LOWERED, Fact.REDUCE_GRAD_LOWERED), provides=(Fact.BUCKETED,))
+def bucket_collectives(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     buckets = ctx.config.buckets
     if buckets == "none":
         return gm
     graph = gm.graph
     hoist: dict[fx.Node, fx.Node] = {}
     for members in _group([n for n in graph.nodes if n.target is AG], buckets):
+        _log_bucket(ctx, Role.ALL_GATHER, members)
         _fuse_all_gathers(graph, members, hoist)
     for members in _group([n for n in graph.nodes if n.target is RS], buckets):
+        _log_bucket(ctx, Role.REDUCE_SCATTER, members)
         _fuse_reduce_scatters(graph, members)
     # Restore a topological order: hoisted copy-ins move up to their fused all-gather, and what used the earlier
     # members of a fused reduce-scatter moves down after it.

@@ -11,8 +11,9 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from fsdp2_compile.graph import insert_call, nodes_calling, val
-from fsdp2_compile.ops import REDUCE_GRAD
+from fsdp2_compile.graph import insert_call, insert_op, nodes_calling, val
+from fsdp2_compile.ir import REDUCE_GRAD, ReduceGradArgs, schema_args
+from fsdp2_compile.pass_api import Fact, PassContext, contract
 
 aten = torch.ops.aten
 _IDENTITY_VIEWS = (aten.view.default, aten.alias.default, aten._unsafe_view.default)
@@ -25,13 +26,17 @@ def _reduction_chain(node: object) -> list[fx.Node] | None:
         chain.append(node)
         if node.target is REDUCE_GRAD:
             return chain[::-1]
-        if node.target not in _IDENTITY_VIEWS or val(node).shape != val(node.args[0]).shape:
+        if node.target not in _IDENTITY_VIEWS:
             return None
-        node = node.args[0]
+        source = schema_args(node)["self"]  # the viewed tensor
+        if val(node).shape != val(source).shape:
+            return None
+        node = source
     return None
 
 
-def combine_tied_grads(gm: fx.GraphModule, ctx) -> fx.GraphModule:
+@contract(provides=(Fact.TIED_GRADS_COMBINED,))
+def combine_tied_grads(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     graph = gm.graph
     changed = True
     while changed:
@@ -40,12 +45,14 @@ def combine_tied_grads(gm: fx.GraphModule, ctx) -> fx.GraphModule:
             if len(add.args) != 2 or add.kwargs:
                 continue
             chains = [_reduction_chain(a) for a in add.args]
-            if None in chains or chains[0][0].args[1:] != chains[1][0].args[1:]:
+            if None in chains:
                 continue
-            first, second = chains[0][0], chains[1][0]
+            first, second = ReduceGradArgs.of(chains[0][0]), ReduceGradArgs.of(chains[1][0])
+            if first.static() != second.static():  # not the same parameter
+                continue
             with graph.inserting_before(add):
-                summed = insert_call(graph, aten.add.Tensor, (first.args[0], second.args[0]))
-                reduced = insert_call(graph, REDUCE_GRAD, (summed, *first.args[1:]))
+                summed = insert_call(graph, aten.add.Tensor, (first.grad, second.grad))
+                reduced = insert_op(graph, first.replace(grad=summed))
             add.replace_all_uses_with(reduced)
             graph.erase_node(add)
             for chain in chains:

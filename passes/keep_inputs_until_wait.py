@@ -18,17 +18,17 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from fsdp2_compile.graph import ROLE
-from fsdp2_compile.invariants import COLLECTIVES, WAIT
-from fsdp2_compile.ops import KEEP_ALIVE
+from fsdp2_compile.ir import KEEP_ALIVE, ROLE, WAIT, KeepAliveArgs, Role, collective_kind
+from fsdp2_compile.pass_api import Fact, PassContext, contract
 
 
-def keep_inputs_until_wait(gm: fx.GraphModule, ctx) -> fx.GraphModule:
+@contract(requires=(Fact.ORDERED,), provides=(Fact.COLLECTIVES_SAFE,))
+def keep_inputs_until_wait(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     graph = gm.graph
-    for node in [n for n in graph.nodes if n.op == "call_function" and n.target in COLLECTIVES]:
+    for node in [n for n in graph.nodes if collective_kind(n) is not None]:
         inputs = [a for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
         for wait in [u for u in node.users if u.target is WAIT]:
             with graph.inserting_after(wait):
-                keep = graph.call_function(KEEP_ALIVE, ([wait, *inputs],))
-            keep.meta.update({ROLE: "keep_alive", "val": None})
+                keep = graph.call_function(KEEP_ALIVE, KeepAliveArgs([wait, *inputs]).as_args())
+            keep.meta.update({ROLE: Role.KEEP_ALIVE, "val": None})
     return gm

@@ -1,8 +1,9 @@
 """Lower every `fsdp2::reduce_grad` into `[cast to reduce_dtype] → [pad] → reduce_scatter_tensor(avg) →
 wait_tensor → [all_reduce(avg) over the HSDP replicate group → wait_tensor] → [unpad] → [cast to param dtype]`.
 
-Needs: nothing (a no-op on graphs without gradients). Provides: functional collectives tagged with
-`fsdp.param_fqn` and `fsdp.role`; the result is this rank's shard of the averaged gradient.
+A no-op on graphs without gradients. Every node it inserts carries `ir.Tags` (`fsdp.params`, `fsdp.bucket`,
+`fsdp.role`); the result is this rank's shard of the averaged gradient. Tied gradients must be summed first
+(`combine_tied_grads`), so each parameter is reduced once.
 """
 
 from __future__ import annotations
@@ -10,40 +11,40 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from fsdp2_compile.graph import BUCKET, PARAMS, ROLE, insert_call, insert_contiguous, nodes_calling, val
-from fsdp2_compile.ops import REDUCE_GRAD, padded_rows
+from fsdp2_compile.graph import insert_call, insert_contiguous, insert_op, nodes_calling, val
+from fsdp2_compile.ir import REDUCE_GRAD, AllReduceArgs, ReduceGradArgs, ReduceScatterArgs, Role, Tags, WaitArgs
+from fsdp2_compile.ops import padded_rows
+from fsdp2_compile.pass_api import Fact, PassContext, contract
 
 aten = torch.ops.aten
-funcol = torch.ops._c10d_functional
 convert = torch.ops.prims.convert_element_type.default
 
 
-def lower_reduce_grad(gm: fx.GraphModule, ctx) -> fx.GraphModule:
+@contract(requires=(Fact.TIED_GRADS_COMBINED,), provides=(Fact.REDUCE_GRAD_LOWERED,))
+def lower_reduce_grad(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     graph = gm.graph
     for node in nodes_calling(graph, REDUCE_GRAD):
-        grad, local_rows, world_size, group_name, reduce_dtype, out_dtype, fqn, bucket, replicas, replicate_group = node.args
-        tag = lambda role: {PARAMS: (fqn,), BUCKET: bucket, ROLE: role}  # noqa: E731
-        rows = padded_rows(val(grad).shape[0], world_size)
+        a = ReduceGradArgs.of(node)
+        tag = Tags((a.fqn,), a.bucket).meta
+        rows = padded_rows(val(a.grad).shape[0], a.world_size)
         with graph.inserting_before(node):
-            x = grad
-            if val(x).dtype != reduce_dtype:
-                x = insert_call(graph, convert, (x, reduce_dtype), tag("cast"))
-            missing = rows * world_size - val(x).shape[0]
+            x = a.grad
+            if val(x).dtype != a.reduce_dtype:
+                x = insert_call(graph, convert, (x, a.reduce_dtype), tag(Role.CAST))
+            missing = rows * a.world_size - val(x).shape[0]
             if missing:
                 pad = [0, 0] * (val(x).dim() - 1) + [0, missing]
-                x = insert_call(graph, aten.constant_pad_nd.default, (x, pad), tag("pad"))
-            x = insert_contiguous(graph, x, tag("contiguous"))
-            x = insert_call(
-                graph, funcol.reduce_scatter_tensor.default, (x, "avg", world_size, group_name), tag("reduce_scatter")
-            )
-            x = insert_call(graph, funcol.wait_tensor.default, (x,), tag("wait"))
-            if replicas > 1:
-                x = insert_call(graph, funcol.all_reduce.default, (x, "avg", replicate_group), tag("all_reduce"))
-                x = insert_call(graph, funcol.wait_tensor.default, (x,), tag("wait"))
-            if local_rows != rows:
-                x = insert_call(graph, aten.slice.Tensor, (x, 0, 0, local_rows), tag("unpad"))
-            if reduce_dtype != out_dtype:
-                x = insert_call(graph, convert, (x, out_dtype), tag("cast"))
+                x = insert_call(graph, aten.constant_pad_nd.default, (x, pad), tag(Role.PAD))
+            x = insert_contiguous(graph, x, tag(Role.CONTIGUOUS))
+            x = insert_op(graph, ReduceScatterArgs(x, "avg", a.world_size, a.group_name), tag(Role.REDUCE_SCATTER))
+            x = insert_op(graph, WaitArgs(x), tag(Role.WAIT))
+            if a.replicate_size > 1:
+                x = insert_op(graph, AllReduceArgs(x, "avg", a.replicate_group_name), tag(Role.ALL_REDUCE))
+                x = insert_op(graph, WaitArgs(x), tag(Role.WAIT))
+            if a.local_rows != rows:
+                x = insert_call(graph, aten.slice.Tensor, (x, 0, 0, a.local_rows), tag(Role.UNPAD))
+            if a.reduce_dtype != a.out_dtype:
+                x = insert_call(graph, convert, (x, a.out_dtype), tag(Role.CAST))
         node.replace_all_uses_with(x)
         graph.erase_node(node)
     return gm

@@ -2,8 +2,9 @@
 after folding repeated unshards of one parameter (tied weights, a weight read twice) into the first: training
 graphs get that from the partitioner's CSE, inference graphs do not.
 
-Needs: nothing (runs on any forward, backward or inference graph). Provides: functional collectives tagged with
-`fsdp.param_fqn` and `fsdp.role`. The cast comes before the all-gather, so a bf16 policy moves half the bytes.
+Runs on any forward, backward or inference graph. Every node it inserts carries `ir.Tags` (`fsdp.params`: the
+parameter, `fsdp.bucket`: its `shard` call, `fsdp.role`: an `ir.Role`). The cast comes before the all-gather, so a
+bf16 policy moves half the bytes.
 """
 
 from __future__ import annotations
@@ -11,48 +12,51 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from fsdp2_compile.graph import BUCKET, PARAMS, ROLE, insert_call, insert_contiguous, nodes_calling, val
-from fsdp2_compile.ops import UNSHARD, padded_rows
+from fsdp2_compile.graph import insert_call, insert_contiguous, insert_op, nodes_calling, val
+from fsdp2_compile.ir import UNSHARD, AllGatherArgs, Role, Tags, UnshardArgs, WaitArgs
+from fsdp2_compile.ops import padded_rows
+from fsdp2_compile.pass_api import Fact, PassContext, contract
 
 aten = torch.ops.aten
-funcol = torch.ops._c10d_functional
 
 
 def _fold_repeated(graph: fx.Graph) -> None:
     """One `fsdp2::unshard` per parameter: its static args (fqn included) identify the parameter."""
     first: dict[tuple, fx.Node] = {}
     for node in nodes_calling(graph, UNSHARD):
-        key = node.args[1:]
+        call = UnshardArgs.of(node)
+        key = call.static()
         if key not in first:
             first[key] = node
             continue
-        shard = node.args[0]
+        shard = call.shard
         node.replace_all_uses_with(first[key])
         graph.erase_node(node)
         if shard.op == "call_function" and not shard.users:  # a view of the shard placeholder
             graph.erase_node(shard)
 
 
-def lower_unshard(gm: fx.GraphModule, ctx) -> fx.GraphModule:
+@contract(provides=(Fact.UNSHARD_LOWERED,))
+def lower_unshard(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     graph = gm.graph
     _fold_repeated(graph)
     for node in nodes_calling(graph, UNSHARD):
-        shard, dim0, world_size, group_name, param_dtype, _reduce_dtype, fqn, bucket, *_ = node.args
-        tag = lambda role: {PARAMS: (fqn,), BUCKET: bucket, ROLE: role}  # noqa: E731
-        rows = padded_rows(dim0, world_size)
+        a = UnshardArgs.of(node)
+        tag = Tags((a.fqn,), a.bucket).meta
+        rows = padded_rows(a.dim0, a.world_size)
         with graph.inserting_before(node):
-            x = shard
-            if param_dtype is not None and param_dtype != val(x).dtype:
-                x = insert_call(graph, torch.ops.prims.convert_element_type.default, (x, param_dtype), tag("cast"))
+            x = a.shard
+            if a.param_dtype is not None and a.param_dtype != val(x).dtype:
+                x = insert_call(graph, torch.ops.prims.convert_element_type.default, (x, a.param_dtype), tag(Role.CAST))
             missing = rows - val(x).shape[0]
             if missing:
                 pad = [0, 0] * (val(x).dim() - 1) + [0, missing]
-                x = insert_call(graph, aten.constant_pad_nd.default, (x, pad), tag("pad"))
-            x = insert_contiguous(graph, x, tag("contiguous"))
-            x = insert_call(graph, funcol.all_gather_into_tensor.default, (x, world_size, group_name), tag("all_gather"))
-            x = insert_call(graph, funcol.wait_tensor.default, (x,), tag("wait"))
-            if rows * world_size != dim0:
-                x = insert_call(graph, aten.slice.Tensor, (x, 0, 0, dim0), tag("unpad"))
+                x = insert_call(graph, aten.constant_pad_nd.default, (x, pad), tag(Role.PAD))
+            x = insert_contiguous(graph, x, tag(Role.CONTIGUOUS))
+            x = insert_op(graph, AllGatherArgs(x, a.world_size, a.group_name), tag(Role.ALL_GATHER))
+            x = insert_op(graph, WaitArgs(x), tag(Role.WAIT))
+            if rows * a.world_size != a.dim0:
+                x = insert_call(graph, aten.slice.Tensor, (x, 0, 0, a.dim0), tag(Role.UNPAD))
         node.replace_all_uses_with(x)
         graph.erase_node(node)
     return gm

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 from torch import fx
 
+from fsdp2_compile.ir import Role
 from fsdp2_compile.overlap import emit_order, find_units, memory_budget
+from fsdp2_compile.pass_api import Fact, PassContext, contract
 
 
 def prefetch_anchors(gathers, depth: int, budget: int) -> dict:
@@ -26,13 +28,14 @@ def prefetch_anchors(gathers, depth: int, budget: int) -> dict:
     return anchors
 
 
-def reorder_for_overlap(gm: fx.GraphModule, ctx) -> fx.GraphModule:
+@contract(requires=(Fact.BUCKETED,), provides=(Fact.PREFETCHED,))
+def reorder_for_overlap(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     if not ctx.config.prefetch:
         return gm
     units = find_units(gm)
     if not units:
         return gm
-    gathers = [u for u in units if u.kind == "all_gather"]
+    gathers = [u for u in units if u.kind == Role.ALL_GATHER]
     anchors = prefetch_anchors(gathers, ctx.config.prefetch_depth, memory_budget(ctx.config, gathers))
     emit_order(gm, units, anchors)
     return gm

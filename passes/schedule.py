@@ -17,7 +17,9 @@ from torch import fx
 
 from fsdp2_compile.cost_model import compute_time, node_time, simulate
 from fsdp2_compile.graph import positions
+from fsdp2_compile.ir import Role
 from fsdp2_compile.overlap import emit_order, find_units, memory_budget
+from fsdp2_compile.pass_api import Fact, PassContext, contract
 
 
 def cost_anchors(gm: fx.GraphModule, gathers, depth: int, budget: int, profile) -> dict:
@@ -40,10 +42,11 @@ def cost_anchors(gm: fx.GraphModule, gathers, depth: int, budget: int, profile) 
     return anchors
 
 
-def schedule(gm: fx.GraphModule, ctx) -> fx.GraphModule:
+@contract(requires=(Fact.PREFETCHED,), provides=(Fact.ORDERED,))
+def schedule(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     profile = ctx.profile
     units = find_units(gm)
-    gathers = [u for u in units if u.kind == "all_gather"]
+    gathers = [u for u in units if u.kind == Role.ALL_GATHER]
     if ctx.config.schedule and ctx.config.prefetch and gathers:
         structural = gm.graph
         baseline = simulate(gm, profile)

@@ -146,7 +146,7 @@ def test_snapshots_carry_exact_provenance_and_bytes(fake_pg):
     clear_compiled_graphs()
     for block in model.blocks:
         fc.shard(block)
-    fc.shard_compile(model)
+    fc.shard_compile(model, compile_config=fc.CompileConfig(keep_snapshots=True))
     model(idx).sum().backward()
     forward = compiled_graphs()[0]
     clear_compiled_graphs()

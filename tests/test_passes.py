@@ -2,12 +2,33 @@
 
 from __future__ import annotations
 
+import dataclasses
+
+import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from fsdp2_compile.graph import PARAMS, ROLE
 from fsdp2_compile.ops import REDUCE_GRAD, UNSHARD
-from fsdp2_compile.passes import combine_tied_grads, lower_reduce_grad, lower_unshard
+from fsdp2_compile.config import CompileConfig
+from fsdp2_compile.ir import (
+    AllGatherArgs,
+    CollectiveArgs,
+    ReduceGradArgs,
+    Role,
+    Tags,
+    UnshardArgs,
+    collective_kind,
+    nbytes,
+)
+from fsdp2_compile.pass_api import Fact, PassOrderError, check_contracts, provides, requires
+from fsdp2_compile.passes import (
+    bucket_collectives,
+    combine_tied_grads,
+    keep_inputs_until_wait,
+    lower_reduce_grad,
+    lower_unshard,
+)
 from fsdp2_compile.pipeline import PASSES, PassContext, run_pipeline
 from fsdp2_compile.report import collectives
 
@@ -124,6 +145,59 @@ def test_combine_tied_grads_leaves_different_parameters_alone(fake_pg):
 def test_pipeline_leaves_a_graph_without_fsdp_ops_unchanged(fake_pg):
     gm = make_fx(lambda x: (x * 2).sum(), tracing_mode="fake")(torch.randn(3))
     before = str(gm.graph)
-    ctx = PassContext("forward")
+    ctx = PassContext("forward", keep_snapshots=True)
     assert str(run_pipeline(gm, ctx).graph) == before
     assert [s.name for s in ctx.snapshots] == ["captured"] + [p.__name__ for p in PASSES]
+
+
+def test_snapshots_only_when_asked_for(fake_pg, monkeypatch):
+    monkeypatch.delenv("FSDP2_COMPILE_DUMP", raising=False)
+    gm = make_fx(lambda x: (x * 2).sum(), tracing_mode="fake")(torch.randn(3))
+    ctx = PassContext("forward")
+    run_pipeline(gm, ctx)
+    assert ctx.snapshots == []
+    ctx = PassContext("forward", config=CompileConfig(keep_snapshots=True))
+    run_pipeline(gm, ctx)
+    assert len(ctx.snapshots) == len(PASSES) + 1
+
+
+def test_every_pass_declares_a_contract_that_the_default_order_meets():
+    check_contracts(PASSES)
+    assert all(requires(p) or provides(p) for p in PASSES)
+    assert Fact.COLLECTIVES_SAFE in provides(PASSES[-1])
+
+
+def test_a_misordered_pass_list_is_refused_with_a_clear_message(fake_pg):
+    """Bucketing before lowering (and a pipeline that reorders after choosing the final order) are refused before
+    any pass runs, naming the pass, what it lacks and which pass provides it."""
+    misordered = [combine_tied_grads, bucket_collectives, lower_unshard, lower_reduce_grad]
+    with pytest.raises(PassOrderError, match=r"pass #1 bucket_collectives requires 'reduce_grad_lowered', "
+                                             r"'unshard_lowered'.*'unshard_lowered' is provided by lower_unshard"):
+        check_contracts(misordered)
+    gm = make_fx(lambda x: (x * 2).sum(), tracing_mode="fake")(torch.randn(3))
+    before = str(gm.graph)
+    with pytest.raises(PassOrderError, match="keep_inputs_until_wait requires 'ordered'"):
+        run_pipeline(gm, PassContext("forward"), [keep_inputs_until_wait, *PASSES])
+    assert str(gm.graph) == before  # nothing ran
+    run_pipeline(gm, PassContext("forward"), [*PASSES, lambda gm, ctx: gm])  # a pass without a contract is fine
+
+
+def test_views_name_every_schema_argument(fake_pg):
+    def f(shard):
+        return UNSHARD(shard, 33, 4, fake_pg, bf16, fp32, "fc.weight", "blocks.0", True)
+
+    gm = make_fx(f, tracing_mode="fake")(torch.randn(6, 5))
+    [node] = [n for n in calls(gm) if n.target is UNSHARD]
+    a = UnshardArgs.of(node)
+    assert [f.name for f in dataclasses.fields(a)] == [arg.name for arg in UNSHARD._schema.arguments]
+    assert (a.fqn, a.bucket, a.dim0, a.reshard_after_forward) == ("fc.weight", "blocks.0", 33, True)
+    assert (a.replicate_size, a.pending_key) == (1, "")  # schema defaults filled in
+    assert a.static() == a.as_args()[1:] and a.replace(fqn="x").fqn == "x"
+    with pytest.raises(TypeError, match="not"):
+        ReduceGradArgs.of(node)
+    gm = lower_unshard(gm, PassContext("forward"))
+    [gather] = [n for n in calls(gm) if collective_kind(n) == Role.ALL_GATHER]
+    c = CollectiveArgs.of(gather)
+    assert isinstance(c, AllGatherArgs) and (c.group_size, c.group_name, c.ranks()) == (4, fake_pg, 4)
+    assert Tags.of(gather) == Tags(("fc.weight",), "blocks.0", Role.ALL_GATHER)
+    assert nbytes(gather.meta["val"]) == 36 * 5 * 2  # 4 ranks x 9 padded rows, bf16

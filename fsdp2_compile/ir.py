@@ -1,0 +1,330 @@
+"""The graph contract: how the facts of a sharded parameter travel through the graph, owned in one place.
+
+A parameter's facts start as the arguments of `fsdp2::unshard` (and, in backward, `fsdp2::reduce_grad`,
+`fsdp2::stash_grad`, `fsdp2::add_pending_grad`); the lowering passes turn each op into casts, copies and
+functional collectives and leave the facts in `node.meta`. This module names every step of that path:
+
+- **Named views of op arguments** (`UnshardArgs.of(node).fqn`, `ReduceGradArgs.of(node).reduce_dtype`,
+  `CollectiveArgs.of(node).group_name`, ...), one frozen dataclass per op whose fields are generated from the op's
+  schema (`op._schema.arguments`): no index tables. `view.as_args()` gives the positional arguments back, and
+  `view.static()` every non-tensor argument (what identifies a parameter).
+- **The `node.meta` keys** the passes leave for each other (`PARAMS`, `BUCKET`, `ROLE`) and the `Role` enum of
+  what a lowered node does; `Tags` is their typed view.
+- **The collective-kind table** (`COLLECTIVE_KINDS`), the wait op, and `collective(node)`: a collective's kind,
+  parameters, dtype and bytes.
+- **One byte counter**, `nbytes(value)`, exact for symbolic shapes (sizes evaluated at the shape environment's
+  recorded values by `concrete`). Every byte figure (schedule check, report, dump, cost model, bucketing) uses it.
+
+Nothing here rewrites graphs; passes (`passes/`) do, reading and writing through these names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any, ClassVar, Self
+
+import sympy
+import torch
+from torch import fx
+
+from . import ops
+
+__all__ = [
+    "ADD_PENDING_GRAD",
+    "BUCKET",
+    "COLLECTIVE_KINDS",
+    "KEEP_ALIVE",
+    "PARAMS",
+    "REDUCE_GRAD",
+    "ROLE",
+    "STASH_GRAD",
+    "UNSHARD",
+    "WAIT",
+    "AddPendingGradArgs",
+    "AllGatherArgs",
+    "AllReduceArgs",
+    "Collective",
+    "CollectiveArgs",
+    "KeepAliveArgs",
+    "OpArgs",
+    "ReduceGradArgs",
+    "ReduceScatterArgs",
+    "Role",
+    "StashGradArgs",
+    "Tags",
+    "UnshardArgs",
+    "WaitArgs",
+    "collective",
+    "collective_kind",
+    "concrete",
+    "fsdp_op_name",
+    "nbytes",
+    "schema_args",
+    "val",
+]
+
+# ---------------------------------------------------------------------------------------------- ops
+
+_funcol = torch.ops._c10d_functional
+UNSHARD = ops.UNSHARD
+REDUCE_GRAD = ops.REDUCE_GRAD
+STASH_GRAD = ops.STASH_GRAD
+ADD_PENDING_GRAD = ops.ADD_PENDING_GRAD
+KEEP_ALIVE = ops.KEEP_ALIVE
+WAIT = _funcol.wait_tensor.default
+
+
+# ---------------------------------------------------------------------------------------------- node.meta
+
+
+class Role(StrEnum):
+    """What a node the passes inserted does (`node.meta[ROLE]`). A `StrEnum`: equal to its string value."""
+
+    CAST = "cast"
+    """Dtype conversion: to `param_dtype` before an all-gather, to `reduce_dtype` before a reduce-scatter, back
+    to the parameter's dtype after it."""
+    PAD = "pad"
+    """Zero rows appended so every rank's shard has ceil(dim0 / N) rows."""
+    CONTIGUOUS = "contiguous"
+    """A dense copy of a collective's input (collectives need contiguous buffers)."""
+    COPY_IN = "copy_in"
+    """Flattening and concatenating a bucket's members into one buffer."""
+    ALL_GATHER = "all_gather"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALL_REDUCE = "all_reduce"
+    """HSDP: the reduced shard averaged over the replicate group."""
+    WAIT = "wait"
+    COPY_OUT = "copy_out"
+    """Slicing a bucket's result back into its members."""
+    UNPAD = "unpad"
+    """The padding rows dropped again."""
+    KEEP_ALIVE = "keep_alive"
+    """`fsdp2::keep_alive` after a wait: the collective's inputs live until it is done."""
+
+
+PARAMS = "fsdp.params"
+"""`node.meta` key: the parameter names (a tuple of fqns) a communication / cast / copy node serves; several once
+bucketed."""
+BUCKET = "fsdp.bucket"
+"""`node.meta` key: the FSDP group (module path of its `shard` call, "" = the root) a node belongs to; bucketing may
+refine it."""
+ROLE = "fsdp.role"
+"""`node.meta` key: what a lowered node does, a `Role`."""
+
+
+@dataclass(frozen=True)
+class Tags:
+    """The typed view of the `node.meta` facts a lowered node carries."""
+
+    params: tuple[str, ...]
+    bucket: str
+    role: Role | None = None
+
+    @classmethod
+    def of(cls, node: fx.Node) -> Self | None:
+        """The tags of `node`, or None when no pass tagged it."""
+        if PARAMS not in node.meta and ROLE not in node.meta:
+            return None
+        return cls(tuple(node.meta.get(PARAMS, ())), node.meta.get(BUCKET, ""), node.meta.get(ROLE))
+
+    def meta(self, role: Role | None = None) -> dict[str, Any]:
+        """The `node.meta` entries for a node with these tags (`role` overriding this one's)."""
+        return {PARAMS: self.params, BUCKET: self.bucket, ROLE: role if role is not None else self.role}
+
+
+# ---------------------------------------------------------------------------------------------- bytes
+
+
+def concrete(x: Any) -> int | float:
+    """A size as a number: SymInts are evaluated with sympy at the values the shape environment recorded."""
+    if isinstance(x, (torch.SymInt, torch.SymFloat)):
+        node = x.node
+        expr = sympy.sympify(node.expr)
+        return int(expr.xreplace({s: sympy.Integer(v) for s, v in node.shape_env.backed_var_to_val.items()}))
+    return x
+
+
+def nbytes(value: Any) -> int:
+    """Bytes of a tensor (or the sum over a list / tuple of them; 0 for anything else), symbolic sizes evaluated
+    by `concrete`. The one byte counter of the project."""
+    if isinstance(value, torch.Tensor):
+        return int(concrete(value.numel())) * value.element_size()
+    if isinstance(value, (list, tuple)):
+        return sum(nbytes(v) for v in value)
+    return 0
+
+
+def val(node: Any) -> Any:
+    """The fake value of a node (`meta["val"]`), or the argument itself when it is not a node."""
+    return node.meta["val"] if isinstance(node, fx.Node) else node
+
+
+# ---------------------------------------------------------------------------------------------- argument views
+
+
+def _bind(op: torch._ops.OpOverload, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """The arguments of a call to `op` by schema name, defaults filled in."""
+    bound = {}
+    for i, arg in enumerate(op._schema.arguments):
+        if i < len(args):
+            bound[arg.name] = args[i]
+        elif arg.name in kwargs:
+            bound[arg.name] = kwargs[arg.name]
+        elif arg.has_default_value():
+            bound[arg.name] = arg.default_value
+        else:
+            raise TypeError(f"{op}: argument {arg.name!r} missing")
+    return bound
+
+
+def schema_args(node: fx.Node) -> dict[str, Any]:
+    """Every argument of an op call node by its schema name, as passed (defaults not filled in); {} for nodes that
+    do not call an OpOverload."""
+    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+    if schema is None:
+        return {}
+    out = {}
+    for i, arg in enumerate(schema.arguments):
+        if i < len(node.args):
+            out[arg.name] = node.args[i]
+        elif arg.name in node.kwargs:
+            out[arg.name] = node.kwargs[arg.name]
+    return out
+
+
+class OpArgs:
+    """Base of the named argument views: one frozen dataclass per op, fields named and ordered as in its schema."""
+
+    op: ClassVar[torch._ops.OpOverload]
+    tensor_fields: ClassVar[tuple[str, ...]]
+    """The fields whose schema type is a tensor (or a list of them)."""
+
+    @classmethod
+    def of(cls, node: fx.Node) -> Self:
+        """The arguments of `node`, a call to `cls.op`."""
+        if node.op != "call_function" or node.target is not cls.op:
+            raise TypeError(f"{cls.__name__}.of: node {node.name} calls {node.target}, not {cls.op}")
+        return cls.bind(node.args, node.kwargs)
+
+    @classmethod
+    def bind(cls, args: Sequence[Any], kwargs: Mapping[str, Any] | None = None) -> Self:
+        """The view of a call's positional and keyword arguments (defaults filled in from the schema)."""
+        return cls(**_bind(cls.op, args, kwargs or {}))
+
+    def as_args(self) -> tuple:
+        """The positional arguments of the call, in schema order."""
+        return tuple(getattr(self, f.name) for f in dataclasses.fields(self))
+
+    def static(self) -> tuple:
+        """The non-tensor arguments, in schema order (for an fsdp2 op: everything that names its parameter)."""
+        return tuple(getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in self.tensor_fields)
+
+    def replace(self, **changes: Any) -> Self:
+        return dataclasses.replace(self, **changes)
+
+
+def _view(name: str, op: torch._ops.OpOverload, doc: str, base: type = OpArgs) -> type:
+    """The view class of `op`: a frozen dataclass with one field per schema argument (its default kept)."""
+    fields: list[Any] = []
+    tensors = []
+    for arg in op._schema.arguments:
+        if "Tensor" in str(arg.type):
+            tensors.append(arg.name)
+        if arg.has_default_value():
+            fields.append((arg.name, Any, dataclasses.field(default=arg.default_value)))
+        else:
+            fields.append((arg.name, Any))
+    namespace = {"op": op, "tensor_fields": tuple(tensors), "__doc__": f"{doc}\n\nSchema: `{op._schema}`"}
+    cls = dataclasses.make_dataclass(name, fields, bases=(base,), frozen=True, namespace=namespace)
+    cls.__module__ = __name__
+    return cls
+
+
+UnshardArgs = _view("UnshardArgs", UNSHARD, "Arguments of `fsdp2::unshard`: a parameter's shard and its static facts.")
+ReduceGradArgs = _view("ReduceGradArgs", REDUCE_GRAD, "Arguments of `fsdp2::reduce_grad` (unshard's backward).")
+StashGradArgs = _view("StashGradArgs", STASH_GRAD, "Arguments of `fsdp2::stash_grad` (backward, sync off).")
+AddPendingGradArgs = _view(
+    "AddPendingGradArgs", ADD_PENDING_GRAD, "Arguments of `fsdp2::add_pending_grad` (synced backward after unsynced ones)."
+)
+KeepAliveArgs = _view("KeepAliveArgs", KEEP_ALIVE, "Arguments of `fsdp2::keep_alive`: a wait and its collective's inputs.")
+WaitArgs = _view("WaitArgs", WAIT, "Arguments of `_c10d_functional::wait_tensor`.")
+
+_FSDP_VIEWS: dict[Any, type] = {
+    v.op: v for v in (UnshardArgs, ReduceGradArgs, StashGradArgs, AddPendingGradArgs, KeepAliveArgs)
+}
+
+
+def fsdp_op_name(node: fx.Node) -> str | None:
+    """"unshard", "reduce_grad", "stash_grad", "add_pending_grad" or "keep_alive" for a call to that fsdp2 op."""
+    if node.op == "call_function" and node.target in _FSDP_VIEWS:
+        return node.target._opname
+    return None
+
+
+class CollectiveArgs(OpArgs):
+    """The common view of the functional collectives: every one has `input` and `group_name`;
+    `CollectiveArgs.of(node)` returns the view of `node`'s own op (`AllGatherArgs`, `ReduceScatterArgs`,
+    `AllReduceArgs`)."""
+
+    kind: ClassVar[Role]
+
+    @classmethod
+    def of(cls, node: fx.Node) -> CollectiveArgs:
+        if cls is CollectiveArgs:
+            view = _COLLECTIVE_VIEWS.get(node.target) if node.op == "call_function" else None
+            if view is None:
+                raise TypeError(f"CollectiveArgs.of: node {node.name} calls {node.target}, not a functional collective")
+            return view.of(node)
+        return super().of(node)
+
+    def ranks(self) -> int:
+        """Ranks in the collective's group: its `group_size` argument, or (all-reduce) the group's size."""
+        size = getattr(self, "group_size", None)
+        if size is None:
+            from ._torch_private import group_size
+
+            size = group_size(self.group_name)
+        return size
+
+
+AllGatherArgs = _view(
+    "AllGatherArgs", _funcol.all_gather_into_tensor.default, "Arguments of an all-gather.", base=CollectiveArgs
+)
+ReduceScatterArgs = _view(
+    "ReduceScatterArgs", _funcol.reduce_scatter_tensor.default, "Arguments of a reduce-scatter.", base=CollectiveArgs
+)
+AllReduceArgs = _view("AllReduceArgs", _funcol.all_reduce.default, "Arguments of an all-reduce.", base=CollectiveArgs)
+AllGatherArgs.kind, ReduceScatterArgs.kind, AllReduceArgs.kind = Role.ALL_GATHER, Role.REDUCE_SCATTER, Role.ALL_REDUCE
+
+_COLLECTIVE_VIEWS: dict[Any, type] = {v.op: v for v in (AllGatherArgs, ReduceScatterArgs, AllReduceArgs)}
+
+COLLECTIVE_KINDS: dict[torch._ops.OpOverload, Role] = {v.op: v.kind for v in _COLLECTIVE_VIEWS.values()}
+"""The collective kind of each functional collective op: the one table of them."""
+
+
+def collective_kind(node: fx.Node) -> Role | None:
+    """"all_gather", "reduce_scatter" or "all_reduce" for a functional collective node, else None."""
+    return COLLECTIVE_KINDS.get(node.target) if node.op == "call_function" else None
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective node: its kind, the parameters it serves, and the bytes of the full (padded) tensor it
+    gathers or reduces — what crosses the wire per rank, up to the (N-1)/N factor of a ring."""
+
+    kind: Role
+    params: tuple[str, ...]
+    dtype: torch.dtype
+    nbytes: int
+
+
+def collective(node: fx.Node) -> Collective | None:
+    """The collective `node` issues, or None when it is not a collective."""
+    kind = collective_kind(node)
+    if kind is None:
+        return None
+    full = val(node) if kind == Role.ALL_GATHER else val(CollectiveArgs.of(node).input)
+    return Collective(kind, node.meta.get(PARAMS, ()), full.dtype, nbytes(full))
