@@ -17,7 +17,7 @@ from torch import fx
 from .graph import positions, stable_topological_sort
 from .ir import ROLE, AllReduceArgs, CollectiveArgs, Role, collective_kind, nbytes, val
 
-__all__ = ["Unit", "emit_order", "find_units", "memory_budget"]
+__all__ = ["Unit", "anchors_at", "emit_order", "find_units", "memory_budget"]
 
 _START_ROLES = {Role.CAST, Role.PAD, Role.CONTIGUOUS, Role.COPY_IN}
 """Roles of the nodes before a collective that move with it (its copy-in chain)."""
@@ -77,6 +77,11 @@ def find_units(gm: fx.GraphModule) -> list[Unit]:
         units.append(Unit(kind, node, _start_nodes(node, kind), finish, min(users, key=pos.__getitem__), nbytes(full)))
     gathers = sorted((u for u in units if u.kind == Role.ALL_GATHER), key=lambda u: pos[u.first_use])
     return gathers + [u for u in units if u.kind != Role.ALL_GATHER]
+
+
+def anchors_at(gathers: list[Unit], distances: list[int]) -> dict[fx.Node, fx.Node]:
+    """Gather k (in first-use order) starts `distances[k]` gathers early: right before gather k-d's first use."""
+    return {u.collective: gathers[k - d].first_use for k, (u, d) in enumerate(zip(gathers, distances))}
 
 
 def emit_order(gm: fx.GraphModule, units: list[Unit], anchors: dict[fx.Node, fx.Node]) -> None:

@@ -9,23 +9,28 @@ Needs: lowered (and usually bucketed) collectives. Skipped when `CompileConfig.p
 
 from __future__ import annotations
 
+import logging
+
 from torch import fx
 
 from fsdp2_compile.ir import Role
-from fsdp2_compile.overlap import emit_order, find_units, memory_budget
+from fsdp2_compile.overlap import anchors_at, emit_order, find_units, memory_budget
 from fsdp2_compile.pass_api import Fact, PassContext, contract
 
 
-def prefetch_anchors(gathers, depth: int, budget: int) -> dict:
-    """For gather k (in first-use order) the node to start it before: gather k-d's first use, with the largest
-    d <= depth whose buckets k-d..k fit in `budget` (d = 0: its own first use)."""
-    anchors = {}
-    for k, unit in enumerate(gathers):
+log = logging.getLogger("fsdp2_compile")
+
+
+def prefetch_distances(gathers, depth: int, budget: int) -> list[int]:
+    """For gather k (in first-use order) how many gathers earlier it starts (at gather k-d's first use): the largest
+    d <= depth whose buckets k-d..k fit in `budget` (d = 0: at its own first use)."""
+    distances = []
+    for k in range(len(gathers)):
         d = min(depth, k)
         while d > 0 and sum(u.nbytes for u in gathers[k - d : k + 1]) > budget:
             d -= 1
-        anchors[unit.collective] = gathers[k - d].first_use
-    return anchors
+        distances.append(d)
+    return distances
 
 
 @contract(requires=(Fact.BUCKETED,), provides=(Fact.PREFETCHED,))
@@ -36,6 +41,9 @@ def reorder_for_overlap(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     if not units:
         return gm
     gathers = [u for u in units if u.kind == Role.ALL_GATHER]
-    anchors = prefetch_anchors(gathers, ctx.config.prefetch_depth, memory_budget(ctx.config, gathers))
-    emit_order(gm, units, anchors)
+    budget = memory_budget(ctx.config, gathers)
+    distances = prefetch_distances(gathers, ctx.config.prefetch_depth, budget)
+    log.info("%s graph: structural prefetch distances %s (depth %d, budget %d bytes)",
+             ctx.kind, distances, ctx.config.prefetch_depth, budget)
+    emit_order(gm, units, anchors_at(gathers, distances))
     return gm

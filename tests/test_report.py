@@ -1,0 +1,56 @@
+"""The report and debug artefacts: bounded over long runs, on the compile path only when asked for, decisions logged.
+One process, the fake process group."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+
+import torch
+from torch import nn
+
+import fsdp2_compile as fc
+from fsdp2_compile import report
+
+
+def test_the_compile_path_imports_no_drawing_code():
+    code = (
+        "import sys, fsdp2_compile, fsdp2_compile.backend, fsdp2_compile.api, fsdp2_compile.pipeline\n"
+        "assert 'fsdp2_compile.dump' not in sys.modules, 'the compile path imported dump.py'\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def _model() -> nn.Module:
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+    fc.shard(model[0])
+    fc.shard(model[2])
+    return model
+
+
+def test_fifty_recompiles_keep_the_report_bounded(fake_pg, monkeypatch, caplog):
+    """50 input shapes, each its own compiled graph: the report keeps the newest MAX_RECORDS records, none of them
+    with per-pass snapshots, while compile_counts() still counts all 50; the decisions are logged."""
+    monkeypatch.delenv("FSDP2_COMPILE_DUMP", raising=False)
+    monkeypatch.setattr(report, "MAX_RECORDS", 8)
+    report.clear_compiled_graphs()
+    model = _model()
+    fc.shard_compile(model, dynamic=False)
+    caplog.set_level(logging.INFO, logger="fsdp2_compile")
+    with torch._dynamo.config.patch(recompile_limit=64, accumulated_recompile_limit=256), torch.no_grad():
+        for batch in range(1, 51):
+            model(torch.randn(batch, 8))
+    counts = report.compile_counts()
+    assert (counts.inference, counts.frames, counts.recompiles) == (50, 1, 49)
+    records = report.compiled_graphs()
+    assert len(records) == 8 and all(r.kind == "inference" for r in records)
+    assert all(r.snapshots == [] for r in records)  # nothing per pass unless a dump is asked for
+    assert all(r.profile is not None and r.timeline is not None for r in records)
+    messages = [r.getMessage() for r in caplog.records if r.name == "fsdp2_compile"]
+    assert any("cost-model profile cpu-gloo-loopback" in m for m in messages)
+    assert any("prefetch distances" in m for m in messages)
+    assert any("bucket '0' fuses 2 all_gather collectives" in m for m in messages)  # weight and bias of model[0]
+    report.clear_compiled_graphs()
+    assert report.compile_counts().inference == 0 and report.compiled_graphs() == []
