@@ -89,16 +89,16 @@ def ancestors_after(node: fx.Node, position: int, pos: dict[fx.Node, int]) -> li
     return sorted(found, key=pos.__getitem__)
 
 
-def stable_topological_sort(gm: fx.GraphModule, key: Callable[[fx.Node], float] | None = None) -> None:
+def stable_topological_sort(gm: fx.GraphModule, key: Callable[[fx.Node], tuple] | None = None) -> None:
     """Rebuild `gm.graph` in a topological order that, among the nodes ready at each point, takes the one with the
-    smallest `key` (default: its current position). Placeholders stay first, in order. Deterministic.
-    Node objects are replaced (meta is kept): look nodes up again afterwards."""
+    smallest `key` (a tuple; default: its current position), ties by current position. Placeholders stay first,
+    in order. Deterministic. Node objects are replaced (meta is kept): look nodes up again afterwards."""
     pos = positions(gm.graph)
 
-    def sort_key(node: fx.Node) -> tuple[float, int]:
+    def sort_key(node: fx.Node) -> tuple[bool, tuple, int]:
         if node.op == "placeholder":
-            return (float("-inf"), pos[node])
-        return (key(node) if key is not None else pos[node], pos[node])
+            return (False, (), pos[node])
+        return (True, key(node) if key is not None else (pos[node],), pos[node])
 
     new = fx.Graph(owning_module=gm, tracer_cls=gm.graph._tracer_cls)
     env: dict[fx.Node, fx.Node] = {}

@@ -10,14 +10,16 @@ starts right then, so both overlap the rest of the backward; all-reduces finish 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from enum import IntEnum
 
 from torch import fx
 
 from .graph import positions, stable_topological_sort
 from .ir import ROLE, AllReduceArgs, CollectiveArgs, Role, collective_kind, nbytes, val
 
-__all__ = ["Unit", "anchors_at", "emit_order", "find_units", "memory_budget"]
+__all__ = ["Rank", "Unit", "anchors_at", "emit_order", "find_units", "memory_budget", "order_keys"]
 
 _START_ROLES = {Role.CAST, Role.PAD, Role.CONTIGUOUS, Role.COPY_IN}
 """Roles of the nodes before a collective that move with it (its copy-in chain)."""
@@ -84,39 +86,81 @@ def anchors_at(gathers: list[Unit], distances: list[int]) -> dict[fx.Node, fx.No
     return {u.collective: gathers[k - d].first_use for k, (u, d) in enumerate(zip(gathers, distances))}
 
 
-def emit_order(gm: fx.GraphModule, units: list[Unit], anchors: dict[fx.Node, fx.Node]) -> None:
-    """Reorder `gm`: all-gather `u` starts right before `anchors[u.collective]` and finishes right before its first
-    use; reduce-scatters start after their last input and finish at the end (or, when an HSDP all-reduce follows,
-    just before the next reduce-scatter starts); all-reduces start right after their input. Other nodes keep
-    their order."""
-    pos = positions(gm.graph)
-    end = len(pos) + 1.0
-    key: dict[fx.Node, float] = {}
+class Rank(IntEnum):
+    """Where a node goes among those placed at one slot (the position of a node in the current order): the rule
+    `emit_order` sorts by, smallest first. A sort key is `(slot, rank)`."""
 
-    def start_after_inputs(u: Unit, gap: float) -> None:
-        inputs = [p for n in u.start for p in n.all_input_nodes if p not in u.start]
-        for n in u.start:
-            key[n] = max(key.get(p, pos[p]) for p in inputs) + gap
+    REPLICA_WAIT = 0
+    """HSDP: a reduce-scatter's wait, just before the next reduce-scatter is issued at this slot."""
+    REPLICA_START = 1
+    """HSDP: the all-reduce over the replicas of that reduce-scatter's result, issued right after its wait."""
+    ISSUE = 2
+    """Collectives issued before the node at this slot: all-gathers anchored here, and reduce-scatters whose last
+    input is the node of the previous slot (at one rank: ties keep the current order)."""
+    GATHER_WAIT = 3
+    """An all-gather's wait and copy-out, right before the first use at this slot."""
+    NODE = 4
+    """The node that was at this slot (every node `emit_order` does not move)."""
+    AFTER = 5
+    """Right after a key of another kind (past the end: all-reduces issued after the last waits)."""
+
+
+Key = tuple[int, ...]
+
+
+def _after(key: Key) -> Key:
+    """A collective issued right after the node with `key`: before the next slot's node, with what is issued there."""
+    slot, rank, *rest = key
+    return (slot + 1, Rank.ISSUE) if rank == Rank.NODE and not rest else (*key, Rank.AFTER)
+
+
+def emit_order(gm: fx.GraphModule, units: list[Unit], anchors: dict[fx.Node, fx.Node]) -> None:
+    """Reorder `gm` by a stable topological sort whose key states the rule (`Rank`): all-gather `u` is issued
+    right before `anchors[u.collective]` and waited for right before its first use; a reduce-scatter is issued
+    right after its last input and waited for at the end (or, when an HSDP all-reduce follows, just before the
+    next reduce-scatter is issued, its all-reduce issued right then); all-reduces are waited for at the end. Other
+    nodes keep their order; among nodes of one slot and rank the current order decides."""
+    stable_topological_sort(gm, key=order_keys(gm, units, anchors))
+
+
+def order_keys(gm: fx.GraphModule, units: list[Unit], anchors: dict[fx.Node, fx.Node]) -> Callable[[fx.Node], Key]:
+    """The sort key of every node of `gm` under `emit_order`'s rule."""
+    pos = positions(gm.graph)
+    end: Key = (len(pos) + 1, Rank.NODE)
+    key: dict[fx.Node, Key] = {}
+
+    def current(n: fx.Node) -> Key:
+        return key.get(n, (pos[n], Rank.NODE))
+
+    def last_input(u: Unit) -> Key:
+        return max(current(p) for n in u.start for p in n.all_input_nodes if p not in u.start)
 
     for u in units:
         if u.kind == Role.ALL_GATHER:
             for n in u.start:
-                key[n] = pos[anchors.get(u.collective, u.first_use)] - 0.75
+                key[n] = (pos[anchors.get(u.collective, u.first_use)], Rank.ISSUE)
             for n in u.finish:
-                key[n] = pos[u.first_use] - 0.5
+                key[n] = (pos[u.first_use], Rank.GATHER_WAIT)
     reduce_scatters = [u for u in units if u.kind == Role.REDUCE_SCATTER]
     for u in reduce_scatters:
-        start_after_inputs(u, 0.25)
+        issue = _after(last_input(u))
+        for n in u.start:
+            key[n] = issue
     for u, later in zip(reduce_scatters, reduce_scatters[1:] + [None]):
         replicated = any(user.target is AllReduceArgs.op for n in u.finish for user in n.users)
+        # just before the next reduce-scatter is issued (its key ends with Rank.ISSUE, or AFTER)
+        finish = (*key[later.collective][:-1], Rank.REPLICA_WAIT) if replicated and later is not None else end
         for n in u.finish:
-            key[n] = key[later.collective] - 0.1 if replicated and later is not None else end
+            key[n] = finish
     for u in units:
         if u.kind == Role.ALL_REDUCE:
-            start_after_inputs(u, 0.05)
+            wait = last_input(u)  # its reduce-scatter's wait: just before the next reduce-scatter, or at the end
+            issue = (*wait[:-1], Rank.REPLICA_START) if wait[-1] == Rank.REPLICA_WAIT else (*wait, Rank.AFTER)
+            for n in u.start:
+                key[n] = issue
             for n in u.finish:
                 key[n] = end
-    stable_topological_sort(gm, key=lambda n: key.get(n, pos[n]))
+    return current
 
 
 def memory_budget(config, gathers: list[Unit]) -> int:

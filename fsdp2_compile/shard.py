@@ -103,11 +103,9 @@ class ParamInfo:
 
 @dataclass(frozen=True)
 class ShardState:
-    """Recorded on every module passed to `shard` (one FSDP2 "parameter group")."""
+    """Recorded on every module passed to `shard` (one FSDP2 "parameter group"); each parameter's own facts are in
+    its `ParamInfo`."""
 
-    mesh: DeviceMesh
-    mp_policy: MixedPrecisionPolicy
-    reshard_after_forward: bool
     param_fqns: tuple[str, ...]
     """The parameters this call took over, named relative to the module it was given."""
 
@@ -363,5 +361,5 @@ def shard(
     _register_mp_hooks(module, mp_policy)
     if reshard_after_forward:
         register_reshard_hooks(module)
-    object.__setattr__(module, _STATE_ATTR, ShardState(mesh, mp_policy, reshard_after_forward, tuple(param_fqns)))
+    object.__setattr__(module, _STATE_ATTR, ShardState(tuple(param_fqns)))
     return module

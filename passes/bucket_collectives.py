@@ -166,8 +166,9 @@ def bucket_collectives(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     for members in _group([n for n in graph.nodes if n.target is RS], buckets):
         _log_bucket(ctx, Role.REDUCE_SCATTER, members)
         _fuse_reduce_scatters(graph, members)
-    # Restore a topological order: hoisted copy-ins move up to their fused all-gather, and what used the earlier
-    # members of a fused reduce-scatter moves down after it.
+    # Restore a topological order: hoisted copy-ins move up to just before their fused all-gather's first copy-in
+    # (rank 0 at that position, the node there rank 1), and what used the earlier members of a fused
+    # reduce-scatter moves down after it.
     pos = positions(graph)
-    stable_topological_sort(gm, key=lambda n: pos[hoist[n]] - 0.5 if n in hoist else pos[n])
+    stable_topological_sort(gm, key=lambda n: (pos[hoist[n]], 0) if n in hoist else (pos[n], 1))
     return gm
