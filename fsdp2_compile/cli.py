@@ -174,9 +174,8 @@ def cmd_dump(ns: argparse.Namespace) -> int:
     from .config import CompileConfig
     from .cost_model import PROFILES
     from .dump import write_dump
-    from .plan import block_list, hsdp_mesh
+    from .plan import hsdp_mesh, shard_blocks
     from .report import clear_compiled_graphs, compiled_graphs
-    from .shard import shard
 
     factory = load_target(ns.target)
     hardware = ns.hardware or "cpu-gloo-loopback"
@@ -188,10 +187,8 @@ def cmd_dump(ns: argparse.Namespace) -> int:
             model, args, loss_fn = call_factory(factory)
         where = _mesh_words(ns.world_size, ns.replicate)
         with progress(f"sharding over {where} (rank 0, fake process group) and compiling", ns.quiet):
-            _, blocks = block_list(model)
-            if blocks is not None and not ns.no_block_shard:
-                for block in blocks:
-                    shard(block, mesh, reshard_after_forward=reshard, mp_policy=mp)
+            if not ns.no_block_shard:
+                shard_blocks(model, mesh, reshard_after_forward=reshard, mp_policy=mp)
             clear_compiled_graphs()
             shard_compile(
                 model, mesh, reshard_after_forward=reshard, mp_policy=mp,

@@ -33,7 +33,16 @@ from .ir import CollectiveArgs, Role, nbytes
 from .report import clear_compiled_graphs, collective, compiled_graphs, saved_bytes
 from .shard import default_device_type
 
-__all__ = ["Plan", "analytical_bytes", "block_list", "hsdp_mesh", "make_plan", "shard_for_plan", "wire_bytes"]
+__all__ = [
+    "Plan",
+    "analytical_bytes",
+    "block_list",
+    "hsdp_mesh",
+    "make_plan",
+    "shard_blocks",
+    "shard_for_plan",
+    "wire_bytes",
+]
 
 ADAMW_STATES = 2
 """AdamW keeps exp_avg and exp_avg_sq per parameter element (fp32 here)."""
@@ -102,14 +111,22 @@ def block_list(model: nn.Module) -> tuple[str, nn.ModuleList | None]:
     return best
 
 
-def shard_for_plan(model: nn.Module, shard_blocks: bool = True, **shard_kwargs) -> nn.Module:
-    """FSDP2's pattern: `shard` each block of the longest ModuleList, then the root (the CLI's convention)."""
+def shard_blocks(model: nn.Module, mesh=None, **shard_kwargs) -> None:
+    """`shard` each block of the model's longest ModuleList (FSDP2's pattern, before the root; the CLI's and the
+    planner's convention)."""
     from .shard import shard
 
     _, blocks = block_list(model)
-    if shard_blocks and blocks is not None:
-        for block in blocks:
-            shard(block, **shard_kwargs)
+    for block in blocks if blocks is not None else ():
+        shard(block, mesh, **shard_kwargs)
+
+
+def shard_for_plan(model: nn.Module, blocks: bool = True, **shard_kwargs) -> nn.Module:
+    """FSDP2's pattern: `shard` each block of the longest ModuleList (unless `blocks` is False), then the root."""
+    from .shard import shard
+
+    if blocks:
+        shard_blocks(model, **shard_kwargs)
     return shard(model, **shard_kwargs)
 
 
@@ -181,13 +198,9 @@ def wire_bytes(gm) -> tuple[float, dict[str, int]]:
 
 def _compile_and_measure(model, args, loss_fn, mesh, compile_kwargs, profiles) -> _GraphFigures:
     from .api import shard_compile
-    from .shard import shard
 
-    _, blocks = block_list(model)
-    if blocks is not None:
-        for block in blocks:
-            shard(block, mesh, reshard_after_forward=compile_kwargs["reshard_after_forward"],
-                  mp_policy=compile_kwargs["mp_policy"])
+    shard_blocks(model, mesh, reshard_after_forward=compile_kwargs["reshard_after_forward"],
+                 mp_policy=compile_kwargs["mp_policy"])
     clear_compiled_graphs()
     shard_compile(model, mesh, **compile_kwargs)
     loss_fn(model(*args)).backward()

@@ -7,8 +7,9 @@ Reduce-scatters: each padded gradient viewed as `[world, rows * rest]`, concaten
 → per-parameter slices viewed as shards.
 
 Buckets follow `CompileConfig.buckets`; a bucket holding several dtypes becomes one collective per dtype.
-Needs: `lower_unshard` / `lower_reduce_grad` (their nodes carry `ir.Tags`: `fsdp.params`, `fsdp.bucket`).
-Provides: fused collectives whose `fsdp.params` lists every member. Logs the bucket plan (logger "fsdp2_compile").
+Contract: requires "unshard_lowered" and "reduce_grad_lowered" (collectives carrying `ir.Tags`: `fsdp.params`,
+`fsdp.bucket`); provides "bucketed": fused collectives whose `fsdp.params` lists every member. Logs the bucket
+plan (logger "fsdp2_compile").
 """
 
 from __future__ import annotations

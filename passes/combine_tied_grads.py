@@ -3,7 +3,8 @@
 Rewrites `add(reduce_grad(a, *args), reduce_grad(b, *args))` — looking through shape-preserving views of the
 reductions — into `reduce_grad(add(a, b), *args)` until no such pair is left, so a tied parameter gets one
 reduce-scatter, as in FSDP2 (where autograd accumulates before the reduction). Valid because the averaging
-reduce-scatter is linear. Needs: un-lowered `fsdp2::reduce_grad` nodes (run before `lower_reduce_grad`).
+reduce-scatter is linear. Contract: provides "tied_grads_combined", which `lower_reduce_grad` requires (it needs
+the un-lowered `fsdp2::reduce_grad` nodes).
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ same rule itself ("Out-of-Place Collective Safety": a wait reads its collective'
 FX graph say it too, whatever order the scheduler chose. The keep-alive also takes the waited value, so it can
 only ever sit after the wait. `invariants.check_collectives_safe` verifies the result.
 
-Needs: the final order (runs last). Provides: a `keep_alive` node (role "keep_alive") after every wait of a
+Contract: requires "ordered" (the final order: runs last); provides "collectives_safe": a `keep_alive` node
+(`Role.KEEP_ALIVE`) after every wait of a
 collective.
 """
 

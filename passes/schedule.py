@@ -6,7 +6,8 @@ compute window — the estimated compute from gather k-d's first use to its own 
 for it, as long as the gathered buckets alive at once fit the budget. The resulting order and the structural
 order `reorder_for_overlap` left are both simulated (`cost_model.simulate`); the one with the shorter estimated
 step wins (ties: the structural one). Decisions depend only on the graph, the config and the agreed profile.
-Leaves the final timeline in `ctx.timeline`. Needs: `reorder_for_overlap` (or any valid order) before it.
+Leaves the final timeline in `ctx.timeline`. Contract: requires "prefetched" (the structural order it compares
+with), provides "ordered". Logs the distances and both estimates (logger "fsdp2_compile").
 """
 
 from __future__ import annotations
