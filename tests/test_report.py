@@ -54,3 +54,32 @@ def test_fifty_recompiles_keep_the_report_bounded(fake_pg, monkeypatch, caplog):
     assert any("bucket '0' fuses 2 all_gather collectives" in m for m in messages)  # weight and bias of model[0]
     report.clear_compiled_graphs()
     assert report.compile_counts().inference == 0 and report.compiled_graphs() == []
+
+
+def test_the_dump_simulates_each_graph_with_its_schedulers_profile(fake_pg):
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from fsdp2_compile.cost_model import PROFILES
+    from fsdp2_compile.dump import summarize
+
+    gm = make_fx(lambda x: (x @ x).sum(), tracing_mode="fake")(torch.randn(4, 4))
+    record = report.GraphRecord("forward", gm, profile=PROFILES["h100-nvlink"])
+    assert summarize([record], PROFILES["cpu-gloo-loopback"]).startswith("cost model profile: h100-nvlink (")
+    bare = report.GraphRecord("forward", gm)  # no profile recorded: the one asked for
+    assert summarize([bare], PROFILES["cpu-gloo-1gbit"]).startswith("cost model profile: cpu-gloo-1gbit (")
+
+
+def test_no_fsdp_op_or_collective_is_read_by_position():
+    """The graph contract lives in ir.py: the package reads op arguments through its named views."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    found = [
+        f"{path.relative_to(root)}:{i}: {line.strip()}"
+        for folder in ("fsdp2_compile", "passes")
+        for path in sorted((root / folder).glob("*.py"))
+        for i, line in enumerate(path.read_text().splitlines(), 1)
+        if re.search(r"\.args\[-?[0-9]+\]", line)
+    ]
+    assert found == []
