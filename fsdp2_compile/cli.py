@@ -7,19 +7,17 @@ Exit codes: 0 ok, 1 runtime failure (the factory raised or returned the wrong th
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
 import json
 import os
 import resource
 import sys
 import time
 import traceback
-from collections.abc import Callable
 from contextlib import contextmanager
 
 import torch
-from torch import nn
+
+from .targets import RunError, UsageError, call_factory, fake_group, load_target
 
 __all__ = ["call_factory", "load_target", "main"]
 
@@ -36,84 +34,6 @@ REPLICATE_HELP = (
 )
 
 
-class UsageError(Exception):
-    """Bad command line or TARGET: exit code 2."""
-
-
-class RunError(Exception):
-    """The factory or the run failed: exit code 1."""
-
-
-# ---------------------------------------------------------------------------------------------- targets
-
-
-def load_target(spec: str) -> Callable:
-    """The factory named by `module:factory` or `path/to/file.py:factory`."""
-    module_name, sep, attr = spec.rpartition(":")
-    if not sep or not module_name or not attr:
-        raise UsageError(f"TARGET {spec!r} is not of the form module:factory or path/to/file.py:factory")
-    try:
-        if module_name.endswith(".py") or os.sep in module_name:
-            path = os.path.abspath(module_name)
-            if not os.path.isfile(path):
-                raise UsageError(f"TARGET {spec!r}: no such file {module_name!r}")
-            sys.path.insert(0, os.path.dirname(path))  # so the file's sibling imports work
-            name = "_fsdp2_target_" + os.path.splitext(os.path.basename(path))[0]
-            loader_spec = importlib.util.spec_from_file_location(name, path)
-            module = importlib.util.module_from_spec(loader_spec)
-            sys.modules[name] = module
-            loader_spec.loader.exec_module(module)
-        else:
-            sys.path.insert(0, os.getcwd())
-            module = importlib.import_module(module_name)
-    except UsageError:
-        raise
-    except Exception as e:  # ImportError, SyntaxError, or whatever the module raised at import
-        raise UsageError(f"TARGET {spec!r}: cannot import {module_name!r}: {type(e).__name__}: {e}") from e
-    factory = getattr(module, attr, None)
-    if not callable(factory):
-        raise UsageError(f"TARGET {spec!r}: {module_name!r} has no callable {attr!r}")
-    return factory
-
-
-def default_loss(output) -> torch.Tensor:
-    """Sum of the first floating-point tensor in `output` (tensors, tuples, lists, dicts)."""
-    stack = [output]
-    while stack:
-        x = stack.pop(0)
-        if isinstance(x, torch.Tensor) and x.is_floating_point():
-            return x.float().sum()
-        if isinstance(x, (list, tuple)):
-            stack[:0] = list(x)
-        elif isinstance(x, dict):
-            stack[:0] = list(x.values())
-    raise RunError("the model's output has no floating-point tensor for the default loss; return a loss_fn")
-
-
-def call_factory(factory: Callable, **kwargs) -> tuple[nn.Module, tuple, Callable]:
-    """`factory(**kwargs)` checked: (model, args, loss_fn) with the default loss filled in."""
-    name = getattr(factory, "__name__", repr(factory))
-    try:
-        result = factory(**kwargs)
-    except Exception as e:
-        raise RunError(f"factory {name}() raised {type(e).__name__}: {e}") from e
-    if not isinstance(result, (tuple, list)) or len(result) not in (2, 3):
-        raise RunError(
-            f"factory {name}() returned {type(result).__name__}; expected (model, args) or (model, args, loss_fn)"
-        )
-    model, args, *rest = result
-    loss_fn = rest[0] if rest else default_loss
-    if not isinstance(model, nn.Module):
-        raise RunError(f"factory {name}() returned a {type(model).__name__} as the model; expected an nn.Module")
-    if isinstance(args, torch.Tensor):
-        args = (args,)
-    if not isinstance(args, (tuple, list)):
-        raise RunError(f"factory {name}() returned a {type(args).__name__} as args; expected a tuple of inputs")
-    if not callable(loss_fn):
-        raise RunError(f"factory {name}() returned a non-callable loss_fn ({type(loss_fn).__name__})")
-    return model, tuple(args), loss_fn
-
-
 # ---------------------------------------------------------------------------------------------- helpers
 
 
@@ -126,20 +46,6 @@ def progress(message: str, quiet: bool = False):
     yield
     if not quiet:
         print(f"{PROG}:   done ({time.perf_counter() - start:.1f} s)", file=sys.stderr, flush=True)
-
-
-@contextmanager
-def fake_group(world_size: int):
-    """The fake default process group (rank 0 of `world_size`) for the duration of the block."""
-    from ._torch_private import fake_process_group
-
-    if torch.distributed.is_initialized():
-        raise RunError("a default process group is already initialised in this process")
-    fake_process_group(0, world_size)
-    try:
-        yield
-    finally:
-        torch.distributed.destroy_process_group()
 
 
 def _mp_policy(name: str | None):
@@ -155,10 +61,6 @@ def _mesh_words(world_size: int, replicate: int) -> str:
     if replicate == 1:
         return f"{world_size} ranks"
     return f"{world_size} ranks, mesh {replicate} x {world_size // replicate} (replicate x shard)"
-
-
-def _gib(n: float) -> str:
-    return f"{n / 2**30:10.3f} GiB"
 
 
 def peak_rss_bytes() -> int:
@@ -212,45 +114,9 @@ def cmd_dump(ns: argparse.Namespace) -> int:
     return 0
 
 
-def format_plan(plan, seconds: float, rss: int) -> str:
-    from .cost_model import PROFILES
-
-    pr, an = plan.per_rank_bytes, plan.analytical_bytes
-    header = f"plan: {plan.params:,} parameters, {plan.layers} blocks, world size {plan.world_size}"
-    if plan.replicate > 1:
-        header += f", mesh {plan.replicate} x {plan.shard_size} (replicate x shard)"
-    divisor = "N" if plan.replicate == 1 else "(N/R)"
-    out = [header, "", "per-rank memory (rank 0, the largest shard)"]
-    for key in ("params", "grads", "optimizer"):
-        error = (pr[key] - an[key]) / an[key] * 100 if an[key] else 0.0
-        out.append(f"  {key:<14}{_gib(pr[key])}   analytical numel*bytes/{divisor} {_gib(an[key])}  ({error:+.3f}%)")
-    out.append(f"  {'gathered_peak':<14}{_gib(pr['gathered_peak'])}   root bucket + 2 largest block buckets")
-    out.append(f"  {'activations':<14}{_gib(pr['activations'])}   saved by forward for backward")
-    out.append(f"  {'total':<14}{_gib(pr['total'])}")
-    out.append("")
-    buffers = ", ".join(f"{k} {_gib(v).strip()}" for k, v in sorted(plan.collective_buffer_bytes.items()))
-    ring = "(N-1)/N of the buffers" if plan.replicate == 1 else (
-        f"(G-1)/G of each buffer, 2(G-1)/G of an all-reduce's; G = its group, "
-        f"{plan.shard_size} or {plan.replicate} ranks")
-    out.append(f"communication per step: {_gib(plan.comm_bytes_per_step).strip()} sent per rank ({ring}: {buffers})")
-    out.append("")
-    out.append(f"  {'profile':<20}{'step time':>12}{'exposed comm':>14}   alpha, link, FLOP/s, memory; source")
-    for name, t in plan.step_time_s.items():
-        p = PROFILES[name]
-        out.append(
-            f"  {name:<20}{t * 1e3:>9.1f} ms{plan.exposed_comm_s[name] * 1e3:>11.1f} ms   "
-            f"{p.alpha_s * 1e6:.0f} us, {1 / p.beta_s_per_byte / 1e9:.3g} GB/s, {p.flops_per_s / 1e12:.3g} TFLOP/s, "
-            f"{p.mem_bytes_per_s / 1e9:.3g} GB/s; {p.source}"
-        )
-    out.append("")
-    out.append(f"method: {plan.method}")
-    out.append(f"planner: {seconds:.1f} s wall, peak RSS {rss / 2**20:.0f} MiB")
-    return "\n".join(out) + "\n"
-
-
 def cmd_plan(ns: argparse.Namespace) -> int:
     from .cost_model import PROFILES
-    from .plan import make_plan
+    from .plan import format_plan, make_plan
 
     factory = load_target(ns.target)
     profiles = [ns.hardware] if ns.hardware else list(PROFILES)

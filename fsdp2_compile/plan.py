@@ -37,6 +37,7 @@ __all__ = [
     "Plan",
     "analytical_bytes",
     "block_list",
+    "format_plan",
     "hsdp_mesh",
     "make_plan",
     "shard_blocks",
@@ -306,3 +307,41 @@ def make_plan(
                    f"reduce-scattered over {shard_size} ranks then all-reduced over {replicate}")
     return Plan(world_size, n_params, layers, per_rank, analytical, int(comm), buffers, time, exposed, method, buckets,
                 replicate)
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:10.3f} GiB"
+
+
+def format_plan(plan, seconds: float, rss: int) -> str:
+    pr, an = plan.per_rank_bytes, plan.analytical_bytes
+    header = f"plan: {plan.params:,} parameters, {plan.layers} blocks, world size {plan.world_size}"
+    if plan.replicate > 1:
+        header += f", mesh {plan.replicate} x {plan.shard_size} (replicate x shard)"
+    divisor = "N" if plan.replicate == 1 else "(N/R)"
+    out = [header, "", "per-rank memory (rank 0, the largest shard)"]
+    for key in ("params", "grads", "optimizer"):
+        error = (pr[key] - an[key]) / an[key] * 100 if an[key] else 0.0
+        out.append(f"  {key:<14}{_gib(pr[key])}   analytical numel*bytes/{divisor} {_gib(an[key])}  ({error:+.3f}%)")
+    out.append(f"  {'gathered_peak':<14}{_gib(pr['gathered_peak'])}   root bucket + 2 largest block buckets")
+    out.append(f"  {'activations':<14}{_gib(pr['activations'])}   saved by forward for backward")
+    out.append(f"  {'total':<14}{_gib(pr['total'])}")
+    out.append("")
+    buffers = ", ".join(f"{k} {_gib(v).strip()}" for k, v in sorted(plan.collective_buffer_bytes.items()))
+    ring = "(N-1)/N of the buffers" if plan.replicate == 1 else (
+        f"(G-1)/G of each buffer, 2(G-1)/G of an all-reduce's; G = its group, "
+        f"{plan.shard_size} or {plan.replicate} ranks")
+    out.append(f"communication per step: {_gib(plan.comm_bytes_per_step).strip()} sent per rank ({ring}: {buffers})")
+    out.append("")
+    out.append(f"  {'profile':<20}{'step time':>12}{'exposed comm':>14}   alpha, link, FLOP/s, memory; source")
+    for name, t in plan.step_time_s.items():
+        p = PROFILES[name]
+        out.append(
+            f"  {name:<20}{t * 1e3:>9.1f} ms{plan.exposed_comm_s[name] * 1e3:>11.1f} ms   "
+            f"{p.alpha_s * 1e6:.0f} us, {1 / p.beta_s_per_byte / 1e9:.3g} GB/s, {p.flops_per_s / 1e12:.3g} TFLOP/s, "
+            f"{p.mem_bytes_per_s / 1e9:.3g} GB/s; {p.source}"
+        )
+    out.append("")
+    out.append(f"method: {plan.method}")
+    out.append(f"planner: {seconds:.1f} s wall, peak RSS {rss / 2**20:.0f} MiB")
+    return "\n".join(out) + "\n"

@@ -265,7 +265,7 @@ def test_plan_hsdp_shards_over_n_over_r_and_adds_the_all_reduces():
 
 
 def test_plan_text_names_the_mesh():
-    from fsdp2_compile.cli import format_plan
+    from fsdp2_compile.plan import format_plan
     from fsdp2_compile.plan import Plan
 
     bytes_ = {"params": 10, "grads": 10, "optimizer": 20, "gathered_peak": 1, "activations": 1, "total": 42}
