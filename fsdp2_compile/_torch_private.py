@@ -29,6 +29,7 @@ __all__ = [
     "min_cut_rematerialization_partition",
     "one_thread_gloo_backend",
     "resolve_group",
+    "trace_graph_artifact",
 ]
 
 
@@ -132,3 +133,11 @@ def one_thread_gloo_backend() -> str:
 
         Backend.register_backend(_ONE_THREAD_GLOO, create, devices=["cpu"])
     return _ONE_THREAD_GLOO
+
+
+def trace_graph_artifact(name: str, gm) -> None:
+    """Emit `gm`'s code as a structured-trace artifact named `name` (seen by `TORCH_TRACE=dir` + tlparse beside
+    Dynamo's and AOTAutograd's graphs); free when tracing is off (the payload is built lazily)."""
+    from torch._logging._internal import trace_structured_artifact
+
+    trace_structured_artifact(name, "string", payload_fn=lambda: gm.print_readable(print_output=False))

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 from torch import fx
 
+from ._torch_private import trace_graph_artifact
 from .invariants import check_collectives_safe
 from .pass_api import Pass, PassContext, check_contracts
 from .passes import (
@@ -39,16 +40,18 @@ def run_pipeline(gm: fx.GraphModule, ctx: PassContext, passes: Sequence[Pass] | 
     """Run every pass of `passes` (default `PASSES`) in order, after checking their contracts; each leaves a graph
     that still lints and recompiles. The result must pass `invariants.check_collectives_safe`. The graph after
     every pass is kept in `ctx.snapshots` only when asked for (`ctx.keep_snapshots`, `CompileConfig.keep_snapshots`
-    or $FSDP2_COMPILE_DUMP)."""
+    or $FSDP2_COMPILE_DUMP). With `TORCH_TRACE` set, each pass's graph is also a structured-trace artifact
+    (`fsdp2_<kind>_<NN>_<pass>`), so tlparse shows it beside Dynamo's and AOTAutograd's graphs."""
     passes = PASSES if passes is None else passes
     check_contracts(passes)
     keep = ctx.keep_snapshots or ctx.config.keep_snapshots or dump_requested()
     if keep:
         ctx.snapshots.append(snapshot("captured", gm))
-    for p in passes:
+    for i, p in enumerate(passes, start=1):
         gm = p(gm, ctx)
         gm.graph.lint()
         gm.recompile()
+        trace_graph_artifact(f"fsdp2_{ctx.kind}_{i:02d}_{p.__name__}", gm)
         if keep:
             ctx.snapshots.append(snapshot(p.__name__, gm))
     check_collectives_safe(gm)

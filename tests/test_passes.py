@@ -161,6 +161,38 @@ def test_snapshots_only_when_asked_for(fake_pg, monkeypatch):
     assert len(ctx.snapshots) == len(PASSES) + 1
 
 
+def test_each_pass_graph_is_a_structured_trace_artifact(fake_pg):
+    """What `TORCH_TRACE=dir` records (tlparse shows it beside Dynamo's and AOTAutograd's graphs): one artifact per
+    pass, named by graph kind, position and pass, holding that pass's graph."""
+    import logging
+
+    from torch._logging._internal import trace_log
+
+    class Collect(logging.Handler):
+        def __init__(self):
+            super().__init__(logging.DEBUG)
+            self.records = []
+
+        def emit(self, record):
+            self.records.append(record)
+
+    def f(shard):
+        return UNSHARD(shard, 32, 4, fake_pg, None, fp32, "w", "", True, 1, "") * 2
+
+    handler = Collect()
+    trace_log.addHandler(handler)
+    try:
+        run_pipeline(make_fx(f, tracing_mode="fake")(torch.randn(8, 3)), PassContext("forward"))
+    finally:
+        trace_log.removeHandler(handler)
+    artifacts = {
+        r.metadata["artifact"]["name"]: r.payload for r in handler.records if "artifact" in getattr(r, "metadata", {})
+    }
+    assert list(artifacts) == [f"fsdp2_forward_{i:02d}_{p.__name__}" for i, p in enumerate(PASSES, start=1)]
+    assert "all_gather_into_tensor" in artifacts["fsdp2_forward_02_lower_unshard"]
+    assert "all_gather_into_tensor" not in artifacts["fsdp2_forward_01_combine_tied_grads"]
+
+
 def test_every_pass_declares_a_contract_that_the_default_order_meets():
     check_contracts(PASSES)
     assert all(requires(p) or provides(p) for p in PASSES)
