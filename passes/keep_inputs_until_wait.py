@@ -10,8 +10,7 @@ FX graph say it too, whatever order the scheduler chose. The keep-alive also tak
 only ever sit after the wait. `invariants.check_collectives_safe` verifies the result.
 
 Contract: requires "ordered" (the final order: runs last); provides "collectives_safe": a `keep_alive` node
-(`Role.KEEP_ALIVE`) after every wait of a
-collective.
+(`Role.KEEP_ALIVE`) after every wait of a collective.
 """
 
 from __future__ import annotations
