@@ -51,16 +51,12 @@ def default_store():
 
 def group_size(group_name: str) -> int:
     """Ranks in the process group registered under `group_name` (what functional collectives take)."""
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    return _resolve_process_group(group_name).size()
+    return resolve_group(group_name).size()
 
 
 def group_ranks(group_name: str) -> list[int]:
     """Global ranks of the process group registered under `group_name`."""
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    return torch.distributed.get_process_group_ranks(_resolve_process_group(group_name))
+    return torch.distributed.get_process_group_ranks(resolve_group(group_name))
 
 
 def group_timeout(group_name: str | None = None) -> float:
@@ -69,7 +65,7 @@ def group_timeout(group_name: str | None = None) -> float:
     else the backend's default."""
     from torch.distributed import distributed_c10d as c10d
 
-    pg = c10d._get_default_group() if group_name is None else c10d._resolve_process_group(group_name)
+    pg = c10d._get_default_group() if group_name is None else resolve_group(group_name)
     found = []
     for device in pg._device_types:
         try:
