@@ -6,6 +6,7 @@ If a torch upgrade moves one of these, this is the only file to change.
 from __future__ import annotations
 
 import torch
+from torch import fx
 from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._guards import detect_fake_mode
@@ -87,13 +88,30 @@ def current_compile_id() -> tuple[int, int] | None:
 
 
 def inductor_compile(gm, example_inputs, *, is_backward: bool, is_inference: bool):
-    """Compile an AOT forward/backward graph with Inductor, without Inductor's own reordering (the fsdp2
-    scheduler has placed the collectives already)."""
+    """Compile an AOT forward/backward graph with Inductor, without Inductor's own reordering and with the
+    collectives pinned in the order the fsdp2 scheduler chose."""
     from torch._inductor import config
     from torch._inductor.compile_fx import compile_fx_inner
 
+    gm = _pin_communication_order(gm)
     with config.patch(reorder_for_peak_memory=False, reorder_for_compute_comm_overlap=False):
         return compile_fx_inner(gm, example_inputs, is_backward=is_backward, is_inference=is_inference)
+
+
+def _pin_communication_order(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of `gm` whose collective starts and waits are each chained to the one before (Inductor's
+    `control_deps`), so that fusion cannot move a collective past a wait the scheduler put after it (e.g. a
+    reduce-scatter whose input kernel fuses with a later one). `gm` itself stays as the report shows it."""
+    from torch._inductor.fx_passes.control_dependencies import preserve_node_ordering
+    from torch.utils._ordered_set import OrderedSet
+
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    pinned = fx.GraphModule(gm, graph)
+    comm = [n for n in graph.nodes if n.op == "call_function" and getattr(n.target, "namespace", "") == "_c10d_functional"]
+    preserve_node_ordering(graph, {later: OrderedSet([earlier]) for earlier, later in zip(comm, comm[1:])})
+    pinned.recompile()
+    return pinned
 
 
 def inductor_decompositions() -> dict:

@@ -5,7 +5,7 @@
     forward/graph.dot, .svg       the final graph, all-gathers, reduce-scatters, all-reduces (HSDP), waits and
                                   casts highlighted
     trace.json                    the simulated schedule (cost_model.simulate) as a Perfetto / Chrome trace
-    memory.png                    estimated live bytes over the step
+    memory.csv, memory.png        estimated live bytes over the step (the plot needs matplotlib, the `plots` extra)
     summary.txt                   the table `summarize` returns (also printed by `fsdp2-compile dump`)
 
 `dump_from_env(record)` (called by the backend for every compiled graph) writes them to `$FSDP2_COMPILE_DUMP/rank<r>`.
@@ -17,8 +17,7 @@ import itertools
 import json
 import os
 import re
-import struct
-import zlib
+import logging
 from collections import Counter
 from dataclasses import dataclass, field
 from xml.sax.saxutils import escape
@@ -30,7 +29,9 @@ from .cost_model import PROFILES, HardwareProfile, Timeline, simulate
 from .ir import BUCKET, COLLECTIVE_KINDS, PARAMS, WAIT, Role, collective_kind
 from .report import DUMP_ENV, GraphRecord, NodeFacts, Snapshot, collective, compiled_graphs, saved_bytes
 
-__all__ = ["DUMP_ENV", "annotate", "dump_from_env", "png_line_chart", "saved_bytes", "summarize", "write_dump"]
+logger = logging.getLogger(__name__)
+
+__all__ = ["DUMP_ENV", "annotate", "dump_from_env", "saved_bytes", "size_text", "summarize", "write_dump"]
 
 _CAST = torch.ops.prims.convert_element_type.default
 _NODE_NAME = re.compile(r"^\s*%(\w+) : ")
@@ -297,67 +298,61 @@ def _memory_curve(records: list[GraphRecord], timelines: list[Timeline]) -> tupl
     return points, max(b for _, b in points)
 
 
-_FONT = {  # 3x5 glyphs, rows top to bottom, 3 bits each
-    "0": "111101101101111", "1": "010110010010111", "2": "111001111100111", "3": "111001111001111",
-    "4": "101101111001001", "5": "111100111001111", "6": "111100111101111", "7": "111001001001001",
-    "8": "111101111101111", "9": "111101111001111", ".": "000000000000010", " ": "000000000000000",
-    "M": "101111111101101", "i": "010000010010010", "B": "110101110101110", "m": "000111111101101",
-    "s": "011100010001110", "p": "110101110100100", "e": "111100111100111", "a": "000011101101011",
-    "k": "100101110101101", "t": "010111010010011", "-": "000000111000000",
-}
+def _graph_spans(records: list[GraphRecord], timelines: list[Timeline]) -> list[tuple[str, float, float]]:
+    """(label, start, end) of each graph on the step's time axis (graphs back to back)."""
+    ends = list(itertools.accumulate(t.total_s for t in timelines))
+    return [(label, end - t.total_s, end) for label, t, end in zip(_labels(records), timelines, ends)]
 
 
-def png_line_chart(points: list[tuple[float, float]], width: int = 800, height: int = 360) -> bytes:
-    """A PNG (RGB, 8 bit) of a line chart of `points` with axes, the peak and the end time written on it."""
-    pixels = bytearray(b"\xff" * (width * height * 3))
+def _unit(n: float) -> tuple[str, int]:
+    return next(((u, k) for u, k in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)) if abs(n) >= k), ("B", 1))
 
-    def put(x: int, y: int, rgb=(0, 0, 0)) -> None:
-        if 0 <= x < width and 0 <= y < height:
-            i = (y * width + x) * 3
-            pixels[i : i + 3] = bytes(rgb)
 
-    def line(x0: int, y0: int, x1: int, y1: int, rgb=(0, 0, 0)) -> None:
-        steps = max(abs(x1 - x0), abs(y1 - y0), 1)
-        for k in range(steps + 1):
-            put(round(x0 + (x1 - x0) * k / steps), round(y0 + (y1 - y0) * k / steps), rgb)
+def size_text(n: float) -> str:
+    """Bytes in the unit that fits: '512 B', '3.25 KiB', '1.50 MiB', '2.00 GiB'."""
+    unit, scale = _unit(n)
+    return f"{n:,.0f} B" if scale == 1 else f"{n / scale:,.2f} {unit}"
 
-    def text(x: int, y: int, s: str, scale: int = 2) -> None:
-        for ch in s:
-            glyph = _FONT.get(ch, _FONT[" "])
-            for bit, on in enumerate(glyph):
-                if on == "1":
-                    for dx in range(scale):
-                        for dy in range(scale):
-                            put(x + (bit % 3) * scale + dx, y + (bit // 3) * scale + dy)
-            x += 4 * scale
 
-    left, right, top, bottom = 60, width - 20, 30, height - 40
-    t_max = max((t for t, _ in points), default=1.0) or 1.0
-    v_max = max((v for _, v in points), default=1.0) or 1.0
-    line(left, top, left, bottom)
-    line(left, bottom, right, bottom)
-    for k in range(5):  # ticks and a light grid
-        y = bottom - (bottom - top) * k // 4
-        x = left + (right - left) * k // 4
-        line(left - 5, y, left, y)
-        line(x, bottom, x, bottom + 5)
-        if k:
-            line(left + 1, y, right, y, (230, 230, 230))
-    sx = lambda t: left + round((right - left) * t / t_max)
-    sy = lambda v: bottom - round((bottom - top) * v / v_max)
-    for (t0, v0), (t1, v1) in itertools.pairwise(points):
-        line(sx(t0), sy(v0), sx(t1), sy(v0), (21, 101, 192))  # step chart: bytes change at node ends
-        line(sx(t1), sy(v0), sx(t1), sy(v1), (21, 101, 192))
-    text(left, 8, f"peak {v_max / 2**20:.2f} MiB")
-    text(right - 120, height - 24, f"{t_max * 1e3:.3f} ms")
-    text(left - 4, height - 24, "0")
-    raw = b"".join(b"\x00" + bytes(pixels[y * width * 3 : (y + 1) * width * 3]) for y in range(height))
+def write_memory_csv(points: list[tuple[float, int]], path: str) -> None:
+    """The memory curve as `time_ms,bytes` rows (always written: the plot needs matplotlib)."""
+    with open(path, "w") as f:
+        f.write("time_ms,bytes\n" + "".join(f"{t * 1e3:.6f},{b}\n" for t, b in points))
 
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
 
-    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b"")
+def write_memory_plot(points: list[tuple[float, int]], graphs: list[tuple[str, float, float]], path: str) -> bool:
+    """A step chart of estimated live bytes over the step, one shaded band per graph (forward / backward), axes in ms
+    and the byte unit that fits, the peak marked. Drawn with matplotlib (the `plots` extra); False when not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        from matplotlib import pyplot as plt
+    except ImportError:
+        logger.info("memory plot skipped: matplotlib is not installed (pip install 'fsdp2_compile[plots]'); "
+                    "memory.csv has the curve")
+        return False
+    unit, scale = _unit(max(b for _, b in points))
+    times = [t * 1e3 for t, _ in points]
+    mib = [b / scale for _, b in points]
+    fig, ax = plt.subplots(figsize=(9, 3.6), dpi=100)
+    for (label, start, end), shade in zip(graphs, itertools.cycle(("#e3f2fd", "#fff3e0"))):
+        ax.axvspan(start * 1e3, end * 1e3, color=shade, zorder=0)
+        ax.text((start + end) / 2 * 1e3, 1.01, label, transform=ax.get_xaxis_transform(), ha="center", va="bottom")
+    ax.step(times, mib, where="post", color="#1565c0", linewidth=1.2)
+    peak = max(range(len(points)), key=lambda i: points[i][1])
+    ax.plot([times[peak]], [mib[peak]], "o", color="#c62828")
+    ax.annotate(f"peak {size_text(points[peak][1])}", (times[peak], mib[peak]), textcoords="offset points",
+                xytext=(6, -12), color="#c62828")
+    ax.set_xlabel("simulated time in the step (ms)")
+    ax.set_ylabel(f"live bytes beyond parameters ({unit})")
+    ax.set_xlim(0, max(times[-1], 1e-9))
+    ax.set_ylim(0, max(mib) * 1.15 or 1)
+    ax.grid(True, color="#e0e0e0")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return True
 
 
 # ---------------------------------------------------------------------------------------------- the folder
@@ -384,8 +379,8 @@ def write_dump(records: list[GraphRecord], out_dir: str, profile: HardwareProfil
     with open(os.path.join(out_dir, "trace.json"), "w") as f:
         json.dump(trace_events(records, timelines), f)
     points, _ = _memory_curve(records, timelines)
-    with open(os.path.join(out_dir, "memory.png"), "wb") as f:
-        f.write(png_line_chart(points))
+    write_memory_csv(points, os.path.join(out_dir, "memory.csv"))
+    write_memory_plot(points, _graph_spans(records, timelines), os.path.join(out_dir, "memory.png"))
     summary = summarize(records, profile)
     with open(os.path.join(out_dir, "summary.txt"), "w") as f:
         f.write(summary)

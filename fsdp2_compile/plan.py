@@ -42,6 +42,7 @@ __all__ = [
     "make_plan",
     "shard_blocks",
     "shard_for_plan",
+    "sharded_bytes",
     "wire_bytes",
 ]
 
@@ -149,7 +150,8 @@ def analytical_bytes(model: nn.Module, world_size: int) -> dict[str, float]:
     return {"params": params / world_size, "grads": grads / world_size, "optimizer": optim / world_size}
 
 
-def _sharded_bytes(model: nn.Module) -> dict[str, int]:
+def sharded_bytes(model: nn.Module) -> dict[str, int]:
+    """This rank's bytes of parameters, gradients and AdamW state, counted on the sharded model's local tensors."""
     local = [(p, p.to_local() if isinstance(p, DTensor) else p) for p in _unique_params(model)]
     return {
         "params": sum(nbytes(t) for _, t in local),
@@ -261,7 +263,7 @@ def make_plan(
     where = f"{world_size} ranks" if mesh is None else f"a {replicate} x {shard_size} mesh (replicate x shard)"
     step(f"sharding the full model over {where}")
     shard_for_plan(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
-    measured = _sharded_bytes(model)
+    measured = sharded_bytes(model)
     buckets = _bucket_bytes(model, mp_policy.param_dtype)
     root = buckets.get("", 0)
     others = sorted((b for name, b in buckets.items() if name), reverse=True)

@@ -4,8 +4,9 @@ communication within the memory budget.
 For each all-gather (in first-use order) it takes the shortest prefetch distance d <= `prefetch_depth` whose
 compute window — the estimated compute from gather k-d's first use to its own — covers the communication queued
 for it, as long as the gathered buckets alive at once fit the budget. The resulting order and the structural
-order `reorder_for_overlap` left are both simulated (`cost_model.simulate`); the one with the shorter estimated
-step wins (ties: the structural one). Decisions depend only on the graph, the config and the agreed profile.
+order `reorder_for_overlap` left (always the longest distance) are both simulated (`cost_model.simulate`). The
+cost-model order is kept unless it is estimated slower: at an equal step it holds fewer gathered buckets at once.
+Decisions depend only on the graph, the config and the agreed profile.
 Leaves the final timeline in `ctx.timeline`. Contract: requires "prefetched" (the structural order it compares
 with), provides "ordered". Logs the distances and both estimates (logger "fsdp2_compile").
 """
@@ -58,10 +59,11 @@ def schedule(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         distances = cost_distances(gm, gathers, ctx.config.prefetch_depth, memory_budget(ctx.config, gathers), profile)
         emit_order(gm, units, anchors_at(gathers, distances))
         estimate = simulate(gm, profile).total_s
-        if estimate >= baseline.total_s:
+        slower = estimate > baseline.total_s
+        if slower:
             gm.graph = structural
         log.info("%s graph: cost-model prefetch distances %s: estimated step %.3f ms vs %.3f ms structural, "
                  "keeping the %s order (profile %s)", ctx.kind, distances, estimate * 1e3, baseline.total_s * 1e3,
-                 "structural" if estimate >= baseline.total_s else "cost-model", profile.name)
+                 "structural" if slower else "cost-model", profile.name)
     ctx.timeline = simulate(gm, profile)
     return gm

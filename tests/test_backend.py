@@ -71,3 +71,52 @@ def test_every_compiled_module_gets_its_own_dynamo_cache():
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split()[-1] == "10", proc.stdout  # one forward graph per module, the tenth included
+
+
+def test_inductor_keeps_the_collectives_where_the_scheduler_put_them(fake_pg):
+    """The code Inductor generates issues every collective and wait in the scheduler's order, with the same number
+    of matmuls before each. Without the backend's ordering edges, fusion of a gradient's copy-in with a later kernel
+    moved a reduce-scatter behind the wait of the next all-gather."""
+    import re
+
+    import cli_factories
+    from torch._inductor.utils import run_and_get_code
+
+    import fsdp2_compile as fc
+    from fsdp2_compile.report import clear_compiled_graphs, compiled_graphs
+
+    clear_compiled_graphs()
+    model, (idx,) = cli_factories.tiny()
+    for block in model.blocks:
+        fc.shard(block)
+    fc.shard_compile(model, compile_config=fc.CompileConfig(compiler="inductor", hardware="cpu-gloo-loopback"))
+    _, codes = run_and_get_code(lambda: model(idx).sum().backward())
+    comm = re.compile(r"_c10d_functional\.(all_gather_into_tensor|reduce_scatter_tensor|wait_tensor)\.default\(")
+    matmul = re.compile(r"extern_kernels\.(?:mm|addmm|bmm)\(")
+
+    def inductor_sequence(code: str) -> list[tuple[str, int]]:
+        seq, mms = [], 0
+        for line in code.splitlines():
+            if matmul.search(line):
+                mms += 1
+            elif (m := comm.search(line)) and not line.lstrip().startswith("assert"):
+                seq.append((m.group(1), mms))
+        return seq
+
+    def scheduled_sequence(gm) -> list[tuple[str, int]]:
+        seq, mms = [], 0
+        for n in gm.graph.nodes:
+            name = getattr(n.target, "_opname", "")
+            if name in ("mm", "addmm", "bmm"):
+                mms += 1
+            elif name in ("all_gather_into_tensor", "reduce_scatter_tensor", "wait_tensor"):
+                seq.append((name, mms))
+        return seq
+
+    records = compiled_graphs()
+    assert [r.kind for r in records] == ["forward", "backward"] and len(codes) == 2
+    for record, code in zip(records, codes):
+        expected = scheduled_sequence(record.gm)
+        assert sum(k == "reduce_scatter_tensor" for k, _ in expected) == (3 if record.kind == "backward" else 0)
+        assert inductor_sequence(code) == expected, record.kind
+    clear_compiled_graphs()

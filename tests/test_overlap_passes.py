@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -195,3 +196,29 @@ def test_hsdp_reduce_scatter_then_all_reduce_per_bucket_overlapping_the_next_gra
     # cost: a ring all-reduce over 2 replicas moves 2 * (2-1)/2 of its bytes
     profile = PROFILES["cpu-gloo-1gbit"]
     assert collective_time(ar, profile) == profile.alpha_s + 2 * 8 * 3 * 4 * profile.beta_s_per_byte
+
+
+def test_cost_model_prefetches_only_as_far_as_hides_the_gather(fake_pg):
+    """Structural prefetch starts every gather `prefetch_depth` (2) buckets ahead. Where compute is slow enough that
+    one bucket's compute hides a gather, the cost model starts b2's gather one bucket ahead instead: the estimated
+    step is the same and b2's gathered buffer is not alive during b0's compute, so the estimated peak is lower.
+    Where communication is slow (1 Gbit/s), one bucket's compute does not hide it and both orders are the same."""
+    import dataclasses
+
+    from fsdp2_compile.cost_model import PROFILES, simulate
+
+    slow_compute = dataclasses.replace(PROFILES["cpu-gloo-loopback"], name="slow-compute", flops_per_s=1e6)
+    for profile, differs in ((slow_compute, True), (PROFILES["cpu-gloo-1gbit"], False)):
+        ctx = PassContext("forward", profile=profile)
+        gm, _ = lowered(three_blocks(fake_pg))
+        gm = reorder_for_overlap(gm, ctx)
+        structural, structural_order = simulate(gm, profile), [n.name for n in order(gm)]
+        gm = schedule(gm, ctx)
+        gm.graph.lint()
+        nodes, gathers, first_compute = positions_of(gm)
+        b2_starts_before_b0_computes = nodes.index(gathers[2]) < first_compute
+        assert b2_starts_before_b0_computes is not differs, profile.name
+        assert ([n.name for n in nodes] != structural_order) is differs, profile.name
+        assert ctx.timeline.total_s == pytest.approx(structural.total_s, rel=1e-12)
+        if differs:
+            assert ctx.timeline.peak_bytes < structural.peak_bytes
