@@ -30,6 +30,14 @@ def shard_compile(
 
     The module is compiled in place (`module.compile`), so parameter names and `state_dict()` keys are unchanged.
     """
+    if not isinstance(compile_config, CompileConfig):
+        raise TypeError(
+            f"shard_compile(compile_config=...) must be a fsdp2_compile.CompileConfig, got "
+            f"{type(compile_config).__name__}; e.g. compile_config=fc.CompileConfig(prefetch_depth=1)"
+        )
+    if dynamic is not None and not isinstance(dynamic, bool):
+        raise TypeError(f"shard_compile(dynamic={dynamic!r}): use True, False or None, as torch.compile")
+    _check_bucket_names(module, compile_config)
     shard(
         module,
         mesh,
@@ -58,11 +66,32 @@ def compile_in_place(module: nn.Module, backend, dynamic: bool | None = None) ->
     module._compiled_call_impl = torch.compile(call, backend=backend, dynamic=dynamic)
 
 
+def _check_bucket_names(module: nn.Module, config: CompileConfig) -> None:
+    """`CompileConfig.buckets` as module names: each must name a submodule of `module`."""
+    if not isinstance(config.buckets, tuple):
+        return
+    names = {name for name, _ in module.named_modules()}
+    missing = [b for b in config.buckets if b not in names]
+    if missing:
+        shown = ", ".join(sorted(n for n in names if n and n.count(".") <= 1)[:8])
+        raise ValueError(
+            f"CompileConfig.buckets names {missing}, which {'is' if len(missing) == 1 else 'are'} not a submodule of "
+            f"{type(module).__name__}; use module paths as named_modules() gives them, e.g. {shown}"
+        )
+
+
 def _check_call_inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
     """Input tensors must be on the device of the module's (sharded) parameters; see `check_input_devices`."""
     param = next(iter(module.parameters()), None)
     if param is None:
         return
+    if param.device.type == "meta":
+        name = next(n for n, p in module.named_parameters() if p is param)
+        raise RuntimeError(
+            f"parameter '{name}' of {type(module).__name__} is on the meta device: allocate and initialise the "
+            "shards before the first forward, e.g. model.to_empty(device=...) then, inside "
+            "fsdp2_compile.sharded_parameters(), model.init_weights() / reset_parameters()"
+        )
     check_input_devices([*_named_leaves("args", args), *_named_leaves("kwargs", kwargs)], param.device)
 
 

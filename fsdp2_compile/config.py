@@ -29,10 +29,16 @@ class MixedPrecisionPolicy:
     """Dtype floating-point forward outputs of the sharded module are cast to; None leaves them as they are."""
     cast_forward_inputs: bool = True
     """Cast floating-point forward inputs of the sharded module to `param_dtype`."""
+    buffer_dtype: torch.dtype | None = None
+    """Dtype the module's floating-point buffers (e.g. BatchNorm statistics) are kept and computed in: `shard`
+    casts them once, in place; None leaves them. Not in torch's FSDP2 policy (FSDP1 had it); the FSDP2 overview
+    names it."""
 
     def __post_init__(self) -> None:
-        for name in ("param_dtype", "reduce_dtype", "output_dtype"):
+        for name in ("param_dtype", "reduce_dtype", "output_dtype", "buffer_dtype"):
             _check_floating(name, getattr(self, name))
+        if not isinstance(self.cast_forward_inputs, bool):
+            raise TypeError(f"MixedPrecisionPolicy.cast_forward_inputs={self.cast_forward_inputs!r}: use True or False")
 
 
 @dataclass(frozen=True)
@@ -68,12 +74,30 @@ class CompileConfig:
         if self.compiler not in ("aot_eager", "inductor"):
             raise ValueError(f"CompileConfig.compiler={self.compiler!r} is not one of: 'aot_eager', 'inductor'")
         ok = self.buckets in ("shard_calls", "none") or (
-            isinstance(self.buckets, int) and self.buckets > 0
+            _is_int(self.buckets) and self.buckets > 0
         ) or (isinstance(self.buckets, tuple) and all(isinstance(b, str) for b in self.buckets))
         if not ok:
             raise ValueError(
-                f"CompileConfig.buckets={self.buckets!r}: use 'shard_calls', 'none', a positive byte cap, "
+                f"CompileConfig.buckets={self.buckets!r}: use 'shard_calls', 'none', a positive byte cap (int), "
                 "or a tuple of module names"
             )
-        if self.prefetch_depth < 0:
-            raise ValueError(f"CompileConfig.prefetch_depth={self.prefetch_depth} must be >= 0")
+        if not _is_int(self.prefetch_depth) or self.prefetch_depth < 0:
+            raise ValueError(
+                f"CompileConfig.prefetch_depth={self.prefetch_depth!r}: use a whole number of buckets >= 0 "
+                "(0 = no prefetch, 2 = the default)"
+            )
+        if self.memory_budget_bytes is not None and not (_is_int(self.memory_budget_bytes) and self.memory_budget_bytes > 0):
+            raise ValueError(
+                f"CompileConfig.memory_budget_bytes={self.memory_budget_bytes!r}: use a positive number of bytes, "
+                "or None for prefetch_depth + 1 times the largest bucket"
+            )
+        for name in ("prefetch", "schedule", "check_rank_consistency", "keep_snapshots"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"CompileConfig.{name}={getattr(self, name)!r}: use True or False")
+        if self.hardware is not None and not isinstance(self.hardware, str):
+            raise TypeError(f"CompileConfig.hardware={self.hardware!r}: use a profile name (str) or None")
+
+
+def _is_int(value: object) -> bool:
+    """An int that is not a bool (True would otherwise pass as 1)."""
+    return isinstance(value, int) and not isinstance(value, bool)

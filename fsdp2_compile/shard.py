@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
+import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -21,6 +23,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .comm_groups import fsdp_group
@@ -30,9 +33,9 @@ from .eager_reshard import note_gathered, register_reshard_hooks
 from .ops import unshard
 
 __all__ = [
+    "FSDPModule",
     "ParamInfo",
     "ShardState",
-    "ShardedModule",
     "default_device_type",
     "is_known_param",
     "is_sharded",
@@ -101,13 +104,16 @@ class ParamInfo:
             self.pending_key = f"{self.fqn}@{id(self):x}"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class ShardState:
-    """Recorded on every module passed to `shard` (one FSDP2 "parameter group"); each parameter's own facts are in
-    its `ParamInfo`."""
+    """Recorded on every module passed to one `shard` call (one FSDP2 parameter group: a module, or a list of
+    modules sharded together); each parameter's own facts are in its `ParamInfo`."""
 
-    param_fqns: tuple[str, ...]
-    """The parameters this call took over, named relative to the module it was given."""
+    infos: tuple[ParamInfo, ...]
+    """The parameters this call took over."""
+    members: tuple[weakref.ref, ...]
+    """The modules of the call; the first one's path names the group's bucket."""
+    mp_policy: MixedPrecisionPolicy
 
 
 class _SharedFlag:
@@ -176,6 +182,12 @@ def _default_mesh(mesh: DeviceMesh | None) -> DeviceMesh:
                 "call torch.distributed.init_process_group first or pass a DeviceMesh"
             )
         return init_device_mesh(default_device_type(), (torch.distributed.get_world_size(),))
+    if not isinstance(mesh, DeviceMesh):
+        hint = (
+            "; wrap it: DeviceMesh.from_group(group, device_type)"
+            if isinstance(mesh, torch.distributed.ProcessGroup) else ""
+        )
+        raise TypeError(f"fsdp2_compile.shard: mesh must be a DeviceMesh or None, got {type(mesh).__name__}{hint}")
     if mesh.ndim > 2:
         raise ValueError(
             f"fsdp2_compile.shard got a {mesh.ndim}-D mesh {tuple(mesh.shape)}; FSDP uses a 1-D mesh (shard) "
@@ -185,6 +197,13 @@ def _default_mesh(mesh: DeviceMesh | None) -> DeviceMesh:
         raise ValueError(
             f"fsdp2_compile.shard got a 2-D mesh {tuple(mesh.shape)} without dim names; for HSDP create it as "
             'init_device_mesh(device_type, (replicas, shard_size), mesh_dim_names=("replicate", "shard"))'
+        )
+    names = mesh.mesh_dim_names or ()
+    if mesh.ndim == 2 and "shard" in names[0] and "replicate" in names[1]:
+        raise ValueError(
+            f"fsdp2_compile.shard got a 2-D mesh named {names}: like fully_shard, HSDP reads the dims by position, "
+            f"replicate first, then shard, so this mesh would shard over {names[1]!r}. Create it as "
+            f'init_device_mesh(device_type, ({mesh.size(1)}, {mesh.size(0)}), mesh_dim_names=("replicate", "shard"))'
         )
     return mesh
 
@@ -229,25 +248,73 @@ def _shard_param(param: nn.Parameter, mesh: DeviceMesh) -> nn.Parameter:
     return nn.Parameter(dtensor, requires_grad=param.requires_grad)
 
 
-class ShardedModule:
-    """Methods FSDP2's `FSDPModule` offers, mixed into every module class `shard` swaps."""
+def _check_bool(method: str, name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{method}({name}={value!r}): use True or False")
+
+
+class UnshardHandle:
+    """What `FSDPModule.unshard(async_op=True)` returns; `wait()` returns at once (see `unshard`)."""
+
+    def wait(self) -> None:
+        return None
+
+
+class FSDPModule:
+    """The class every module passed to `shard` gets mixed in (`isinstance(m, FSDPModule)`), with FSDP2's methods
+    of the same names and meanings. Settings that change the compiled graph (gradient sync, resharding after
+    forward) are read while Dynamo traces, so a change after compilation recompiles (Dynamo guards on them) and,
+    set alike on every rank, the ranks agree."""
+
+    def _param_infos(self, recurse: bool) -> list[ParamInfo]:
+        modules = [m for m in self.modules() if is_sharded(m)] if recurse else [self]
+        return list({id(i): i for m in modules for i in _state(m).infos}.values())
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """FSDP2's gradient-accumulation switch. False: backward reduces no gradient; each rank keeps the
         unsharded gradients of this module's parameters (their `.grad` gets zeros), and the next backward with
         sync on adds them before the reduce-scatter, so micro-batches with sync off, then one with it on, equal
-        one large batch. `recurse=False`: only the parameters of this module's own `shard` call.
-        Each setting is one compiled graph (Dynamo guards on it)."""
-        state = getattr(self, _STATE_ATTR, None)
-        own = set(state.param_fqns) if state is not None and not recurse else None
-        for name, _param, info in managed_params(self):
-            if own is None or name in own:
-                info.set_requires_gradient_sync(requires_gradient_sync)
+        one large batch. `recurse=False`: only the parameters of this module's own `shard` call."""
+        _check_bool("set_requires_gradient_sync", "requires_gradient_sync", requires_gradient_sync)
+        for info in self._param_infos(recurse):
+            info.set_requires_gradient_sync(requires_gradient_sync)
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        """True: forward frees each gathered parameter after use and backward gathers it again; False: forward
+        keeps it for backward (no second all-gather, more memory)."""
+        _check_bool("set_reshard_after_forward", "reshard_after_forward", reshard_after_forward)
+        for info in self._param_infos(recurse):
+            info.reshard_after_forward = reshard_after_forward
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        """Only True (FSDP2's default): each compiled forward gathers its parameters inside its own graph, so
+        nothing gathered outlives a backward."""
+        _check_bool("set_reshard_after_backward", "reshard_after_backward", reshard_after_backward)
+        if not reshard_after_backward:
+            raise NotImplementedError(
+                f"{type(self).__name__}.set_reshard_after_backward(False) is not supported by fsdp2_compile: every "
+                "compiled forward gathers its parameters inside its graph, so keeping them after backward saves "
+                "nothing. Leave it True; for gradient accumulation use set_requires_gradient_sync(False)"
+            )
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Accepted for FSDP2 compatibility with FSDP2-equal results: every compiled backward waits for its own
+        reductions before it returns, which is what FSDP2 does on the last backward."""
+        _check_bool("set_is_last_backward", "is_last_backward", is_last_backward)
+
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """FSDP2-equal results without a separate gather: reading `module.weight` outside a compiled forward
+        always returns the gathered parameter, and compiled graphs gather (prefetched) inside themselves."""
+        _check_bool("unshard", "async_op", async_op)
+        return UnshardHandle() if async_op else None
+
+    def reshard(self) -> None:
+        """Nothing stays gathered between steps (see `unshard`), so there is nothing to free."""
 
 
-def _install_properties(module: nn.Module, infos: dict[str, ParamInfo]) -> None:
-    """Swap `module`'s class for a subclass of it and `ShardedModule` whose `name` attributes return the gathered
-    parameters."""
+def _install_properties(module: nn.Module, infos: dict[str, ParamInfo], fsdp_module: bool = False) -> None:
+    """Swap `module`'s class for a subclass of it whose `name` attributes return the gathered parameters; with
+    `fsdp_module` (a module `shard` was called on) the subclass also derives from `FSDPModule`."""
     cls = type(module)
     base = cls.__bases__[0] if getattr(cls, "_fsdp2_generated", False) else cls
     existing = dict(getattr(cls, "_fsdp2_infos", {}))
@@ -258,15 +325,25 @@ def _install_properties(module: nn.Module, infos: dict[str, ParamInfo]) -> None:
 
     namespace = {name: make(name, info) for name, info in existing.items()}
     namespace.update(_fsdp2_generated=True, _fsdp2_infos=existing, __module__=base.__module__)
-    module.__class__ = type(f"Sharded{base.__name__}", (base, ShardedModule), namespace)
+    bases = (base, FSDPModule) if fsdp_module or isinstance(module, FSDPModule) else (base,)
+    module.__class__ = type(f"Sharded{base.__name__}", bases, namespace)
 
 
-def _group_path(root: nn.Module, mod_name: str) -> str:
-    """Path (from `root`) of the nearest module at or above `mod_name` that `shard` was called on; "" = root."""
+def _state(module: nn.Module) -> ShardState:
+    return getattr(module, _STATE_ATTR)
+
+
+def _group_path(root: nn.Module, mod_name: str, paths: dict[int, str]) -> str:
+    """The bucket of a parameter of `root.get_submodule(mod_name)`: the path of the nearest module at or above it
+    that `shard` was called on ("" = root); for a list of modules sharded together, the path of the first
+    (`paths`: id(module) -> path under `root`)."""
     parts = mod_name.split(".") if mod_name else []
     for end in range(len(parts), 0, -1):
-        if is_sharded(root.get_submodule(".".join(parts[:end]))):
-            return ".".join(parts[:end])
+        path = ".".join(parts[:end])
+        mod = root.get_submodule(path)
+        if is_sharded(mod):
+            leader = _state(mod).members[0]()
+            return paths.get(id(leader), path)
     return ""
 
 
@@ -292,74 +369,191 @@ def _register_mp_hooks(module: nn.Module, mp: MixedPrecisionPolicy) -> None:
 
 
 def shard(
-    module: nn.Module,
+    module: nn.Module | list[nn.Module],
     mesh: DeviceMesh | None = None,
     *,
     reshard_after_forward: bool = True,
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     ignored_params: Iterable[nn.Parameter] | None = None,
-) -> nn.Module:
+) -> nn.Module | list[nn.Module]:
     """Shard `module`'s parameters on dim 0 over `mesh`, in place, like FSDP2's `fully_shard`.
 
     Call it on each block first and on the root last: parameters already taken over by an earlier call stay in
-    that call's group. Like `fully_shard`, it is collective: every rank of the mesh must call it (the first call
-    on a process group measures the link and compute speed for the scheduler, agreed across ranks). `mesh=None` means a 1-D mesh over the default process group. Parameters in
-    `ignored_params` are left as they are (not sharded, not gathered, their gradients not reduced).
+    that call's group. A list of modules (e.g. `[model.norm, model.output]`) is one group: one all-gather and one
+    reduce-scatter for all of them. Like `fully_shard`, it is collective: every rank of the mesh must call it (the
+    first call on a process group measures the link and compute speed for the scheduler, agreed across ranks).
+    `mesh=None` means a 1-D mesh over the default process group. Parameters in `ignored_params` are left as they
+    are (not sharded, not gathered, their gradients not reduced). Every module given becomes an `FSDPModule`.
     Returns `module`.
     """
-    if is_sharded(module):
-        raise ValueError(
-            f"module {type(module).__name__} is already sharded by fsdp2_compile.shard; call shard once per module"
-        )
-    if not isinstance(mp_policy, MixedPrecisionPolicy):
-        raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
+    members = _check_modules(module)
+    _check_options(reshard_after_forward, mp_policy)
     mesh = _default_mesh(mesh)
+    ignored = _check_ignored(ignored_params)
     world_size, group_name, replicate_size, replicate_group_name = _mesh_groups(mesh)
     if world_size > 1 and torch.distributed.get_backend(mesh.get_group(mesh.ndim - 1)) != "fake":
         # for the scheduler's cost model; measured once per process group
         measure_profile(group_name, world_size, mesh.device_type)
-    ignored = {id(p) for p in (ignored_params or ())}
-    for p in ignored_params or ():
+    for p in ignored.values():
         setattr(p, _IGNORED_ATTR, True)
+    _install_optimizer_check()
 
-    param_fqns: list[str] = []
-    for mod_name, mod in module.named_modules(remove_duplicate=False):
-        new_infos: dict[str, ParamInfo] = {}
-        for pname, param in list(mod._parameters.items()):
-            fqn = f"{mod_name}.{pname}" if mod_name else pname
-            if param is None or id(param) in ignored:
-                continue
-            known = _infos(mod).get(pname)
-            if known is not None and isinstance(param, DTensor):  # taken over by an earlier call: rename only
-                known.fqn, known.bucket = fqn, _group_path(module, mod_name)
-                continue
-            if param in _REPLACED:  # tied to a parameter sharded by an earlier call under another module
-                sharded, info = _REPLACED[param]
-            else:
-                _check_param(fqn, param, mesh)
-                sharded = _shard_param(param, mesh)
-                info = ParamInfo(
-                    fqn=fqn,
-                    bucket=_group_path(module, mod_name),
-                    dim0=param.shape[0],
-                    world_size=world_size,
-                    group_name=group_name,
-                    param_dtype=mp_policy.param_dtype if mp_policy.param_dtype != param.dtype else None,
-                    reduce_dtype=mp_policy.reduce_dtype or mp_policy.param_dtype or param.dtype,
-                    reshard_after_forward=reshard_after_forward,
-                    replicate_size=replicate_size,
-                    replicate_group_name=replicate_group_name,
-                )
-                _REPLACED[param] = (sharded, info)
-                param_fqns.append(fqn)
-            mod._parameters[pname] = sharded
-            new_infos[pname] = info
-        if new_infos:
-            _install_properties(mod, new_infos)
+    taken: list[ParamInfo] = []
+    for member in members:
+        _warn_on_mixed_param_dtypes(member, mp_policy)
+        paths = {id(m): name for name, m in member.named_modules(remove_duplicate=False)}
+        for mod_name, mod in member.named_modules(remove_duplicate=False):
+            new_infos: dict[str, ParamInfo] = {}
+            for pname, param in list(mod._parameters.items()):
+                fqn = f"{mod_name}.{pname}" if mod_name else pname
+                if param is None or id(param) in ignored:
+                    continue
+                known = _infos(mod).get(pname)
+                if known is not None and isinstance(param, DTensor):  # taken over by an earlier call: rename only
+                    known.fqn, known.bucket = fqn, _group_path(member, mod_name, paths)
+                    continue
+                if param in _REPLACED:  # tied to a parameter sharded by an earlier call under another module
+                    sharded, info = _REPLACED[param]
+                else:
+                    _check_param(fqn, param, mesh)
+                    sharded = _shard_param(param, mesh)
+                    info = ParamInfo(
+                        fqn=fqn,
+                        bucket=_group_path(member, mod_name, paths),
+                        dim0=param.shape[0],
+                        world_size=world_size,
+                        group_name=group_name,
+                        param_dtype=mp_policy.param_dtype if mp_policy.param_dtype != param.dtype else None,
+                        reduce_dtype=mp_policy.reduce_dtype or mp_policy.param_dtype or param.dtype,
+                        reshard_after_forward=reshard_after_forward,
+                        replicate_size=replicate_size,
+                        replicate_group_name=replicate_group_name,
+                    )
+                    _REPLACED[param] = (sharded, info)
+                    taken.append(info)
+                mod._parameters[pname] = sharded
+                new_infos[pname] = info
+            if new_infos:
+                _install_properties(mod, new_infos)
+        _cast_buffers(member, mp_policy.buffer_dtype)
 
-    _install_properties(module, {})  # the module gets ShardedModule's methods even without parameters of its own
-    _register_mp_hooks(module, mp_policy)
-    if reshard_after_forward:
-        register_reshard_hooks(module)
-    object.__setattr__(module, _STATE_ATTR, ShardState(tuple(param_fqns)))
+    state = ShardState(tuple(taken), tuple(weakref.ref(m) for m in members), mp_policy)
+    for member in members:
+        _install_properties(member, {}, fsdp_module=True)
+        _register_mp_hooks(member, mp_policy)
+        register_reshard_hooks(member)  # acts only on parameters gathered with reshard_after_forward on
+        object.__setattr__(member, _STATE_ATTR, state)
     return module
+
+
+def _check_modules(module: object) -> list[nn.Module]:
+    """The modules of one `shard` call: a module, or a non-empty list / tuple of distinct modules, none sharded."""
+    members = list(module) if isinstance(module, (list, tuple)) else [module]
+    if not members:
+        raise ValueError("fsdp2_compile.shard got an empty list of modules; pass a module or a list of modules")
+    for i, m in enumerate(members):
+        where = f"[{i}] " if isinstance(module, (list, tuple)) else ""
+        if not isinstance(m, nn.Module):
+            raise TypeError(f"fsdp2_compile.shard: module {where}is a {type(m).__name__}, not an nn.Module")
+        if is_sharded(m):
+            raise ValueError(
+                f"module {where}{type(m).__name__} is already sharded by fsdp2_compile.shard; call shard once per module"
+            )
+    if len({id(m) for m in members}) != len(members):
+        raise ValueError("fsdp2_compile.shard got the same module twice in its list; list each module once")
+    return members
+
+
+def _check_options(reshard_after_forward: object, mp_policy: object) -> None:
+    if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
+        raise NotImplementedError(
+            f"shard(reshard_after_forward={reshard_after_forward}): FSDP2's int form (reshard to a smaller group "
+            "after forward) is not supported by fsdp2_compile; use True (gather again in backward) or False (keep "
+            "the gathered parameters from forward to backward)"
+        )
+    if not isinstance(reshard_after_forward, bool):
+        raise TypeError(f"shard(reshard_after_forward={reshard_after_forward!r}): use True or False")
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(
+            f"shard(mp_policy=...) must be a fsdp2_compile.MixedPrecisionPolicy, got {type(mp_policy).__name__}"
+        )
+
+
+def _check_ignored(ignored_params: Iterable[nn.Parameter] | None) -> dict[int, nn.Parameter]:
+    if ignored_params is None:
+        return {}
+    if isinstance(ignored_params, (torch.Tensor, nn.Module)):
+        raise TypeError(
+            f"shard(ignored_params=...) got a single {type(ignored_params).__name__}; pass a set of parameters, "
+            "e.g. set(module.parameters())"
+        )
+    params = list(ignored_params)
+    for i, p in enumerate(params):
+        if not isinstance(p, nn.Parameter):
+            hint = "; pass its parameters: set(module.parameters())" if isinstance(p, nn.Module) else ""
+            raise TypeError(f"shard(ignored_params=...): item {i} is a {type(p).__name__}, not an nn.Parameter{hint}")
+    return {id(p): p for p in params}
+
+
+def _warn_on_mixed_param_dtypes(module: nn.Module, mp: MixedPrecisionPolicy) -> None:
+    """Groups sharded earlier under `module` with another param_dtype hand each other activations of different
+    dtypes (FSDP2 behaves the same); the usual cause is an mp_policy passed to the root's call only."""
+    others = sorted(
+        name for name, m in module.named_modules()
+        if name and is_sharded(m) and _state(m).mp_policy.param_dtype != mp.param_dtype
+    )
+    if others:
+        theirs = _state(module.get_submodule(others[0])).mp_policy.param_dtype
+        warnings.warn(
+            f"fsdp2_compile.shard: {type(module).__name__} is sharded with param_dtype={mp.param_dtype} but "
+            f"{', '.join(others[:4])}{' ...' if len(others) > 4 else ''} were sharded with param_dtype={theirs}: their "
+            "activations will meet in different dtypes. Pass the same mp_policy to every shard call "
+            "(blocks and root), as with fully_shard",
+            stacklevel=3,
+        )
+
+
+def _cast_buffers(module: nn.Module, dtype: torch.dtype | None) -> None:
+    """`MixedPrecisionPolicy.buffer_dtype`: floating buffers of `module` outside groups sharded earlier, in place."""
+    if dtype is None:
+        return
+    for name, mod in module.named_modules():
+        if name and any(is_sharded(a) for a in _ancestors(module, name)):
+            continue
+        for bname, buf in mod._buffers.items():
+            if buf is not None and buf.is_floating_point():
+                mod._buffers[bname] = buf.to(dtype)
+
+
+def _ancestors(root: nn.Module, name: str) -> list[nn.Module]:
+    """The modules on the path from `root` (excluded) down to `root.get_submodule(name)` (included)."""
+    parts = name.split(".")
+    return [root.get_submodule(".".join(parts[:end])) for end in range(1, len(parts) + 1)]
+
+
+_CHECKED_OPTIMIZERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""Optimizer -> number of param groups already checked by `_check_optimizer`."""
+_OPTIMIZER_HOOK: list = []
+
+
+def _install_optimizer_check() -> None:
+    """Once per process: before an optimizer's first step (and after param groups are added), refuse one that
+    holds parameters `shard` replaced: it would update tensors the sharded model no longer uses."""
+    if not _OPTIMIZER_HOOK:
+        _OPTIMIZER_HOOK.append(register_optimizer_step_pre_hook(_check_optimizer))
+
+
+def _check_optimizer(optimizer: torch.optim.Optimizer, _args, _kwargs) -> None:
+    groups = len(optimizer.param_groups)
+    if _CHECKED_OPTIMIZERS.get(optimizer) == groups:
+        return
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p in _REPLACED:
+                raise RuntimeError(
+                    f"{type(optimizer).__name__} holds parameter '{_REPLACED[p][1].fqn}' as it was before "
+                    "fsdp2_compile.shard replaced it with a sharded DTensor parameter, so it would train nothing. "
+                    "Build the optimizer after shard / shard_compile, e.g. "
+                    f"torch.optim.{type(optimizer).__name__}(model.parameters(), ...)"
+                )
+    _CHECKED_OPTIMIZERS[optimizer] = groups

@@ -1,0 +1,256 @@
+"""What a `fully_shard` user gets wrong, and what they are told: each case asserts the message names the module,
+parameter or argument and the fix. Validation happens in `shard()`, `shard_compile()`, `CompileConfig` and
+`MixedPrecisionPolicy`, before any compilation (CLI argument errors: tests/test_cli.py)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import fsdp2_compile as fc
+from fsdp2_compile.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from fsdp2_compile.shard import managed_params
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(2))
+        self.norm = nn.LayerNorm(8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def raises(exc, *patterns: str):
+    """pytest.raises whose message must contain every pattern (plain substrings)."""
+
+    class Check:
+        def __enter__(self):
+            self.ctx = pytest.raises(exc)
+            self.info = self.ctx.__enter__()
+            return self.info
+
+        def __exit__(self, *exc_info):
+            suppressed = self.ctx.__exit__(*exc_info)
+            message = str(self.info.value)
+            for p in patterns:
+                assert p in message, f"{p!r} not in {message!r}"
+            return suppressed
+
+    return Check()
+
+
+# ------------------------------------------------------------------------------------ silently wrong before
+
+
+def test_optimizer_built_before_shard_is_refused_at_its_first_step(fake_pg):
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters())
+    fc.shard(model)
+    with raises(RuntimeError, "AdamW holds parameter 'blocks.0.0.weight'", "Build the optimizer after shard"):
+        opt.step()
+    torch.optim.AdamW(model.parameters()).step()  # the right order steps without a word
+
+
+def test_hsdp_mesh_with_dims_named_shard_then_replicate(fake_pg):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("shard", "replicate"))
+    with raises(ValueError, "('shard', 'replicate')", 'mesh_dim_names=("replicate", "shard")'):
+        fc.shard(Net(), mesh)
+
+
+@pytest.mark.parametrize("value, exc, text", [
+    (2, NotImplementedError, "int form (reshard to a smaller group"),
+    ("no", TypeError, "reshard_after_forward='no'"),
+])
+def test_reshard_after_forward_must_be_a_bool(fake_pg, value, exc, text):
+    with raises(exc, text, "True"):
+        fc.shard(Net(), reshard_after_forward=value)
+
+
+def test_ignored_params_must_be_parameters(fake_pg):
+    model = Net()
+    with raises(TypeError, "item 0 is a LayerNorm", "set(module.parameters())"):
+        fc.shard(model, ignored_params=[model.norm])
+    with raises(TypeError, "got a single Parameter"):
+        fc.shard(model, ignored_params=model.head.weight)
+    assert not fc.is_sharded(model)  # nothing half-done
+
+
+def test_setters_take_bools_only(fake_pg):
+    model = fc.shard(Net())
+    with raises(TypeError, "set_requires_gradient_sync(requires_gradient_sync='no')", "True or False"):
+        model.set_requires_gradient_sync("no")
+    with raises(TypeError, "set_reshard_after_forward(reshard_after_forward=1)"):
+        model.set_reshard_after_forward(1)
+    with raises(NotImplementedError, "set_reshard_after_backward(False)", "set_requires_gradient_sync(False)"):
+        model.set_reshard_after_backward(False)
+
+
+def test_mp_policy_on_the_root_only_warns_naming_the_blocks(fake_pg):
+    model = Net()
+    for block in model.blocks:
+        fc.shard(block)
+    with pytest.warns(UserWarning, match=r"blocks\.0, blocks\.1 were sharded with param_dtype=None.*every shard call"):
+        fc.shard(model, mp_policy=fc.MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+
+
+# ------------------------------------------------------------------------------------ unclear before
+
+
+def test_a_list_of_modules_is_one_group(fake_pg):
+    model = Net()
+    for block in model.blocks:
+        fc.shard(block)
+    group = [model.norm, model.head]
+    assert fc.shard(group) is group
+    fc.shard(model)
+    assert isinstance(model.norm, fc.FSDPModule) and isinstance(model.head, fc.FSDPModule)
+    buckets = {name: info.bucket for name, _, info in managed_params(model)}
+    assert buckets["norm.weight"] == buckets["head.weight"] == buckets["head.bias"] == "norm"
+    assert buckets["blocks.1.0.weight"] == "blocks.1"
+    assert not isinstance(model.blocks[0][0], fc.FSDPModule)  # a Linear inside a block is not a group itself
+    with raises(ValueError, "empty list"):
+        fc.shard([])
+    with raises(TypeError, "module [1] is a str"):
+        fc.shard([nn.Linear(2, 2), "head"])
+
+
+def test_a_process_group_is_not_a_mesh(fake_pg):
+    with raises(TypeError, "mesh must be a DeviceMesh or None, got", "DeviceMesh.from_group(group, device_type)"):
+        fc.shard(Net(), dist.group.WORLD)
+
+
+def test_not_a_module(fake_pg):
+    with raises(TypeError, "module is a str, not an nn.Module"):
+        fc.shard("model")
+
+
+def test_shard_twice(fake_pg):
+    model = fc.shard(Net())
+    with raises(ValueError, "already sharded", "call shard once per module"):
+        fc.shard(model)
+
+
+def test_three_d_mesh_must_be_sliced(fake_pg):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("pp", "replicate", "shard"))
+    with raises(ValueError, "3-D mesh", "mesh['dp']"):
+        fc.shard(Net(), mesh)
+
+
+def test_mp_policy_must_be_a_policy(fake_pg):
+    with raises(TypeError, "MixedPrecisionPolicy, got dict"):
+        fc.shard(Net(), mp_policy={"param_dtype": torch.bfloat16})
+    with raises(ValueError, "param_dtype='bf16' is not a floating-point dtype"):
+        fc.MixedPrecisionPolicy(param_dtype="bf16")
+    with raises(TypeError, "cast_forward_inputs='yes'"):
+        fc.MixedPrecisionPolicy(cast_forward_inputs="yes")
+
+
+@pytest.mark.parametrize("kwargs, text", [
+    (dict(prefetch_depth=1.5), "prefetch_depth=1.5: use a whole number"),
+    (dict(prefetch_depth=-1), "prefetch_depth=-1"),
+    (dict(memory_budget_bytes=-100), "memory_budget_bytes=-100: use a positive number of bytes"),
+    (dict(memory_budget_bytes=0), "memory_budget_bytes=0"),
+    (dict(buckets=True), "buckets=True"),
+    (dict(buckets=0), "buckets=0"),
+    (dict(compiler="xla"), "compiler='xla' is not one of"),
+    (dict(prefetch="no"), "prefetch='no': use True or False"),
+])
+def test_compile_config_fields(kwargs, text):
+    with pytest.raises((ValueError, TypeError)) as info:
+        fc.CompileConfig(**kwargs)
+    assert text in str(info.value)
+
+
+def test_compile_config_must_be_a_compile_config(fake_pg):
+    model = Net()
+    with raises(TypeError, "compile_config=...) must be a fsdp2_compile.CompileConfig, got dict"):
+        fc.shard_compile(model, compile_config={"prefetch_depth": 1})
+    assert not fc.is_sharded(model)  # refused before anything was sharded
+
+
+def test_bucket_names_must_name_submodules(fake_pg):
+    model = Net()
+    with raises(ValueError, "['no_such_module']", "not a submodule of Net", "blocks.0"):
+        fc.shard_compile(model, compile_config=fc.CompileConfig(buckets=("blocks.0", "no_such_module")))
+
+
+def test_meta_parameters_without_to_empty(fake_pg):
+    with torch.device("meta"):
+        model = Net()
+    fc.shard_compile(model)
+    with raises(RuntimeError, "parameter 'blocks.0.0.weight' of ShardedNet is on the meta device", "to_empty"):
+        model(torch.randn(2, 8))
+
+
+def test_input_on_another_device(fake_pg):
+    model = fc.shard_compile(Net())
+    with raises(ValueError, "input args[0] (shape (2, 8), torch.float32) is on device 'meta'", "args[0].to('cpu')"):
+        model(torch.empty(2, 8, device="meta"))
+
+
+def test_parameter_replaced_after_shard(fake_pg):
+    model = fc.shard(Net())
+    model.head.weight = nn.Parameter(torch.zeros(3, 8))
+    with raises(TypeError, "parameter 'head.weight' was replaced by a Parameter after shard()"):
+        model(torch.randn(2, 8))
+
+
+def test_zero_dim_parameter(fake_pg):
+    model = Net()
+    model.scale = nn.Parameter(torch.tensor(1.0))
+    with raises(ValueError, "parameter 'scale' is 0-dimensional", "ignored_params"):
+        fc.shard(model)
+
+
+def test_checkpoint_of_an_empty_folder(tmp_path):
+    with raises(FileNotFoundError, str(tmp_path)):
+        load_checkpoint(str(tmp_path), Net())
+
+
+def test_checkpoint_to_an_unwritable_path(tmp_path):
+    if os.geteuid() == 0:
+        blocked = tmp_path / "file"
+        blocked.write_text("a file where the folder should be")
+        path = str(blocked / "ckpt")
+    else:
+        path = str(tmp_path / "ro" / "ckpt")
+        os.makedirs(os.path.dirname(path))
+        os.chmod(os.path.dirname(path), 0o500)
+    with pytest.raises(CheckpointError) as info:
+        save_checkpoint(path, Net())
+    assert "ckpt" in str(info.value) and isinstance(info.value, Exception)
+
+
+def test_the_readme_use_block_runs_as_written(tmp_path):
+    """The first Python block under "## Use" in README.md, copied to a file and run on 2 ranks as it says."""
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    block = re.search(r"^## Use\n\n```python\n(.*?)^```", readme, re.S | re.M).group(1)
+    assert "torchrun --nproc-per-node 2 use.py" in block
+    (tmp_path / "use.py").write_text(block)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(tmp_path / "use.py")],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for rank in (0, 1):
+        losses = [float(v) for v in re.findall(rf"rank {rank} step \d loss ([\d.]+)", proc.stdout)]
+        assert len(losses) == 5 and losses[-1] < losses[0], proc.stdout
