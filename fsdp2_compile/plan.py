@@ -1,4 +1,4 @@
-"""The planner: per-rank memory, bytes on the wire and simulated step time of a model sharded over N ranks,
+"""The planner: per-rank memory, bytes on the wire, step time, tokens/s and MFU of a model sharded over N ranks,
 without the memory or the ranks (the model on the meta device, one process, the fake process group).
 
 Method:
@@ -6,19 +6,18 @@ Method:
   the largest shard, ceil(dim0 / S) rows, S = N the shard size; HSDP with R replicas: S = N / R, mesh R x S);
   gradients are sharded like the parameters, in their dtype; AdamW keeps two fp32 states per element of the shard.
   Compared with the analytical numel x bytes / S.
-- gathered working set: the root bucket (its parameters are used at both ends of the step) plus the two largest
-  other buckets (the one in use and the one prefetched), full padded size in the parameter (communication) dtype.
-- collectives, activations and time: the real pipeline compiles a reduced copy of the model (1 and 2 layers, same
-  widths, when the factory takes `layers=`), runs its forward and backward on meta tensors, and the final graphs
-  are simulated with each cost-model profile; per-layer figures (2 layers minus 1 layer) are scaled to the full
-  layer count. Activations: the bytes the forward graph leaves alive for the backward (its non-input outputs).
-  Bytes sent per rank: a ring over a collective's own group of G ranks sends (G-1)/G of an all-gather's or a
-  reduce-scatter's full buffer and 2(G-1)/G of an all-reduce's (HSDP: G = R for the all-reduces).
+- reduced copies (`planner_reduce`): the factory's `layers=` 1 and 2, or else the model's block list cut to 1 and 2
+  blocks; per-block figures (2 blocks minus 1) are scaled to the full block count.
+- collectives: the real pipeline compiles each copy and the final graphs' collectives give the bytes sent. A ring
+  over a collective's group of G ranks sends (G-1)/G of an all-gather's or reduce-scatter's full buffer and
+  2(G-1)/G of an all-reduce's (HSDP: G = R for the all-reduces).
+- activations and compute: one step of each copy played op by op on the meta device (`planner_trace`), with the
+  attention (`planner_attention`) and activation checkpointing (`planner_ac`) asked for; time, schedule and the
+  allocator's peak from `planner_step`, device figures from `planner_profiles`.
 """
 
 from __future__ import annotations
 
-import inspect
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,9 +27,14 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from .cost_model import PROFILES, simulate
+from .cost_model import PROFILES
 from .ir import CollectiveArgs, Role, nbytes
-from .report import clear_compiled_graphs, collective, compiled_graphs, saved_bytes
+from .planner_ac import has_checkpointing, unwrap_checkpointing
+from .planner_profiles import device_for
+from .planner_reduce import block_list, reduced_copy, scale
+from .planner_step import StepComm, memory_peak, optimizer_time, phase_times, schedule
+from .planner_trace import trace_step
+from .report import clear_compiled_graphs, collective, compiled_graphs
 from .shard import default_device_type
 
 __all__ = [
@@ -42,6 +46,8 @@ __all__ = [
     "make_plan",
     "shard_blocks",
     "shard_for_plan",
+    "size_text",
+    "tokens_of",
     "sharded_bytes",
     "wire_bytes",
 ]
@@ -68,6 +74,14 @@ class Plan:
     buckets: dict[str, int] = field(default_factory=dict)
     replicate: int = 1
     """HSDP: replicas (the mesh is replicate x shard_size); 1 = plain FSDP over all ranks."""
+    tokens_per_s_per_rank: dict[str, float] = field(default_factory=dict)
+    mfu: dict[str, float] = field(default_factory=dict)
+    """Model FLOPs (3 x the forward's, recomputation not counted) / step time / the device's peak FLOP/s."""
+    peak_reserved_bytes: dict[str, int] = field(default_factory=dict)
+    """Per profile: the allocated peak x the allocator factor + the runtime's memory (what the device reports)."""
+    compute_s: dict[str, dict[str, float]] = field(default_factory=dict)
+    """Per profile: forward, backward (recomputation included) and optimizer seconds."""
+    assumptions: dict[str, object] = field(default_factory=dict)
 
     @property
     def shard_size(self) -> int:
@@ -87,8 +101,15 @@ class Plan:
             "collective_buffer_bytes": self.collective_buffer_bytes,
             "step_time_s": self.step_time_s,
             "exposed_comm_s": self.exposed_comm_s,
+            "tokens_per_s_per_rank": self.tokens_per_s_per_rank,
+            "mfu": self.mfu,
+            "peak_reserved_bytes": self.peak_reserved_bytes,
+            "compute_s": self.compute_s,
+            "assumptions": self.assumptions,
             "profiles": {n: {"alpha_s": p.alpha_s, "beta_s_per_byte": p.beta_s_per_byte, "flops_per_s": p.flops_per_s,
-                             "mem_bytes_per_s": p.mem_bytes_per_s, "source": p.source}
+                             "mem_bytes_per_s": p.mem_bytes_per_s, "source": p.source,
+                             "device": {**{k: v for k, v in device_for(n).__dict__.items() if k != "sources"},
+                                        "sources": device_for(n).sources}}
                          for n, p in PROFILES.items() if n in self.step_time_s},
             "method": self.method,
         }
@@ -102,15 +123,6 @@ def hsdp_mesh(world_size: int, replicate: int):
     if replicate < 1 or world_size % replicate:
         raise ValueError(f"world size {world_size} is not a multiple of {replicate} replicas")
     return init_device_mesh(default_device_type(), (replicate, world_size // replicate), mesh_dim_names=("replicate", "shard"))
-
-
-def block_list(model: nn.Module) -> tuple[str, nn.ModuleList | None]:
-    """The longest `nn.ModuleList` of the model (its repeated blocks) and its path."""
-    best = ("", None)
-    for name, module in model.named_modules():
-        if isinstance(module, nn.ModuleList) and (best[1] is None or len(module) > len(best[1])):
-            best = (name, module)
-    return best
 
 
 def shard_blocks(model: nn.Module, mesh=None, **shard_kwargs) -> None:
@@ -160,16 +172,15 @@ def sharded_bytes(model: nn.Module) -> dict[str, int]:
     }
 
 
-def _bucket_bytes(model: nn.Module, param_dtype: torch.dtype | None) -> dict[str, int]:
-    """Full padded bytes each bucket (`shard` call) gathers."""
+def _bucket_numel(model: nn.Module) -> dict[str, int]:
+    """Full padded elements each bucket (`shard` call) gathers, in bucket order (blocks, then the root)."""
     from .ops import padded_rows
     from .shard import managed_params
 
     buckets: dict[str, int] = {}
     for _, p, info in managed_params(model):
         rows = padded_rows(p.shape[0], info.world_size) * info.world_size
-        itemsize = torch.empty((), dtype=param_dtype or p.dtype).element_size()
-        buckets[info.bucket] = buckets.get(info.bucket, 0) + rows * math.prod(p.shape[1:]) * itemsize
+        buckets[info.bucket] = buckets.get(info.bucket, 0) + rows * math.prod(p.shape[1:])
     return buckets
 
 
@@ -177,9 +188,32 @@ def _bucket_bytes(model: nn.Module, param_dtype: torch.dtype | None) -> dict[str
 class _GraphFigures:
     comm_wire: float
     buffers: dict[str, int]
-    activations: int
-    time: dict[str, float]
-    exposed: dict[str, float]
+
+
+def _compile_and_measure(model, args, loss_fn, mesh, compile_kwargs) -> _GraphFigures:
+    """Bytes on the wire and collective buffers of the pipeline's final forward and backward graphs."""
+    from .backend import make_backend
+    from .shard import shard
+
+    unwrap_checkpointing(model)  # checkpointing changes no collective
+    shard_for_plan(model, mesh=mesh, reshard_after_forward=compile_kwargs["reshard_after_forward"],
+                   mp_policy=compile_kwargs["mp_policy"])
+    clear_compiled_graphs()
+    torch._dynamo.reset()  # the copies are throwaway; without it a process that plans often hits recompile_limit
+    # torch.compile on the sharded meta model directly: shard_compile's call wrapper refuses meta parameters
+    # (a user's forward must not run on them), and the planner only needs the graphs
+    compiled = torch.compile(model, backend=make_backend(compile_kwargs["compile_config"]))
+    loss_fn(compiled(*args)).backward()
+    records = [r for r in compiled_graphs() if r.kind in ("forward", "backward")]
+    buffers: dict[str, int] = {}
+    wire = 0.0
+    for r in records:
+        graph_wire, graph_buffers = wire_bytes(r.gm)
+        wire += graph_wire
+        for kind, nbytes in graph_buffers.items():
+            buffers[kind] = buffers.get(kind, 0) + nbytes
+    clear_compiled_graphs()
+    return _GraphFigures(comm_wire=wire, buffers=buffers)
 
 
 def wire_bytes(gm) -> tuple[float, dict[str, int]]:
@@ -199,37 +233,18 @@ def wire_bytes(gm) -> tuple[float, dict[str, int]]:
     return wire, buffers
 
 
-def _compile_and_measure(model, args, loss_fn, mesh, compile_kwargs, profiles) -> _GraphFigures:
-    from .api import shard_compile
-
-    shard_blocks(model, mesh, reshard_after_forward=compile_kwargs["reshard_after_forward"],
-                 mp_policy=compile_kwargs["mp_policy"])
-    clear_compiled_graphs()
-    shard_compile(model, mesh, **compile_kwargs)
-    loss_fn(model(*args)).backward()
-    records = [r for r in compiled_graphs() if r.kind in ("forward", "backward")]
-    buffers: dict[str, int] = {}
-    wire = 0.0
-    for r in records:
-        graph_wire, graph_buffers = wire_bytes(r.gm)
-        wire += graph_wire
-        for kind, nbytes in graph_buffers.items():
-            buffers[kind] = buffers.get(kind, 0) + nbytes
-    forward = [r for r in records if r.kind == "forward"]
-    timelines = {name: [simulate(r.gm, PROFILES[name]) for r in records] for name in profiles}
-    clear_compiled_graphs()
-    return _GraphFigures(
-        comm_wire=wire,
-        buffers=buffers,
-        activations=sum(saved_bytes(r.gm) for r in forward),
-        time={n: sum(t.total_s for t in tls) for n, tls in timelines.items()},
-        exposed={n: sum(t.exposed_comm_s for t in tls) for n, tls in timelines.items()},
-    )
+def tokens_of(args: tuple) -> int:
+    """Tokens one rank processes per step: the elements of the first integer tensor input (token ids), else the
+    rows of the first tensor input (all dims but the last)."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    for t in tensors:
+        if not t.is_floating_point():
+            return t.numel()
+    return math.prod(tensors[0].shape[:-1]) if tensors else 1
 
 
-def _scale(one: float, two: float, layers: int) -> float:
-    """Linear in the layer count through the 1- and 2-layer figures."""
-    return two + (layers - 2) * (two - one)
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
 
 
 def make_plan(
@@ -242,10 +257,17 @@ def make_plan(
     mp_policy=None,
     reshard_after_forward: bool = True,
     progress: Callable[[str], object] | None = None,
+    attention: str = "fused",
+    ac: str = "none",
+    compiler: str = "aot_eager",
+    prefetch: int | None = None,
 ) -> Plan:
     """Plan `factory`'s model at `world_size` ranks; `replicate` > 1: HSDP on a `replicate x world_size/replicate`
     mesh (`hsdp_mesh`). Needs the default process group of `world_size` ranks (the fake one);
-    `call(factory, **kwargs)` builds `(model, args, loss_fn)` (the CLI's checked call)."""
+    `call(factory, **kwargs)` builds `(model, args, loss_fn)` (the CLI's checked call). `attention`: "fused" or
+    "math"; `ac`: "none", "full" or "selective" (a model the factory already checkpointed is planned as given);
+    `compiler`: "aot_eager" (eager kernels) or "inductor" (fused elementwise); `prefetch`: blocks gathered ahead
+    (default: CompileConfig's prefetch_depth)."""
     from .config import CompileConfig, MixedPrecisionPolicy
 
     mp_policy = mp_policy or MixedPrecisionPolicy()
@@ -253,18 +275,25 @@ def make_plan(
     step = progress or (lambda msg: None)
     mesh = hsdp_mesh(world_size, replicate)
     shard_size = world_size // replicate
+    prefetch = CompileConfig().prefetch_depth if prefetch is None else prefetch
 
     step("building the full model")
-    model, _, _ = call(factory)
+    model, full_args, _ = call(factory)
     path, blocks = block_list(model)
     layers = len(blocks) if blocks is not None else 0
+    given_ac = has_checkpointing(model)
+    ac_used = "as given" if given_ac else ac
     analytical = analytical_bytes(model, shard_size)
     n_params = sum(p.numel() for p in _unique_params(model))
+    param_dtype = mp_policy.param_dtype or next((p.dtype for p in model.parameters() if p.is_floating_point()),
+                                                torch.float32)
+    reduce_dtype = mp_policy.reduce_dtype or param_dtype
     where = f"{world_size} ranks" if mesh is None else f"a {replicate} x {shard_size} mesh (replicate x shard)"
     step(f"sharding the full model over {where}")
     shard_for_plan(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
     measured = sharded_bytes(model)
-    buckets = _bucket_bytes(model, mp_policy.param_dtype)
+    numel = _bucket_numel(model)
+    buckets = {b: n * _itemsize(param_dtype) for b, n in numel.items()}
     root = buckets.get("", 0)
     others = sorted((b for name, b in buckets.items() if name), reverse=True)
     gathered_peak = root + sum(others[:2])
@@ -275,27 +304,80 @@ def make_plan(
         "mp_policy": mp_policy,
         "compile_config": CompileConfig(hardware=profiles[0], check_rank_consistency=False),
     }
-    takes_layers = "layers" in inspect.signature(factory).parameters
-    if takes_layers and layers > 2:
-        figures = []
-        for n in (1, 2):
-            step(f"compiling a {n}-layer copy (same widths) through the pipeline")
-            figures.append(_compile_and_measure(*call(factory, layers=n), mesh, compile_kwargs, profiles))
-        one, two = figures
-        comm = _scale(one.comm_wire, two.comm_wire, layers)
-        buffers = {k: int(_scale(one.buffers.get(k, 0), two.buffers[k], layers)) for k in two.buffers}
-        activations = _scale(one.activations, two.activations, layers)
-        time = {n: _scale(one.time[n], two.time[n], layers) for n in profiles}
-        exposed = {n: _scale(one.exposed[n], two.exposed[n], layers) for n in profiles}
-        method = (f"full model ({n_params:,} params, {layers} blocks in '{path}') sharded with shard() for the "
-                  "per-rank parameter / gradient / optimizer bytes; collectives, activations and time from the "
-                  f"pipeline's graphs of 1- and 2-block copies, scaled linearly to {layers} blocks")
-    else:
-        step("compiling the model through the pipeline")
-        f = _compile_and_measure(*call(factory), mesh, compile_kwargs, profiles)
-        comm, buffers, activations, time, exposed = f.comm_wire, f.buffers, f.activations, f.time, f.exposed
-        method = (f"full model ({n_params:,} params) sharded with shard() for the per-rank bytes; collectives, "
-                  "activations and time from the pipeline's graphs of the full model")
+    reduce = blocks is not None and layers > 2
+    counts = (1, 2) if reduce else (None,)
+    figures, traces, hows = [], [], []
+    for n in counts:
+        what = f"a {n}-block copy" if n else "the model"
+        step(f"compiling {what} through the pipeline")
+        model, args, loss_fn, how = reduced_copy(factory, n, call) if n else (*call(factory), "")
+        figures.append(_compile_and_measure(model, args, loss_fn, mesh, compile_kwargs))
+        step(f"playing one step of {what} on the meta device ({attention} attention, AC {ac_used})")
+        model, args, loss_fn, how = reduced_copy(factory, n, call) if n else (*call(factory), "")
+        traces.append(trace_step(model, args, loss_fn, attention=attention, ac=ac_used,
+                                 param_dtype=mp_policy.param_dtype))
+        hows.append(how)
+
+    def extrapolate(values: list[float]) -> float:
+        return scale(values[0], values[1], layers) if reduce else values[0]
+
+    comm = extrapolate([g.comm_wire for g in figures])
+    buffers = {k: int(extrapolate([g.buffers.get(k, 0) for g in figures])) for k in figures[-1].buffers}
+    fused = compiler == "inductor"
+    activations = extrapolate([t.saved_bytes(fused) for t in traces])
+    model_flops = 3 * extrapolate([t.forward_flops() for t in traces])
+
+    block_names = [b for b in numel if b]
+    grad_buffers = 2 * max((numel[b] for b in block_names), default=0) * (_itemsize(param_dtype)
+                                                                          + _itemsize(reduce_dtype))
+    static = measured["params"] + measured["optimizer"]
+    peak_alloc = extrapolate([memory_peak(
+        t, fused, static=static, grads=measured["grads"], gathered_forward=gathered_peak,
+        gathered_backward=gathered_peak, grad_buffers=grad_buffers) for t in traces])
+    optimizer_point = static + measured["grads"] + measured["optimizer"] // ADAMW_STATES
+    peak_alloc = int(max(peak_alloc, optimizer_point))
+
+    tokens = tokens_of(full_args)
+    time, exposed, tps, mfu, reserved, compute = {}, {}, {}, {}, {}, {}
+    for name in profiles:
+        prof, dev = PROFILES[name], device_for(name)
+        ph = [phase_times(t, dev, fused) for t in traces]
+        if reduce:
+            fw_block, bw_block = ph[1].forward - ph[0].forward, ph[1].backward - ph[0].backward
+            fw_rest, bw_rest = ph[0].forward - fw_block, ph[0].backward - bw_block
+        else:
+            fw_block = bw_block = 0.0
+            fw_rest, bw_rest = ph[0].forward, ph[0].backward
+
+        def coll(nbytes: float, group: int, factor: float = 1.0) -> float:
+            return prof.alpha_s + factor * (group - 1) / group * nbytes * prof.beta_s_per_byte if group > 1 else 0.0
+
+        def reduce_s(b: str) -> float:
+            t = coll(numel[b] * _itemsize(reduce_dtype), shard_size)
+            return t + coll(numel[b] // shard_size * _itemsize(reduce_dtype), replicate, 2.0)
+
+        n_blocks = layers if reduce else 0
+        per_block = [b for b in block_names][:n_blocks] if len(block_names) >= n_blocks else block_names
+        sc = StepComm(
+            root_gather_s=coll(buckets.get("", 0), shard_size) + sum(
+                coll(buckets[b], shard_size) for b in block_names[n_blocks:]),
+            root_reduce_s=(reduce_s("") if "" in numel else 0.0) + sum(reduce_s(b) for b in block_names[n_blocks:]),
+            gather_s=[coll(buckets[b], shard_size) for b in per_block],
+            reduce_s=[reduce_s(b) for b in per_block],
+        )
+        if not reduce:  # no block list to schedule: one forward and one backward beside all collectives
+            sc.gather_s, sc.reduce_s = [], []
+        run_s, exposed_s = schedule(fw_block, fw_rest, bw_block, bw_rest, sc, dev.comm_overlaps_compute,
+                                    prefetch=max(prefetch, 1), reshard=reshard_after_forward)
+        opt_s = optimizer_time(measured["params"], measured["grads"], measured["optimizer"], dev)
+        time[name] = run_s + opt_s
+        exposed[name] = exposed_s
+        tps[name] = tokens / time[name]
+        mfu[name] = model_flops / time[name] / dev.peak_flops
+        reserved[name] = int(peak_alloc * dev.allocator_factor + dev.runtime_bytes)
+        compute[name] = {"forward": fw_rest + layers * fw_block if reduce else fw_rest,
+                         "backward": bw_rest + layers * bw_block if reduce else bw_rest, "optimizer": opt_s}
+
     per_rank = {
         "params": measured["params"],
         "grads": measured["grads"],
@@ -304,15 +386,46 @@ def make_plan(
         "activations": int(activations),
     }
     per_rank["total"] = sum(per_rank.values())
+    per_rank["peak"] = peak_alloc
+    reduced = (f"1- and 2-block copies ({hows[0]}; {hows[1]}), scaled linearly to {layers} blocks" if reduce
+               else "the full model")
+    method = (f"full model ({n_params:,} params" + (f", {layers} blocks in '{path}'" if blocks is not None else "")
+              + ") sharded with shard() for the per-rank parameter / gradient / optimizer bytes; collectives from "
+              f"the pipeline's graphs of {reduced}; activations, compute and the peak from one step of the same "
+              f"copies played op by op on the meta device ({attention} attention, activation checkpointing "
+              f"{ac_used}, {compiler} kernels), scheduled with FSDP's prefetch of {prefetch} block(s)")
+    if given_ac and ac != "none":
+        method += f"; --ac {ac} ignored: the factory's model is already checkpointed"
     if mesh is not None:
         method += (f"; HSDP: parameters sharded over {shard_size} ranks, replicated {replicate} times, gradients "
                    f"reduce-scattered over {shard_size} ranks then all-reduced over {replicate}")
+    assumptions = {
+        "attention": attention,
+        "ac": ac_used,
+        "mp": {"param_dtype": str(param_dtype).removeprefix("torch."),
+               "reduce_dtype": str(reduce_dtype).removeprefix("torch.")},
+        "compiler": compiler,
+        "prefetch_blocks": prefetch,
+        "reshard_after_forward": reshard_after_forward,
+        "tokens_per_step_per_rank": tokens,
+        "model_flops_per_step_per_rank": model_flops,
+        "optimizer": "AdamW, fp32 states",
+        "reduction": reduced,
+    }
     return Plan(world_size, n_params, layers, per_rank, analytical, int(comm), buffers, time, exposed, method, buckets,
-                replicate)
+                replicate, tps, mfu, reserved, compute, assumptions)
 
 
-def _gib(n: float) -> str:
-    return f"{n / 2**30:10.3f} GiB"
+def size_text(n: float) -> str:
+    """Bytes in the unit that fits: B, KiB, MiB, GiB or TiB, three significant digits at least."""
+    for unit, scale_ in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale_:
+            return f"{n / scale_:.3f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _col(n: float) -> str:
+    return f"{size_text(n):>13}"
 
 
 def format_plan(plan, seconds: float, rss: int) -> str:
@@ -324,25 +437,44 @@ def format_plan(plan, seconds: float, rss: int) -> str:
     out = [header, "", "per-rank memory (rank 0, the largest shard)"]
     for key in ("params", "grads", "optimizer"):
         error = (pr[key] - an[key]) / an[key] * 100 if an[key] else 0.0
-        out.append(f"  {key:<14}{_gib(pr[key])}   analytical numel*bytes/{divisor} {_gib(an[key])}  ({error:+.3f}%)")
-    out.append(f"  {'gathered_peak':<14}{_gib(pr['gathered_peak'])}   root bucket + 2 largest block buckets")
-    out.append(f"  {'activations':<14}{_gib(pr['activations'])}   saved by forward for backward")
-    out.append(f"  {'total':<14}{_gib(pr['total'])}")
+        out.append(f"  {key:<14}{_col(pr[key])}   analytical numel*bytes/{divisor} {_col(an[key])}  ({error:+.3f}%)")
+    out.append(f"  {'gathered_peak':<14}{_col(pr['gathered_peak'])}   root bucket + 2 largest block buckets")
+    out.append(f"  {'activations':<14}{_col(pr['activations'])}   saved by forward for backward")
+    out.append(f"  {'total':<14}{_col(pr['total'])}   sum of the above")
+    if "peak" in pr:
+        out.append(f"  {'peak':<14}{_col(pr['peak'])}   highest allocated point of the simulated step (transients "
+                   "included)")
     out.append("")
-    buffers = ", ".join(f"{k} {_gib(v).strip()}" for k, v in sorted(plan.collective_buffer_bytes.items()))
+    buffers = ", ".join(f"{k} {size_text(v)}" for k, v in sorted(plan.collective_buffer_bytes.items()))
     ring = "(N-1)/N of the buffers" if plan.replicate == 1 else (
         f"(G-1)/G of each buffer, 2(G-1)/G of an all-reduce's; G = its group, "
         f"{plan.shard_size} or {plan.replicate} ranks")
-    out.append(f"communication per step: {_gib(plan.comm_bytes_per_step).strip()} sent per rank ({ring}: {buffers})")
+    out.append(f"communication per step: {size_text(plan.comm_bytes_per_step)} sent per rank ({ring}: {buffers})")
+    if plan.assumptions:
+        a = plan.assumptions
+        out.append(f"assumed: {a['attention']} attention, activation checkpointing {a['ac']}, {a['compiler']} "
+                   f"kernels, params {a['mp']['param_dtype']} / reduce {a['mp']['reduce_dtype']}, "
+                   f"{a['tokens_per_step_per_rank']:,} tokens per rank per step")
     out.append("")
-    out.append(f"  {'profile':<20}{'step time':>12}{'exposed comm':>14}   alpha, link, FLOP/s, memory; source")
+    out.append(f"  {'profile':<20}{'step time':>12}{'exposed comm':>14}{'tokens/s/rank':>15}{'MFU':>7}"
+               f"{'reserved peak':>15}")
     for name, t in plan.step_time_s.items():
-        p = PROFILES[name]
+        tps, mfu = plan.tokens_per_s_per_rank.get(name), plan.mfu.get(name)
+        reserved = plan.peak_reserved_bytes.get(name)
         out.append(
-            f"  {name:<20}{t * 1e3:>9.1f} ms{plan.exposed_comm_s[name] * 1e3:>11.1f} ms   "
-            f"{p.alpha_s * 1e6:.0f} us, {1 / p.beta_s_per_byte / 1e9:.3g} GB/s, {p.flops_per_s / 1e12:.3g} TFLOP/s, "
-            f"{p.mem_bytes_per_s / 1e9:.3g} GB/s; {p.source}"
+            f"  {name:<20}{t * 1e3:>9.1f} ms{plan.exposed_comm_s[name] * 1e3:>11.1f} ms"
+            + (f"{tps:>15,.0f}{mfu * 100:>6.1f}%{size_text(reserved):>15}" if tps is not None else "")
         )
+    out.append("")
+    out.append("profiles (cost model: alpha, link, FLOP/s, memory; source)")
+    for name in plan.step_time_s:
+        p = PROFILES[name]
+        out.append(f"  {name}: {p.alpha_s * 1e6:.0f} us, {1 / p.beta_s_per_byte / 1e9:.3g} GB/s, "
+                   f"{p.flops_per_s / 1e12:.3g} TFLOP/s, {p.mem_bytes_per_s / 1e9:.3g} GB/s; {p.source}")
+        d = device_for(name)
+        eff = ", ".join(f"{k} {v:.2f}" for k, v in d.efficiency.items())
+        out.append(f"    planner: peak {d.peak_flops / 1e12:.4g} TFLOP/s, memory {d.mem_bytes_per_s / 1e9:.4g} GB/s, "
+                   f"efficiency {eff}; sources in --json (profiles.<name>.device.sources)")
     out.append("")
     out.append(f"method: {plan.method}")
     out.append(f"planner: {seconds:.1f} s wall, peak RSS {rss / 2**20:.0f} MiB")

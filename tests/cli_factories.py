@@ -54,3 +54,44 @@ def wrong_return():
 
 def wrong_model():
     return "not a module", (torch.zeros(1),)
+
+
+def llama3_70b_plain(batch: int = 1, seq: int = 2048):
+    """Llama-3-70B shapes on the meta device, WITHOUT a `layers=` argument: the planner cuts the block list itself."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+    from llama import LLAMA3_70B, build
+
+    return build(LLAMA3_70B, None, batch, seq)
+
+
+def tiny_plain_meta():
+    """`Tiny` on the meta device with 4 blocks and no `layers=` argument (the planner cuts its block list)."""
+    with torch.device("meta"):
+        model = Tiny(d=64, layers=4, vocab=100, out=32)
+        idx = torch.zeros(2, 8, dtype=torch.long)
+    return model, (idx,), lambda out: out.float().sum()
+
+
+def gpt_bench(batch: int = 4, seq: int = 256):
+    """The GPT of benchmarks/step_time.py (8 layers, d 512, 8 heads, vocab 8192, seq 256) with one rank's share of
+    its global batch of 8 at 2 ranks, on the meta device; no `layers=`."""
+    import os
+    import sys
+
+    import torch.nn.functional as F
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+    from gpt import GPT, GPTConfig
+
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab_size=8192, block_size=seq, n_layer=8, n_head=8, d_model=512))
+        idx = torch.zeros(batch, seq, dtype=torch.long)
+
+    def loss(logits):
+        targets = torch.zeros(logits.shape[:2], dtype=torch.long, device=logits.device)
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    return model, (idx,), loss

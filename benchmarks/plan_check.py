@@ -1,0 +1,109 @@
+"""The planner against published and measured runs: prints the README's table (run, source, published or
+measured, predicted, ratio). Runs `make_plan` in this process under the fake process group (about 15 s a row).
+
+    .venv/bin/python benchmarks/plan_check.py [--rows tt8 tt8c ...] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "examples"))
+sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+
+TT = "torchtitan benchmarks/llama3_h100_202412_torchtitan.md"
+GIB, MIB = 2**30, 2**20
+
+# name: (description, source, factory, kwargs, world, profile, plan options, tokens/s/rank, peak bytes, step s)
+ROWS = {
+    "tt8": ("Llama 3.1 8B, 8 H100, bs 2 x 8192, SAC op, eager (CALIBRATION)", f"{TT}, Table 1 'FSDP'",
+            "llama:llama3_8b", {"batch": 2, "seq": 8192}, 8, "h100-nvlink",
+            {"ac": "selective", "compiler": "aot_eager", "mp": "bf16"}, 5762, 82.4 * GIB, None),
+    "tt8c": ("Llama 3.1 8B, 8 H100, bs 2 x 8192, SAC op, torch.compile", f"{TT}, Table 1 'FSDP + torch.compile'",
+             "llama:llama3_8b", {"batch": 2, "seq": 8192}, 8, "h100-nvlink",
+             {"ac": "selective", "compiler": "inductor", "mp": "bf16"}, 6667, 77.0 * GIB, None),
+    "tt128": ("Llama 3.1 8B, 128 H100, bs 2 x 8192, SAC op, eager", f"{TT}, Table 3 'FSDP'",
+              "llama:llama3_8b", {"batch": 2, "seq": 8192}, 128, "h100-infiniband",
+              {"ac": "selective", "compiler": "aot_eager", "mp": "bf16"}, 5605, 67.0 * GIB, None),
+    "tt128c": ("Llama 3.1 8B, 128 H100, bs 2 x 8192, SAC op, torch.compile", f"{TT}, Table 3 'FSDP + torch.compile'",
+               "llama:llama3_8b", {"batch": 2, "seq": 8192}, 128, "h100-infiniband",
+               {"ac": "selective", "compiler": "inductor", "mp": "bf16"}, 6514, 62.0 * GIB, None),
+    "gpt-lo": ("GPT 29.5M, 2 ranks gloo loopback, full pipeline", "README benchmark table (benchmarks/run.py)",
+               "cli_factories:gpt_bench", {}, 2, "cpu-gloo-loopback", {}, None, 1418 * MIB, 2.723),
+    "gpt-1g": ("GPT 29.5M, 2 ranks gloo 1 Gbit/s, full pipeline", "README benchmark table (benchmarks/run.py)",
+               "cli_factories:gpt_bench", {}, 2, "cpu-gloo-1gbit", {}, None, 1442 * MIB, 4.233),
+}
+
+
+def plan_row(name: str):
+    import importlib
+
+    from fsdp2_compile.config import MixedPrecisionPolicy
+    from fsdp2_compile.plan import make_plan
+    from fsdp2_compile.targets import call_factory, fake_group
+
+    desc, source, target, kwargs, world, profile, opts, *_ = ROWS[name]
+    module, attr = target.split(":")
+    factory = getattr(importlib.import_module(module), attr)
+    opts = dict(opts)
+    mp = opts.pop("mp", None)
+    mp_policy = MixedPrecisionPolicy(param_dtype=torch_bf16(), reduce_dtype=torch_f32()) if mp else None
+
+    def call(f, **kw):
+        return call_factory(f, **{**kwargs, **kw})
+
+    with fake_group(world):
+        return make_plan(factory, world, call=call, profiles=[profile], mp_policy=mp_policy, **opts)
+
+
+def torch_bf16():
+    import torch
+
+    return torch.bfloat16
+
+
+def torch_f32():
+    import torch
+
+    return torch.float32
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", nargs="+", default=list(ROWS))
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args()
+    print("| run | source | quantity | published / measured | predicted | ratio |")
+    print("|---|---|---|---|---|---|")
+    raw = {}
+    for name in args.rows:
+        desc, source, _, _, _, profile, _, tps, peak, step = ROWS[name]
+        plan = plan_row(name)
+        raw[name] = plan.to_json()
+        rows = []
+        if tps:
+            got = plan.tokens_per_s_per_rank[profile]
+            rows.append(("tokens/s per rank", f"{tps:,}", f"{got:,.0f}", got / tps))
+        if step:
+            got = plan.step_time_s[profile]
+            rows.append(("step time", f"{step:.3f} s", f"{got:.3f} s", got / step))
+        if peak:
+            got = plan.peak_reserved_bytes[profile]
+            unit, div = ("GiB", GIB) if peak > GIB * 4 else ("MiB", MIB)
+            rows.append(("peak memory (reserved / RSS)", f"{peak / div:.1f} {unit}", f"{got / div:.1f} {unit}",
+                         got / peak))
+        for quantity, pub, got, ratio in rows:
+            print(f"| {desc} | {source} | {quantity} | {pub} | {got} | {ratio:.2f} |", flush=True)
+        print(f"<!-- {name}: mfu {plan.mfu[profile]:.3f}, compute {plan.compute_s[profile]}, exposed "
+              f"{plan.exposed_comm_s[profile]:.3f} s, peak allocated {plan.per_rank_bytes['peak'] / GIB:.2f} GiB, "
+              f"activations {plan.per_rank_bytes['activations'] / GIB:.2f} GiB -->", flush=True)
+    if args.json:
+        print(json.dumps(raw, indent=1))
+
+
+if __name__ == "__main__":
+    main()
