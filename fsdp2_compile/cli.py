@@ -131,7 +131,8 @@ def cmd_plan(ns: argparse.Namespace) -> int:
         try:
             plan = make_plan(factory, ns.world_size, replicate=ns.replicate, call=call_factory, profiles=profiles,
                              mp_policy=_mp_policy(ns.mp),
-                             reshard_after_forward=not ns.no_reshard, progress=step)
+                             reshard_after_forward=not ns.no_reshard, progress=step,
+                             attention=ns.attention, ac=ns.ac, compiler=ns.compiler)
         except (RunError, UsageError):
             raise
         except Exception as e:
@@ -216,6 +217,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(plan)
     plan.add_argument("--hardware", help="only this cost-model profile (default: all of cost_model.PROFILES)")
     plan.add_argument("--no-reshard", action="store_true", help="reshard_after_forward=False")
+    plan.add_argument("--attention", choices=["fused", "math"], default="fused",
+                      help="scaled_dot_product_attention as flash / memory-efficient (default) or unfused math")
+    plan.add_argument("--ac", choices=["none", "full", "selective"], default="none",
+                      help="activation checkpointing per block (selective: torchtitan's per-op policy); a model "
+                           "already wrapped in checkpoint_wrapper is planned as it is")
+    plan.add_argument("--compiler", choices=["aot_eager", "inductor"], default="aot_eager",
+                      help="kernels the plan assumes: eager (default) or Inductor-fused elementwise")
     plan.add_argument("--json", action="store_true", help="print one JSON object")
     plan.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
     plan.set_defaults(run=cmd_plan)

@@ -180,8 +180,8 @@ def test_plan_json(tmp_path):
     plan = json.loads(r.stdout)
     assert plan["world_size"] == 64 and plan["layers"] == 3
     per_rank = plan["per_rank_bytes"]
-    assert set(per_rank) == {"params", "grads", "optimizer", "gathered_peak", "activations", "total"}
-    assert per_rank["total"] == sum(v for k, v in per_rank.items() if k != "total")
+    assert set(per_rank) == {"params", "grads", "optimizer", "gathered_peak", "activations", "total", "peak"}
+    assert per_rank["total"] == sum(v for k, v in per_rank.items() if k not in ("total", "peak"))
     numel = 1000 * 4096 + 3 * (2 * 4096 + 4096 * 4096 + 4096) + 2048 * 4096 + 2048
     assert abs(per_rank["params"] - numel * 4 / 64) / (numel * 4 / 64) < 0.01
     assert plan["comm_bytes_per_step"] > 0 and plan["step_time_s"]["h100-nvlink"] > 0
