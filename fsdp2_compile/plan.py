@@ -463,7 +463,8 @@ def format_plan(plan, seconds: float, rss: int) -> str:
         reserved = plan.peak_reserved_bytes.get(name)
         out.append(
             f"  {name:<20}{t * 1e3:>9.1f} ms{plan.exposed_comm_s[name] * 1e3:>11.1f} ms"
-            + (f"{tps:>15,.0f}{mfu * 100:>6.1f}%{size_text(reserved):>15}" if tps is not None else "")
+            + (f"{tps:>15,.0f}" if tps is not None and tps >= 100 else f"{tps:>15.3g}" if tps is not None else "")
+            + (f"{mfu * 100:>6.1f}%{size_text(reserved):>15}" if mfu is not None else "")
         )
     out.append("")
     out.append("profiles (cost model: alpha, link, FLOP/s, memory; source)")
