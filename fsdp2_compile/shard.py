@@ -302,6 +302,44 @@ class FSDPModule:
         reductions before it returns, which is what FSDP2 does on the last backward."""
         _check_bool("set_is_last_backward", "is_last_backward", is_last_backward)
 
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """Only True: HSDP gradients are all-reduced over the replicas in every synced backward. (For gradient
+        accumulation use `set_requires_gradient_sync(False)`, which skips both reductions.)"""
+        _check_bool("set_requires_all_reduce", "requires_all_reduce", requires_all_reduce)
+        if not requires_all_reduce:
+            raise NotImplementedError(
+                f"{type(self).__name__}.set_requires_all_reduce(False) is not supported by fsdp2_compile yet; for "
+                "gradient accumulation use set_requires_gradient_sync(False) on all micro-batches but the last"
+            )
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Only the default: gradients are averaged over all data-parallel ranks (shard x replicate)."""
+        default = {i.world_size * i.replicate_size for i in self._param_infos(recurse=False)}
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or default != {factor}:
+            raise NotImplementedError(
+                f"{type(self).__name__}.set_gradient_divide_factor({factor!r}) is not supported by fsdp2_compile "
+                f"yet: gradients are averaged over the data-parallel ranks ({', '.join(map(str, sorted(default)))}); "
+                "scale the loss instead (loss * ranks / factor gives the same gradients)"
+            )
+
+    set_reduce_scatter_divide_factor = set_gradient_divide_factor
+
+    def set_modules_to_forward_prefetch(self, modules: list[nn.Module]) -> None:
+        """Not supported: the scheduler picks each all-gather's start from the whole step's graph
+        (`CompileConfig.prefetch_depth`, `memory_budget_bytes`)."""
+        self._refuse_prefetch_lists("set_modules_to_forward_prefetch")
+
+    def set_modules_to_backward_prefetch(self, modules: list[nn.Module]) -> None:
+        """Not supported; see `set_modules_to_forward_prefetch`."""
+        self._refuse_prefetch_lists("set_modules_to_backward_prefetch")
+
+    def _refuse_prefetch_lists(self, method: str) -> None:
+        raise NotImplementedError(
+            f"{type(self).__name__}.{method} is not supported by fsdp2_compile: the compiler schedules every "
+            "all-gather from the whole step's graph; steer it with CompileConfig(prefetch_depth=..., "
+            "memory_budget_bytes=...) and see the order with FSDP2_COMPILE_DUMP=dir"
+        )
+
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """FSDP2-equal results without a separate gather: reading `module.weight` outside a compiled forward
         always returns the gathered parameter, and compiled graphs gather (prefetched) inside themselves."""

@@ -1,0 +1,73 @@
+"""Per-rank jobs for tests/test_module_api.py: FSDP2's module API used the same way on `shard_compile` and on
+`fully_shard`, on the GPT of examples/gpt.py; each job returns the losses (averaged over ranks) of both."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from models import batch, local_slice, loss_fn, make_model, make_optimizer
+
+import fsdp2_compile as fc
+from fsdp2_compile.report import clear_compiled_graphs, collectives, compiled_graphs
+
+STEPS = 4
+
+
+def _build(system: str, group_head: bool):
+    """The GPT sharded per block then the root; with `group_head`, `[tok_emb, ln_f, lm_head]` is one more group
+    (the embedding and the head share their weight: fully_shard wants tied modules in one group)."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    model = make_model("gpt")
+    shard = fully_shard if system == "fsdp2" else fc.shard
+    for block in model.blocks:
+        shard(block)
+    if group_head:
+        shard([model.tok_emb, model.ln_f, model.lm_head])
+    if system == "fsdp2":
+        fully_shard(model)
+    else:
+        fc.shard_compile(model)
+    assert isinstance(model, FSDPModule if system == "fsdp2" else fc.FSDPModule)
+    return model
+
+
+def _step(model, opt, i: int) -> float:
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    x, y = batch("gpt", i)
+    loss = loss_fn("gpt", model(local_slice(x, rank, world_size)), local_slice(y, rank, world_size))
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    loss = loss.detach().clone()
+    dist.all_reduce(loss)
+    return loss.item() / world_size
+
+
+def module_api(rank: int, world_size: int, feature: str) -> dict:
+    """`feature`: "list_group" ([tok_emb, ln_f, lm_head] sharded as one group); "reshard_setter"
+    (set_reshard_after_forward(False) on the root after the first step); "unshard_calls" (unshard(async_op=True)
+    / wait / reshard and set_is_last_backward around every step)."""
+    out = {}
+    for system in ("fsdp2", "ours"):
+        clear_compiled_graphs()
+        model = _build(system, group_head=feature == "list_group")
+        opt = make_optimizer(model)
+        losses = []
+        for i in range(STEPS):
+            if feature == "reshard_setter" and i == 1:
+                model.set_reshard_after_forward(False)
+            if feature == "unshard_calls":
+                model.set_is_last_backward(True)
+                handle = model.unshard(async_op=True)
+                handle.wait()
+            losses.append(_step(model, opt, i))
+            if feature == "unshard_calls":
+                model.reshard()
+        out[system] = losses
+        if system == "ours":
+            out["graphs"] = [
+                (r.kind, [(c.kind, tuple(sorted({p.split(".")[0] for p in c.params}))) for c in collectives(r.gm)])
+                for r in compiled_graphs()
+            ]
+    return out

@@ -1,0 +1,60 @@
+"""FSDP2's module API on `shard_compile`d models, used exactly as on `fully_shard` ones (2 gloo ranks): the losses
+are bitwise equal, and the compiled graphs show what the call changed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from harness import run_ranks
+from module_api_workers import module_api
+from torch import nn
+
+import fsdp2_compile as fc
+
+
+def test_a_list_of_modules_is_one_group_as_in_fully_shard():
+    result = run_ranks(module_api, 2, "list_group")[0]
+    assert result["ours"] == result["fsdp2"]
+    forward = dict(result["graphs"])["forward"]
+    # tok_emb, ln_f and lm_head (whose weight is tok_emb's, named lm_head.weight): one all-gather of their own
+    assert ("all_gather", ("lm_head", "ln_f")) in forward
+    assert ("all_gather", ("pos_emb",)) in forward
+
+
+def test_set_reshard_after_forward_recompiles_and_backward_gathers_nothing():
+    result = run_ranks(module_api, 2, "reshard_setter")[0]
+    assert result["ours"] == result["fsdp2"]
+    graphs = result["graphs"]
+    assert [kind for kind, _ in graphs] == ["forward", "backward", "forward", "backward"]  # a guard recompiled
+    first_backward, second_backward = graphs[1][1], graphs[3][1]
+    assert sum(kind == "all_gather" for kind, _ in first_backward) == 3  # the root and both blocks re-gathered
+    assert sum(kind == "all_gather" for kind, _ in second_backward) == 0  # nothing resharded after forward
+
+
+def test_unshard_reshard_and_is_last_backward_leave_training_as_fully_shard():
+    result = run_ranks(module_api, 2, "unshard_calls")[0]
+    assert result["ours"] == result["fsdp2"]
+
+
+def test_buffer_dtype_casts_floating_buffers_of_the_group_only(fake_pg):
+    model = nn.Sequential(nn.BatchNorm1d(4), nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)))
+    fc.shard(model[1], mp_policy=fc.MixedPrecisionPolicy(buffer_dtype=torch.float64))
+    fc.shard(model, mp_policy=fc.MixedPrecisionPolicy(buffer_dtype=torch.bfloat16))
+    assert model[0].running_mean.dtype == torch.bfloat16 and model[0].num_batches_tracked.dtype == torch.int64
+    assert model[1][1].running_var.dtype == torch.float64  # its own call's dtype, not the root's
+
+
+@pytest.mark.parametrize("call, text", [
+    (lambda m: m.set_requires_all_reduce(False), "set_requires_gradient_sync(False)"),
+    (lambda m: m.set_gradient_divide_factor(2.0), "scale the loss instead"),
+    (lambda m: m.set_reduce_scatter_divide_factor(2.0), "scale the loss instead"),
+    (lambda m: m.set_modules_to_forward_prefetch([m]), "CompileConfig(prefetch_depth=..."),
+    (lambda m: m.set_modules_to_backward_prefetch([m]), "CompileConfig(prefetch_depth=..."),
+])
+def test_what_is_not_supported_says_so_and_what_to_do(fake_pg, call, text):
+    model = fc.shard(nn.Linear(4, 4))
+    with pytest.raises(NotImplementedError, match="not supported by fsdp2_compile") as info:
+        call(model)
+    assert text in str(info.value)
+    model.set_requires_all_reduce(True)  # the defaults are accepted
+    model.set_gradient_divide_factor(4)
