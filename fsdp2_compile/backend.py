@@ -10,6 +10,8 @@ from __future__ import annotations
 import functools
 import logging
 import operator
+import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -33,7 +35,7 @@ from .cost_model import PROFILES, HardwareProfile, measured_profile
 from .graph import nodes_calling
 from .ir import REDUCE_GRAD, UNSHARD, ReduceGradArgs, UnshardArgs
 from .pipeline import PassContext, run_pipeline
-from .report import GraphRecord, dump_requested, record_graph
+from .report import GraphRecord, collectives, dump_requested, record_graph
 from .shard import is_known_param
 
 __all__ = ["check_input_devices", "fsdp2_backend", "make_backend"]
@@ -158,6 +160,8 @@ def resolve_profile(config: CompileConfig, gm: fx.GraphModule) -> HardwareProfil
 
 def _compiler(kind: str, config: CompileConfig) -> Callable[[fx.GraphModule, Any], Callable]:
     def compile_graph(gm: fx.GraphModule, example_inputs: Any) -> Callable:
+        start = time.perf_counter()
+        log.info("compiling %s graph: %d nodes", kind, len(gm.graph.nodes))
         # a failure in here is published to the graph's peers, which then stop naming it instead of waiting
         with rank_check(gm, kind, config) as check_same_schedule:
             ctx = PassContext(kind=kind, config=config, profile=resolve_profile(config, gm))
@@ -171,8 +175,15 @@ def _compiler(kind: str, config: CompileConfig) -> Callable[[fx.GraphModule, Any
 
             dump_from_env(record)
         if config.compiler == "inductor":
-            return inductor_compile(gm, example_inputs, is_backward=kind == "backward", is_inference=kind == "inference")
-        return make_boxed_func(gm)
+            compiled = inductor_compile(gm, example_inputs, is_backward=kind == "backward",
+                                        is_inference=kind == "inference")
+        else:
+            compiled = make_boxed_func(gm)
+        counts = Counter(c.kind for c in collectives(gm))
+        log.info("compiled %s graph in %.1f s: %d nodes, %d all_gather, %d reduce_scatter, %d all_reduce (%s)", kind,
+                 time.perf_counter() - start, len(gm.graph.nodes), counts["all_gather"], counts["reduce_scatter"],
+                 counts["all_reduce"], config.compiler)
+        return compiled
 
     return compile_graph
 

@@ -7,19 +7,18 @@ Exit codes: 0 ok, 1 runtime failure (the factory raised or returned the wrong th
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import resource
 import sys
+import tempfile
+import threading
 import time
 import traceback
-from contextlib import contextmanager
 
-import torch
+from .targets import RunError, UsageError
 
-from .targets import RunError, UsageError, call_factory, fake_group, load_target
+__all__ = ["main"]
 
-__all__ = ["call_factory", "load_target", "main"]
+# torch and the compiler are imported inside the commands: `fsdp2-compile --help` answers without them.
 
 PROG = "fsdp2-compile"
 TARGET_HELP = (
@@ -33,22 +32,66 @@ REPLICATE_HELP = (
     "N/R ranks, then all-reduced over R (default 1: shard over all N ranks; N must be a multiple of R)"
 )
 
+LARGE_WORLD = 100_000
+"""--world-size above this warns with the memory and time the fake process group's run will need."""
+BASE_BYTES = 400 * 2**20
+"""Peak RSS of `dump` / `plan` at a small --world-size (torch, the compiler, tests/cli_factories.py's models)."""
+BYTES_PER_RANK = 2**10
+"""Peak RSS per rank of --world-size, measured (peak RSS with /usr/bin/time, 2026-11-30): `dump` of
+tests/cli_factories.py:tiny 404 MB at 1,000 ranks, 496 MB at 100,000, 782 MB at 400,000, 1.39 GB at 1,000,000
+(about 1 KiB per rank: the fake group's and the meshes' per-rank lists); `plan ...:wide_meta` grows slower (402 MB at
+1,000, 636 MB at 1,000,000)."""
+SECONDS_PER_MILLION_RANKS = 45
+"""Extra run time per million ranks, measured with the same runs (`dump` 7 s at 1,000 ranks, 51 s at 1,000,000)."""
+
 
 # ---------------------------------------------------------------------------------------------- helpers
 
 
-@contextmanager
-def progress(message: str, quiet: bool = False):
-    """`message ...` then `done (1.2 s)` on stderr."""
-    start = time.perf_counter()
-    if not quiet:
-        print(f"{PROG}: {message} ...", file=sys.stderr, flush=True)
-    yield
-    if not quiet:
-        print(f"{PROG}:   done ({time.perf_counter() - start:.1f} s)", file=sys.stderr, flush=True)
+class Progress:
+    """The CLI's long phases on stderr: a tqdm bar (phase i of n, elapsed time ticking every second) when tqdm is
+    installed and stderr is a terminal, else one `[  1.2 s] phase ...` line per phase and `done` at the end;
+    nothing when quiet."""
+
+    def __init__(self, total: int | None = None, quiet: bool = False, stream=None):
+        self.stream = stream or sys.stderr
+        self.quiet, self.start, self.bar = quiet, time.perf_counter(), None
+        if not quiet and self.stream.isatty():
+            try:
+                from tqdm import tqdm
+            except ImportError:
+                return
+            self.bar = tqdm(total=total, file=self.stream, desc=PROG, leave=False, mininterval=0,
+                            bar_format="{desc} [phase {n_fmt}/{total_fmt}, {elapsed}]")
+            self.stop = threading.Event()
+            threading.Thread(target=self._tick, daemon=True).start()
+
+    def _tick(self) -> None:
+        while not self.stop.wait(1.0):
+            self.bar.refresh()
+
+    def step(self, message: str) -> None:
+        """A new phase begins (the previous one is done)."""
+        if self.bar is not None:
+            self.bar.set_description_str(f"{PROG}: {message}", refresh=False)
+            self.bar.update(1)
+        elif not self.quiet:
+            print(f"{PROG}: [{time.perf_counter() - self.start:5.1f} s] {message} ...", file=self.stream, flush=True)
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(self, exc_type, *_) -> None:
+        if self.bar is not None:
+            self.stop.set()
+            self.bar.close()
+        if not self.quiet and exc_type is None:
+            print(f"{PROG}: [{time.perf_counter() - self.start:5.1f} s] done", file=self.stream, flush=True)
 
 
 def _mp_policy(name: str | None):
+    import torch
+
     from .config import MixedPrecisionPolicy
 
     if name is None:
@@ -65,7 +108,54 @@ def _mesh_words(world_size: int, replicate: int) -> str:
 
 def peak_rss_bytes() -> int:
     """Peak resident set size of this process (Linux: ru_maxrss is in KiB)."""
+    import resource
+
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def memory_estimate(world_size: int) -> int:
+    """Rough peak RSS of a run at `world_size` ranks (BASE_BYTES + BYTES_PER_RANK x N; a large model adds its own)."""
+    return BASE_BYTES + BYTES_PER_RANK * world_size
+
+
+def check_out_folder(path: str) -> None:
+    """Create the --out folder and write a probe file there, so a bad path fails before minutes of compiling."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        raise UsageError(f"--out {path!r} is not a folder this process can write to ({e.strerror or e}); "
+                         "pass --out with a writable folder") from e
+
+
+def check_args(ns: argparse.Namespace) -> None:
+    """Cheap checks of the parsed arguments, before importing torch or the model (UsageError names the argument)."""
+    if ns.world_size < 1:
+        raise UsageError(f"--world-size must be >= 1, got {ns.world_size}")
+    if ns.replicate < 1:
+        raise UsageError(f"--replicate must be >= 1, got {ns.replicate}")
+    if ns.world_size % ns.replicate:
+        raise UsageError(
+            f"--world-size {ns.world_size} is not a multiple of --replicate {ns.replicate}: HSDP needs "
+            f"--world-size = --replicate x shard size; pass a --replicate that divides {ns.world_size} or a "
+            f"--world-size that is a multiple of {ns.replicate}"
+        )
+    if ns.hardware is not None:
+        from .cost_model import PROFILES
+
+        if ns.hardware not in PROFILES:
+            raise UsageError(f"--hardware {ns.hardware!r} is not one of: {', '.join(PROFILES)}")
+    if ns.command == "dump":
+        check_out_folder(ns.out)
+    if ns.world_size > LARGE_WORLD:
+        from .dump import size_text
+
+        seconds = SECONDS_PER_MILLION_RANKS * ns.world_size / 1e6
+        print(f"{PROG}: warning: --world-size {ns.world_size:,} is simulated in this one process (the fake process "
+              f"group keeps per-rank state): expect about {size_text(memory_estimate(ns.world_size))} of memory "
+              f"(measured: {size_text(BYTES_PER_RANK)} per rank plus {size_text(BASE_BYTES)}, more for a large "
+              f"model) and about {seconds:.0f} s more run time", file=sys.stderr, flush=True)
 
 
 # ---------------------------------------------------------------------------------------------- commands
@@ -78,36 +168,37 @@ def cmd_dump(ns: argparse.Namespace) -> int:
     from .dump import write_dump
     from .plan import hsdp_mesh, shard_blocks
     from .report import clear_compiled_graphs, compiled_graphs
+    from .targets import call_factory, fake_group, load_target
 
     factory = load_target(ns.target)
     hardware = ns.hardware or "cpu-gloo-loopback"
     mp = _mp_policy(ns.mp)
     reshard = not ns.no_reshard
-    with fake_group(ns.world_size):
+    where = _mesh_words(ns.world_size, ns.replicate)
+    with fake_group(ns.world_size), Progress(3, ns.quiet) as progress:
         mesh = hsdp_mesh(ns.world_size, ns.replicate)
-        with progress(f"building {ns.target}", ns.quiet):
-            model, args, loss_fn = call_factory(factory)
-        where = _mesh_words(ns.world_size, ns.replicate)
-        with progress(f"sharding over {where} (rank 0, fake process group) and compiling", ns.quiet):
-            if not ns.no_block_shard:
-                shard_blocks(model, mesh, reshard_after_forward=reshard, mp_policy=mp)
-            clear_compiled_graphs()
-            shard_compile(
-                model, mesh, reshard_after_forward=reshard, mp_policy=mp,
-                compile_config=CompileConfig(hardware=hardware, check_rank_consistency=False, keep_snapshots=True),
-            )
-            try:
-                loss = loss_fn(model(*args))
-                loss.backward()
-            except RunError:
-                raise
-            except Exception as e:
-                raise RunError(f"forward/backward of the compiled model failed: {type(e).__name__}: {e}") from e
+        progress.step(f"building {ns.target}")
+        model, args, loss_fn = call_factory(factory)
+        progress.step(f"sharding over {where} (rank 0, fake process group), compiling forward and backward")
+        if not ns.no_block_shard:
+            shard_blocks(model, mesh, reshard_after_forward=reshard, mp_policy=mp)
+        clear_compiled_graphs()
+        shard_compile(
+            model, mesh, reshard_after_forward=reshard, mp_policy=mp,
+            compile_config=CompileConfig(hardware=hardware, check_rank_consistency=False, keep_snapshots=True),
+        )
+        try:
+            loss = loss_fn(model(*args))
+            loss.backward()
+        except RunError:
+            raise
+        except Exception as e:
+            raise RunError(f"forward/backward of the compiled model failed: {type(e).__name__}: {e}") from e
         records = compiled_graphs()
         if not records:
             raise RunError("nothing was compiled (did the model run any sharded parameter?)")
-        with progress(f"writing {len(records)} graphs to {ns.out}", ns.quiet):
-            summary = write_dump(records, ns.out, PROFILES[hardware])
+        progress.step(f"simulating the step and writing {len(records)} graphs to {ns.out}")
+        summary = write_dump(records, ns.out, PROFILES[hardware])
     print(f"sharded over {where}")
     print(summary, end="")
     print(f"artefacts in {os.path.abspath(ns.out)}")
@@ -115,23 +206,20 @@ def cmd_dump(ns: argparse.Namespace) -> int:
 
 
 def cmd_plan(ns: argparse.Namespace) -> int:
+    import json
+
     from .cost_model import PROFILES
     from .plan import format_plan, make_plan
+    from .targets import call_factory, fake_group, load_target
 
     factory = load_target(ns.target)
     profiles = [ns.hardware] if ns.hardware else list(PROFILES)
     start = time.perf_counter()
-
-    def step(message: str) -> None:
-        if not ns.quiet:
-            now = time.perf_counter() - start
-            print(f"{PROG}: [{now:5.1f} s] {message} ...", file=sys.stderr, flush=True)
-
-    with fake_group(ns.world_size):
+    with fake_group(ns.world_size), Progress(None, ns.quiet) as progress:
         try:
             plan = make_plan(factory, ns.world_size, replicate=ns.replicate, call=call_factory, profiles=profiles,
                              mp_policy=_mp_policy(ns.mp),
-                             reshard_after_forward=not ns.no_reshard, progress=step,
+                             reshard_after_forward=not ns.no_reshard, progress=progress.step,
                              attention=ns.attention, ac=ns.ac, compiler=ns.compiler)
         except (RunError, UsageError):
             raise
@@ -237,21 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         if ns.command is None:
             parser.print_help()
             return 2
-        if ns.world_size < 1:
-            raise UsageError(f"--world-size must be >= 1, got {ns.world_size}")
-        if ns.replicate < 1:
-            raise UsageError(f"--replicate must be >= 1, got {ns.replicate}")
-        if ns.world_size % ns.replicate:
-            raise UsageError(
-                f"--world-size {ns.world_size} is not a multiple of --replicate {ns.replicate}: HSDP needs "
-                f"--world-size = --replicate x shard size; pass a --replicate that divides {ns.world_size} or a "
-                f"--world-size that is a multiple of {ns.replicate}"
-            )
-        if ns.hardware is not None:
-            from .cost_model import PROFILES
-
-            if ns.hardware not in PROFILES:
-                raise UsageError(f"--hardware {ns.hardware!r} is not one of: {', '.join(PROFILES)}")
+        check_args(ns)
         return ns.run(ns)
     except UsageError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)

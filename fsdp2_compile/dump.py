@@ -2,8 +2,8 @@
 
     forward/00_captured.txt ...   the graph after every pass; collective / wait / cast lines annotated with their
                                   parameters and bucket (provenance)
-    forward/graph.dot, .svg       the final graph, all-gathers, reduce-scatters, all-reduces (HSDP), waits and
-                                  casts highlighted
+    forward/graph.dot, .svg       the final graph's compact view (graph_view.py): one row per collective, wait,
+                                  cast run and compute region, parameter names on inputs
     trace.json                    the simulated schedule (cost_model.simulate) as a Perfetto / Chrome trace
     memory.csv, memory.png        estimated live bytes over the step (the plot needs matplotlib, the `plots` extra)
     summary.txt                   the table `summarize` returns (also printed by `fsdp2-compile dump`)
@@ -16,24 +16,32 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import re
 import logging
+import re
 from collections import Counter
 from dataclasses import dataclass, field
-from xml.sax.saxutils import escape
 
 import torch
-from torch import fx
 
 from .cost_model import PROFILES, HardwareProfile, Timeline, simulate
-from .ir import BUCKET, COLLECTIVE_KINDS, PARAMS, WAIT, Role, collective_kind
-from .report import DUMP_ENV, GraphRecord, NodeFacts, Snapshot, collective, compiled_graphs, saved_bytes
+from .graph_view import write_dot, write_svg
+from .ir import BUCKET, COLLECTIVE_KINDS, Role
+from .report import (
+    DUMP_ENV,
+    UNWRITABLE_DUMP_FOLDERS,
+    GraphRecord,
+    NodeFacts,
+    Snapshot,
+    collective,
+    compiled_graphs,
+    dump_requested,
+    saved_bytes,
+)
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["DUMP_ENV", "annotate", "dump_from_env", "saved_bytes", "size_text", "summarize", "write_dump"]
 
-_CAST = torch.ops.prims.convert_element_type.default
 _NODE_NAME = re.compile(r"^\s*%(\w+) : ")
 _NODE_LINE = re.compile(r"^\s*(?:%\w+ : |return\b)", re.MULTILINE)  # one per node, the output node included
 _KINDS = set(COLLECTIVE_KINDS.values())
@@ -41,38 +49,8 @@ _COUNTED = {*_KINDS, Role.WAIT}
 _NOT_LOWERED = {"unshard", "reduce_grad"}
 _ANNOTATED = {*_COUNTED, "cast", *_NOT_LOWERED, "stash_grad", "add_pending_grad"}
 
-COLOURS = {  # category -> (fill, stroke)
-    "all_gather": ("#8fd18f", "#2e7d32"),
-    "reduce_scatter": ("#f6a38e", "#c62828"),
-    "all_reduce": ("#ce93d8", "#6a1b9a"),
-    "wait": ("#ffe082", "#f57f17"),
-    "cast": ("#90caf9", "#1565c0"),
-    "placeholder": ("#eeeeee", "#9e9e9e"),
-    "other": ("#ffffff", "#bdbdbd"),
-}
-_LEGEND = ("all_gather", "reduce_scatter", "all_reduce", "wait", "cast", "placeholder", "other")
-
 
 # ---------------------------------------------------------------------------------------------- graph text
-
-
-def _short_target(target: str) -> str:
-    """'torch.ops._c10d_functional.wait_tensor.default' -> 'wait_tensor'."""
-    parts = target.split(".")
-    return parts[-2] if len(parts) >= 2 and parts[-1] in ("default", "Tensor", "dim", "int", "Scalar") else parts[-1]
-
-
-def _node_category(node: fx.Node) -> str:
-    if node.op == "placeholder":
-        return "placeholder"
-    kind = collective_kind(node)
-    if kind is not None:
-        return str(kind)
-    if node.target is WAIT:
-        return "wait"
-    if node.target is _CAST:
-        return "cast"
-    return "other"
 
 
 def _note(facts: NodeFacts) -> str:
@@ -125,10 +103,6 @@ def pass_stats(record: GraphRecord) -> list[PassStats]:
     return stats
 
 
-def _mib(n: float) -> str:
-    return f"{n / 2**20:,.2f} MiB"
-
-
 def _labels(records: list[GraphRecord]) -> list[str]:
     seen: Counter = Counter()
     labels = []
@@ -160,7 +134,7 @@ def summarize(records: list[GraphRecord], profile: HardwareProfile | None = None
         out.append(f"  {'pass':<22}{'nodes':>7}{'all_gather':>12}{'reduce_scat':>12}{'all_reduce':>12}{'wait':>6}"
                    "  bytes by dtype")
         for s in pass_stats(record):
-            parts = [f"{k[0]} {k[1]} {_mib(v)}" for k, v in sorted(s.bytes_by_dtype.items())]
+            parts = [f"{k[0]} {k[1]} {size_text(v)}" for k, v in sorted(s.bytes_by_dtype.items())]
             out.append(
                 f"  {s.name:<22}{s.nodes:>7}{s.counts['all_gather']:>12}{s.counts['reduce_scatter']:>12}"
                 f"{s.counts['all_reduce']:>12}{s.counts['wait']:>6}  {'; '.join(parts) or '-'}"
@@ -170,96 +144,18 @@ def summarize(records: list[GraphRecord], profile: HardwareProfile | None = None
             c = collective(node)
             if c is not None:
                 bucket = node.meta.get(BUCKET, "?") or "<root>"
-                out.append(f"  {bucket:<22}{c.kind:<16}{_dtype_name(c.dtype):<10}{_mib(c.nbytes):>16}  {len(c.params)}")
+                out.append(f"  {bucket:<22}{c.kind:<16}{_dtype_name(c.dtype):<10}{size_text(c.nbytes):>16}  {len(c.params)}")
         out.append(
             f"  estimate: step {tl.total_s * 1e3:.3f} ms, compute {tl.compute_s * 1e3:.3f} ms, "
             f"communication {tl.comm_s * 1e3:.3f} ms, exposed communication {tl.exposed_comm_s * 1e3:.3f} ms, "
-            f"peak intermediate memory {_mib(tl.peak_bytes)}"
+            f"peak intermediate memory {size_text(tl.peak_bytes)}"
         )
         out.append("")
     total = sum(t.total_s for t in timelines)
     exposed = sum(t.exposed_comm_s for t in timelines)
     out.append(f"step estimate (all graphs): {total * 1e3:.3f} ms, exposed communication {exposed * 1e3:.3f} ms, "
-               f"peak memory {_mib(_memory_curve(records, timelines)[1])}")
+               f"peak memory {size_text(_memory_curve(records, timelines)[1])}")
     return "\n".join(out) + "\n"
-
-
-# ---------------------------------------------------------------------------------------------- DOT and SVG
-
-
-def _node_label(node: fx.Node) -> str:
-    target = node.target if node.op != "call_function" else _short_target(str(node.target))
-    label = f"{node.name}: {target}" if node.op == "call_function" else f"{node.name} ({node.op})"
-    value = node.meta.get("val")
-    if isinstance(value, torch.Tensor):
-        label += f" {_dtype_name(value.dtype)}{list(value.shape)}"
-    if PARAMS in node.meta and _node_category(node) != "other":
-        params = node.meta[PARAMS]
-        label += f"  [{node.meta.get(BUCKET) or '<root>'}: {len(params)} param{'s' * (len(params) != 1)}]"
-    return label
-
-
-def write_dot(gm: fx.GraphModule, path: str) -> None:
-    """The graph as Graphviz DOT text, collective / wait / cast nodes filled with their colour, plus a legend."""
-    out = ["digraph G {", "  rankdir=TB; node [shape=box, fontname=monospace, fontsize=9, style=filled];"]
-    out.append("  subgraph cluster_legend { label=legend;")
-    for category in _LEGEND:
-        fill, stroke = COLOURS[category]
-        out.append(f'    legend_{category} [label="{category}", fillcolor="{fill}", color="{stroke}"];')
-    out.append("  }")
-    for node in gm.graph.nodes:
-        fill, stroke = COLOURS[_node_category(node)]
-        label = _node_label(node).replace("\\", "\\\\").replace('"', '\\"')
-        out.append(f'  "{node.name}" [label="{label}", fillcolor="{fill}", color="{stroke}"];')
-    for node in gm.graph.nodes:
-        for producer in node.all_input_nodes:
-            out.append(f'  "{producer.name}" -> "{node.name}";')
-    out.append("}")
-    with open(path, "w") as f:
-        f.write("\n".join(out) + "\n")
-
-
-def write_svg(gm: fx.GraphModule, path: str, title: str = "") -> None:
-    """The graph laid out one node per row in execution order; collectives, waits and casts are coloured and their
-    data edges drawn (other edges are omitted to keep graphs of hundreds of nodes readable)."""
-    nodes = list(gm.graph.nodes)
-    row, top, left, box_w = 16, 70, 10, 560
-    index = {n: i for i, n in enumerate(nodes)}
-    width, height = box_w + 320, top + row * len(nodes) + 20
-    out = [
-        (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="monospace" '
-         'font-size="10">'),
-        f'<text x="{left}" y="16" font-size="13">{escape(title)} ({len(nodes)} nodes, execution order)</text>',
-    ]
-    for i, category in enumerate(_LEGEND):
-        fill, stroke = COLOURS[category]
-        x = left + i * 120
-        out.append(f'<rect x="{x}" y="28" width="12" height="12" fill="{fill}" stroke="{stroke}"/>')
-        out.append(f'<text x="{x + 16}" y="38">{category}</text>')
-    out.append(f'<text x="{left}" y="56" fill="#555">arcs on the right: data edges into and out of '
-               "collectives, waits and casts</text>")
-    for node in nodes:
-        y = top + index[node] * row
-        category = _node_category(node)
-        fill, stroke = COLOURS[category]
-        weight = ' font-weight="bold"' if category not in ("other", "placeholder") else ""
-        out.append(f'<rect x="{left}" y="{y}" width="{box_w}" height="{row - 3}" fill="{fill}" stroke="{stroke}"/>')
-        out.append(f'<text x="{left + 4}" y="{y + 10}"{weight}>{escape(_node_label(node)[:95])}</text>')
-    for node in nodes:
-        if _node_category(node) in ("other", "placeholder"):
-            continue
-        edges = [(p, node) for p in node.all_input_nodes] + [(node, u) for u in node.users]
-        stroke = COLOURS[_node_category(node)][1]
-        for a, b in edges:
-            if a not in index or b not in index:
-                continue
-            y1, y2 = top + index[a] * row + 6, top + index[b] * row + 6
-            bend = left + box_w + 10 + min(300, abs(y2 - y1) // 6)
-            out.append(f'<path d="M{left + box_w} {y1} C{bend} {y1} {bend} {y2} {left + box_w} {y2}" '
-                       f'fill="none" stroke="{stroke}" stroke-width="1" opacity="0.7"/>')
-    out.append("</svg>")
-    with open(path, "w") as f:
-        f.write("\n".join(out) + "\n")
 
 
 # ---------------------------------------------------------------------------------------------- trace and memory
@@ -364,8 +260,9 @@ def write_graph(record: GraphRecord, folder: str, title: str) -> None:
     for i, snap in enumerate(record.snapshots):
         with open(os.path.join(folder, f"{i:02d}_{snap.name}.txt"), "w") as f:
             f.write(f"# {title} graph after pass {i}: {snap.name}\n{annotate(snap)}")
-    write_dot(record.gm, os.path.join(folder, "graph.dot"))
-    write_svg(record.gm, os.path.join(folder, "graph.svg"), f"{title} graph")
+    dot = os.path.join(folder, "graph.dot")
+    write_dot(record.gm, dot, f"{title} graph")
+    write_svg(record.gm, os.path.join(folder, "graph.svg"), f"{title} graph", dot)
 
 
 def write_dump(records: list[GraphRecord], out_dir: str, profile: HardwareProfile | None = None,
@@ -388,16 +285,22 @@ def write_dump(records: list[GraphRecord], out_dir: str, profile: HardwareProfil
 
 
 def dump_from_env(record: GraphRecord | None = None) -> None:
-    """If $FSDP2_COMPILE_DUMP is set: write `record`'s graphs (default: the last compiled one), and the trace / memory / summary of every graph
-    compiled so far, into `$FSDP2_COMPILE_DUMP/rank<r>` (the backend calls this for every compiled graph)."""
-    root = os.environ.get(DUMP_ENV)
-    if not root:
+    """If $FSDP2_COMPILE_DUMP is set: write `record`'s graphs (default: the last compiled one), and the trace / memory /
+    summary of every graph compiled so far, into `$FSDP2_COMPILE_DUMP/rank<r>` (the backend calls this for every
+    compiled graph). A folder that cannot be written logs one warning and is not tried again: training goes on."""
+    if not dump_requested():
         return
+    root = os.environ[DUMP_ENV]
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     out_dir = os.path.join(root, f"rank{rank}")
     records = compiled_graphs()
     record = record or records[-1]
     labels = dict(zip(map(id, records), _labels(records)))
     label = labels.get(id(record), record.kind)
-    write_graph(record, os.path.join(out_dir, label), label)
-    write_dump(records, out_dir, graphs=False)
+    try:
+        write_graph(record, os.path.join(out_dir, label), label)
+        write_dump(records, out_dir, graphs=False)
+    except OSError as e:
+        UNWRITABLE_DUMP_FOLDERS.add(root)
+        logger.warning("%s=%s: cannot write the debug dump to %s (%s); training continues without dumps. Point %s "
+                       "at a writable folder or unset it.", DUMP_ENV, root, out_dir, e.strerror or e, DUMP_ENV)

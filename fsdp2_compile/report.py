@@ -39,6 +39,7 @@ __all__ = [
     "GraphRecord",
     "NodeFacts",
     "Snapshot",
+    "UNWRITABLE_DUMP_FOLDERS",
     "clear_compiled_graphs",
     "collective",
     "collectives",
@@ -55,9 +56,15 @@ DUMP_ENV = "FSDP2_COMPILE_DUMP"
 """Environment variable: a folder to write the debug artefacts of every compiled graph to (`dump.py`)."""
 
 
+UNWRITABLE_DUMP_FOLDERS: set[str] = set()
+"""$FSDP2_COMPILE_DUMP folders a dump failed to write to (`dump.dump_from_env` warned once; no more dumps there)."""
+
+
 def dump_requested() -> bool:
-    """True when $FSDP2_COMPILE_DUMP asks for debug artefacts (then every pass's snapshot is kept)."""
-    return bool(os.environ.get(DUMP_ENV))
+    """True when $FSDP2_COMPILE_DUMP asks for debug artefacts (then every pass's snapshot is kept), unless writing
+    to that folder already failed."""
+    root = os.environ.get(DUMP_ENV)
+    return bool(root) and root not in UNWRITABLE_DUMP_FOLDERS
 
 
 def collectives(gm: fx.GraphModule) -> list[Collective]:

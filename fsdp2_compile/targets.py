@@ -9,9 +9,11 @@ import os
 import sys
 from collections.abc import Callable
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
-import torch
-from torch import nn
+if TYPE_CHECKING:  # torch is imported on use: `fsdp2-compile --help` does not need it
+    import torch
+    from torch import nn
 
 __all__ = ["RunError", "UsageError", "call_factory", "default_loss", "fake_group", "load_target"]
 
@@ -55,6 +57,8 @@ def load_target(spec: str) -> Callable:
 
 def default_loss(output) -> torch.Tensor:
     """Sum of the first floating-point tensor in `output` (tensors, tuples, lists, dicts)."""
+    import torch
+
     stack = [output]
     while stack:
         x = stack.pop(0)
@@ -69,6 +73,9 @@ def default_loss(output) -> torch.Tensor:
 
 def call_factory(factory: Callable, **kwargs) -> tuple[nn.Module, tuple, Callable]:
     """`factory(**kwargs)` checked: (model, args, loss_fn) with the default loss filled in."""
+    import torch
+    from torch import nn
+
     name = getattr(factory, "__name__", repr(factory))
     try:
         result = factory(**kwargs)
@@ -94,6 +101,8 @@ def call_factory(factory: Callable, **kwargs) -> tuple[nn.Module, tuple, Callabl
 @contextmanager
 def fake_group(world_size: int):
     """The fake default process group (rank 0 of `world_size`) for the duration of the block."""
+    import torch
+
     from ._torch_private import fake_process_group
 
     if torch.distributed.is_initialized():

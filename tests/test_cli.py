@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
@@ -13,6 +14,7 @@ import xml.etree.ElementTree as ET
 import pytest
 import torch
 
+from fsdp2_compile.dump import size_text
 from fsdp2_compile.pipeline import PASSES
 from fsdp2_compile.plan import sharded_bytes, analytical_bytes, shard_for_plan
 
@@ -53,7 +55,9 @@ def test_dump_end_to_end(tmp_path):
     for kind in ("forward", "backward"):
         files = sorted(os.listdir(out / kind))
         assert files[0] == "00_captured.txt" and "graph.svg" in files and "graph.dot" in files
-        ET.parse(out / kind / "graph.svg")  # valid XML
+        svg = ET.parse(out / kind / "graph.svg").getroot()  # valid XML, the compact view: parameter names on inputs
+        shown = " ".join(t.text for t in svg.iter("{http://www.w3.org/2000/svg}text"))
+        assert "parameter shards, bucket 'blocks.0'" in shown and "fc.weight" in shown
         assert (out / kind / "graph.dot").read_text().startswith("digraph")
         passes = check_summary_rows(r.stdout, out, kind)
         assert len(passes) == len(PASSES) + 1  # the captured graph, then one file per pass
@@ -66,7 +70,7 @@ def test_dump_end_to_end(tmp_path):
     assert {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"} == {"compute", "communication"}
     curve = [tuple(map(float, row.split(","))) for row in (out / "memory.csv").read_text().splitlines()[1:]]
     peak = max(b for _, b in curve)
-    assert peak > 0 and f"peak memory {peak / 2**20:,.2f} MiB" in r.stdout  # the plot and the summary agree
+    assert peak > 0 and f"peak memory {size_text(peak)}" in r.stdout  # the plot and the summary agree
     image = pytest.importorskip("matplotlib.image").imread(out / "memory.png")
     assert image.shape[0] > 200 and image.shape[1] > 400
     assert "exposed communication" in r.stdout and "peak memory" in r.stdout
@@ -307,3 +311,69 @@ def test_help_and_usage_errors():
         assert r.returncode == 0 and "examples:" in r.stdout and "--world-size" in r.stdout
     r = cli("plan", "x:y")  # missing --world-size
     assert r.returncode == 2 and "--world-size" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_help_does_not_import_torch():
+    """`--help` answers from argparse alone: neither torch nor the compiler is imported (what makes it fast)."""
+    code = (
+        "import sys\n"
+        "from fsdp2_compile.cli import main\n"
+        "for argv in (['--help'], ['dump', '--help'], ['plan', '--help']):\n"
+        "    try:\n"
+        "        main(argv)\n"
+        "    except SystemExit:\n"
+        "        pass\n"
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('fsdp2_compile.')))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert r.stdout.splitlines()[-1] == "['fsdp2_compile.cli', 'fsdp2_compile.targets']"
+
+
+def test_unwritable_out_fails_before_compiling(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    bad = blocker / "dump"
+    r = cli("dump", f"{FACTORIES}:tiny", "--world-size", "2", "--out", str(bad))
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert f"--out '{bad}' is not a folder this process can write to" in r.stderr
+    assert "building" not in r.stderr and "compiling" not in r.stderr  # nothing ran
+
+
+def test_large_world_size_warns_with_the_memory(capsys):
+    from fsdp2_compile.cli import BYTES_PER_RANK, main, memory_estimate
+
+    code = main(["plan", "no_such_module_xyz:make", "--world-size", "1000000"])  # warns, then the bad TARGET
+    err = capsys.readouterr().err
+    assert code == 2 and "warning: --world-size 1,000,000" in err
+    assert f"about {size_text(memory_estimate(1_000_000))} of memory" in err
+    assert memory_estimate(2_000_000) - memory_estimate(1_000_000) == 1_000_000 * BYTES_PER_RANK
+    main(["plan", "no_such_module_xyz:make", "--world-size", "100000"])
+    assert "warning" not in capsys.readouterr().err
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("terminal", [False, True], ids=["pipe", "terminal"])
+def test_progress(terminal):
+    """Plain lines with elapsed seconds on a pipe; a tqdm bar on a terminal (when tqdm is installed)."""
+    from fsdp2_compile.cli import Progress
+
+    if terminal:
+        pytest.importorskip("tqdm")
+    stream = _Terminal() if terminal else io.StringIO()
+    with Progress(2, stream=stream) as progress:
+        progress.step("compiling")
+        progress.step("writing")
+    text = stream.getvalue()
+    assert "compiling" in text and "writing" in text and text.rstrip().endswith("done")
+    if terminal:
+        assert "\r" in text and "compiling [phase 1/2" in text and "writing [phase 2/2" in text
+    else:
+        assert re.findall(r"\[\s*[\d.]+ s\] (\w+)", text) == ["compiling", "writing", "done"]
+    quiet = io.StringIO()
+    with Progress(2, quiet=True, stream=quiet) as progress:
+        progress.step("compiling")
+    assert quiet.getvalue() == ""
