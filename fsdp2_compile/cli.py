@@ -310,8 +310,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--ac", choices=["none", "full", "selective"], default="none",
                       help="activation checkpointing per block (selective: torchtitan's per-op policy); a model "
                            "already wrapped in checkpoint_wrapper is planned as it is")
-    plan.add_argument("--compiler", choices=["aot_eager", "inductor"], default="aot_eager",
-                      help="kernels the plan assumes: eager (default) or Inductor-fused elementwise")
+    plan.add_argument("--compiler", choices=["aot_eager", "inductor", "inductor-blocks"], default="aot_eager",
+                      help="kernels the plan assumes: eager (default), Inductor-fused elementwise, or Inductor on "
+                           "each block only (torchtitan's per-block compile)")
     plan.add_argument("--json", action="store_true", help="print one JSON object")
     plan.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
     plan.set_defaults(run=cmd_plan)

@@ -266,10 +266,13 @@ def make_plan(
     mesh (`hsdp_mesh`). Needs the default process group of `world_size` ranks (the fake one);
     `call(factory, **kwargs)` builds `(model, args, loss_fn)` (the CLI's checked call). `attention`: "fused" or
     "math"; `ac`: "none", "full" or "selective" (a model the factory already checkpointed is planned as given);
-    `compiler`: "aot_eager" (eager kernels) or "inductor" (fused elementwise); `prefetch`: blocks gathered ahead
+    `compiler`: "aot_eager" (eager kernels), "inductor" (fused elementwise) or "inductor-blocks" (Inductor on each
+    block only, the rest eager: torchtitan's per-block compile); `prefetch`: blocks gathered ahead
     (default: CompileConfig's prefetch_depth)."""
     from .config import CompileConfig, MixedPrecisionPolicy
 
+    if compiler not in ("aot_eager", "inductor", "inductor-blocks"):
+        raise ValueError(f"compiler {compiler!r} is not one of: aot_eager, inductor, inductor-blocks")
     mp_policy = mp_policy or MixedPrecisionPolicy()
     profiles = profiles or list(PROFILES)
     step = progress or (lambda msg: None)
@@ -323,7 +326,7 @@ def make_plan(
 
     comm = extrapolate([g.comm_wire for g in figures])
     buffers = {k: int(extrapolate([g.buffers.get(k, 0) for g in figures])) for k in figures[-1].buffers}
-    fused = compiler == "inductor"
+    fused = {"aot_eager": False, "inductor": True, "inductor-blocks": "blocks"}[compiler]
     activations = extrapolate([t.saved_bytes(fused) for t in traces])
     model_flops = 3 * extrapolate([t.forward_flops() for t in traces])
 
@@ -392,7 +395,8 @@ def make_plan(
     method = (f"full model ({n_params:,} params" + (f", {layers} blocks in '{path}'" if blocks is not None else "")
               + ") sharded with shard() for the per-rank parameter / gradient / optimizer bytes; collectives from "
               f"the pipeline's graphs of {reduced}; activations, compute and the peak from one step of the same "
-              f"copies played op by op on the meta device ({attention} attention, activation checkpointing "
+              f"{'copies' if reduce else 'model'} played op by op on the meta device ({attention} attention, "
+              "activation checkpointing "
               f"{ac_used}, {compiler} kernels), scheduled with FSDP's prefetch of {prefetch} block(s)")
     if given_ac and ac != "none":
         method += f"; --ac {ac} ignored: the factory's model is already checkpointed"

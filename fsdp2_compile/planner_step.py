@@ -30,7 +30,7 @@ class PhaseTimes:
     backward: float
 
 
-def phase_times(trace: StepTrace, dev: DeviceFigures, fused: bool) -> PhaseTimes:
+def phase_times(trace: StepTrace, dev: DeviceFigures, fused: bool | str) -> PhaseTimes:
     keep = trace.materialized(fused)
     moved = trace.moved_bytes(fused)
     times = {"forward": 0.0, "backward": 0.0}
@@ -102,7 +102,7 @@ def schedule(fw_block: float, fw_rest: float, bw_block: float, bw_rest: float, c
     return end, end - compute
 
 
-def memory_peak(trace: StepTrace, fused: bool, *, static: int, grads: int, gathered_forward: int,
+def memory_peak(trace: StepTrace, fused: bool | str, *, static: int, grads: int, gathered_forward: int,
                 gathered_backward: int, grad_buffers: int) -> int:
     """Highest allocated bytes over the traced step: `static` (sharded params + optimizer states) + gathered
     buckets + live activations + in backward the gradient buffers and the share of sharded gradients produced."""

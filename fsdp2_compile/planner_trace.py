@@ -6,8 +6,9 @@ the storages it reads and the storages it creates. From that:
   reader, so what forward saves lives until backward reads it; parameters and their gradients are left out: the
   planner counts them as gathered buckets and gradient buffers);
 - `saved_bytes`: what forward leaves alive for backward;
-- fusion ("inductor"): the output of a pointwise or reduction op read only by such ops of the same phase is never
-  written to memory (Inductor fuses them), so it costs neither bytes moved nor live memory.
+- fusion (`fused` True: Inductor on the whole model; "blocks": Inductor on each block only, the rest eager, as
+  torchtitan's `apply_compile` does): the output of a pointwise or reduction op read only by such ops of the same
+  phase (and, for "blocks", inside a block) is never written to memory, so it costs neither bytes nor memory.
 Attention and activation checkpointing run as the planner was asked (`planner_attention`, `planner_ac`).
 """
 
@@ -47,6 +48,8 @@ class OpRecord:
     """(storage id, bytes read) of each tensor input."""
     creates: list[tuple[int, int]]
     """(storage id, bytes) of each storage this op allocates."""
+    in_block: bool = False
+    """Ran inside a block of the block list (its forward, recomputation or backward)."""
 
 
 @dataclass
@@ -60,8 +63,9 @@ class StepTrace:
     def forward_flops(self) -> float:
         return sum(op.flops for op in self.ops if op.phase == "forward")
 
-    def materialized(self, fused: bool) -> set[int]:
-        """Storages written to memory: all of them, or (fused) all but fusible-to-fusible intermediates."""
+    def materialized(self, fused: bool | str) -> set[int]:
+        """Storages written to memory: all of them, or (fused) all but fusible-to-fusible intermediates (fused
+        "blocks": only those inside a block)."""
         born, users = {}, {}
         for i, op in enumerate(self.ops):
             for sid, _ in op.creates:
@@ -74,7 +78,9 @@ class StepTrace:
         for sid, i in born.items():
             op = self.ops[i]
             readers = [self.ops[j] for j in users.get(sid, [])]
-            if op.kind != "fusible" or not readers or any(r.kind != "fusible" or r.phase != op.phase for r in readers):
+            outside = fused == "blocks" and not (op.in_block and all(r.in_block for r in readers))
+            if outside or op.kind != "fusible" or not readers or any(
+                    r.kind != "fusible" or r.phase != op.phase for r in readers):
                 keep.add(sid)
         return keep
 
@@ -130,6 +136,7 @@ class _Recorder(TorchDispatchMode):
     def __init__(self, trace: StepTrace):
         super().__init__()
         self.trace, self.phase, self.seen, self.keep = trace, "forward", set(), []
+        self.depth = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -163,8 +170,26 @@ class _Recorder(TorchDispatchMode):
         reads = [(_sid(t), _nbytes(t)) for t in ins]
         if kind == "view":
             reads = []
-        self.trace.ops.append(OpRecord(name, self.phase, kind, flops, reads, creates))
+        self.trace.ops.append(OpRecord(name, self.phase, kind, flops, reads, creates, self.depth > 0))
         return out
+
+
+def _mark_blocks(model: nn.Module, recorder: _Recorder) -> None:
+    """Count the recorder's depth up while a block of the block list runs forward or backward."""
+    from .planner_reduce import block_list
+
+    def enter(*_):
+        recorder.depth += 1
+
+    def leave(*_):
+        recorder.depth -= 1
+
+    _, blocks = block_list(model)
+    for block in blocks if blocks is not None else ():
+        block.register_forward_pre_hook(enter)
+        block.register_forward_hook(leave)
+        block.register_full_backward_pre_hook(enter)
+        block.register_full_backward_hook(leave)
 
 
 def _to_meta(x):
@@ -192,6 +217,7 @@ def trace_step(model: nn.Module, args: tuple, loss_fn, *, attention: str = "fuse
     params = list(model.parameters())
     trace.excluded = {_sid(p) for p in params}
     recorder = _Recorder(trace)
+    _mark_blocks(model, recorder)
     # early_stop=False: a recomputation runs to the block's end, so it reads every output selective checkpointing
     # cached (those outputs are held until then)
     with AttentionMode(attention), recorder, set_checkpoint_early_stop(False):

@@ -182,3 +182,18 @@ def test_plan_against_the_2_rank_run_measured_here():
     loop, link = plan.step_time_s["cpu-gloo-loopback"] / 2.723, plan.step_time_s["cpu-gloo-1gbit"] / 4.233
     rss = plan.peak_reserved_bytes["cpu-gloo-loopback"] / (1418 * 2**20)
     assert 0.5 < loop < 2.0 and 0.5 < link < 2.0 and 0.4 < rss < 1.5, (loop, link, rss)
+
+
+def test_inductor_fuses_elementwise_whole_model_or_inside_blocks_only():
+    """A relu's output read only by the next mm must be written (mm is not fusible); the scale's product is read by
+    a block: fused with "inductor" only if its readers are fusible. Memory never grows with fusion, and with
+    per-block compilation (torchtitan's) only ops inside blocks are fused."""
+    model, args, loss = stack_factory(2)
+    trace = trace_step(model, args, loss)
+    eager, blocks, whole = (trace.materialized(f) for f in (False, "blocks", True))
+    assert whole <= blocks <= eager
+    peaks = [max(b for _, b in trace.liveness(f)) for f in (False, "blocks", True)]
+    assert peaks[0] >= peaks[1] >= peaks[2]
+    outside = {sid for op in trace.ops if not op.in_block for sid, _ in op.creates}
+    assert outside & eager <= blocks  # nothing created outside a block is fused away under "blocks"
+    assert any(op.in_block and op.phase == "backward" for op in trace.ops)  # backward of a block is attributed
