@@ -162,43 +162,45 @@ def check_args(ns: argparse.Namespace) -> None:
 
 
 def cmd_dump(ns: argparse.Namespace) -> int:
-    from .api import shard_compile
-    from .config import CompileConfig
-    from .cost_model import PROFILES
-    from .dump import write_dump
-    from .plan import hsdp_mesh, shard_blocks
-    from .report import clear_compiled_graphs, compiled_graphs
-    from .targets import call_factory, fake_group, load_target
+    with Progress(4, ns.quiet) as progress:
+        progress.step(f"importing torch, the compiler and {ns.target}")
+        from .api import shard_compile
+        from .config import CompileConfig
+        from .cost_model import PROFILES
+        from .dump import write_dump
+        from .plan import hsdp_mesh, shard_blocks
+        from .report import clear_compiled_graphs, compiled_graphs
+        from .targets import call_factory, fake_group, load_target
 
-    factory = load_target(ns.target)
-    hardware = ns.hardware or "cpu-gloo-loopback"
-    mp = _mp_policy(ns.mp)
-    reshard = not ns.no_reshard
-    where = _mesh_words(ns.world_size, ns.replicate)
-    with fake_group(ns.world_size), Progress(3, ns.quiet) as progress:
-        mesh = hsdp_mesh(ns.world_size, ns.replicate)
-        progress.step(f"building {ns.target}")
-        model, args, loss_fn = call_factory(factory)
-        progress.step(f"sharding over {where} (rank 0, fake process group), compiling forward and backward")
-        if not ns.no_block_shard:
-            shard_blocks(model, mesh, reshard_after_forward=reshard, mp_policy=mp)
-        clear_compiled_graphs()
-        shard_compile(
-            model, mesh, reshard_after_forward=reshard, mp_policy=mp,
-            compile_config=CompileConfig(hardware=hardware, check_rank_consistency=False, keep_snapshots=True),
-        )
-        try:
-            loss = loss_fn(model(*args))
-            loss.backward()
-        except RunError:
-            raise
-        except Exception as e:
-            raise RunError(f"forward/backward of the compiled model failed: {type(e).__name__}: {e}") from e
-        records = compiled_graphs()
-        if not records:
-            raise RunError("nothing was compiled (did the model run any sharded parameter?)")
-        progress.step(f"simulating the step and writing {len(records)} graphs to {ns.out}")
-        summary = write_dump(records, ns.out, PROFILES[hardware])
+        factory = load_target(ns.target)
+        hardware = ns.hardware or "cpu-gloo-loopback"
+        mp = _mp_policy(ns.mp)
+        reshard = not ns.no_reshard
+        where = _mesh_words(ns.world_size, ns.replicate)
+        with fake_group(ns.world_size):
+            mesh = hsdp_mesh(ns.world_size, ns.replicate)
+            progress.step(f"building {ns.target}")
+            model, args, loss_fn = call_factory(factory)
+            progress.step(f"sharding over {where} (rank 0, fake process group), compiling forward and backward")
+            if not ns.no_block_shard:
+                shard_blocks(model, mesh, reshard_after_forward=reshard, mp_policy=mp)
+            clear_compiled_graphs()
+            shard_compile(
+                model, mesh, reshard_after_forward=reshard, mp_policy=mp,
+                compile_config=CompileConfig(hardware=hardware, check_rank_consistency=False, keep_snapshots=True),
+            )
+            try:
+                loss = loss_fn(model(*args))
+                loss.backward()
+            except RunError:
+                raise
+            except Exception as e:
+                raise RunError(f"forward/backward of the compiled model failed: {type(e).__name__}: {e}") from e
+            records = compiled_graphs()
+            if not records:
+                raise RunError("nothing was compiled (did the model run any sharded parameter?)")
+            progress.step(f"simulating the step and writing {len(records)} graphs to {ns.out}")
+            summary = write_dump(records, ns.out, PROFILES[hardware])
     print(f"sharded over {where}")
     print(summary, end="")
     print(f"artefacts in {os.path.abspath(ns.out)}")
@@ -206,25 +208,27 @@ def cmd_dump(ns: argparse.Namespace) -> int:
 
 
 def cmd_plan(ns: argparse.Namespace) -> int:
-    import json
-
-    from .cost_model import PROFILES
-    from .plan import format_plan, make_plan
-    from .targets import call_factory, fake_group, load_target
-
-    factory = load_target(ns.target)
-    profiles = [ns.hardware] if ns.hardware else list(PROFILES)
     start = time.perf_counter()
-    with fake_group(ns.world_size), Progress(None, ns.quiet) as progress:
-        try:
-            plan = make_plan(factory, ns.world_size, replicate=ns.replicate, call=call_factory, profiles=profiles,
-                             mp_policy=_mp_policy(ns.mp),
-                             reshard_after_forward=not ns.no_reshard, progress=progress.step,
-                             attention=ns.attention, ac=ns.ac, compiler=ns.compiler)
-        except (RunError, UsageError):
-            raise
-        except Exception as e:
-            raise RunError(f"planning failed: {type(e).__name__}: {e}") from e
+    with Progress(None, ns.quiet) as progress:
+        progress.step(f"importing torch, the compiler and {ns.target}")
+        import json
+
+        from .cost_model import PROFILES
+        from .plan import format_plan, make_plan
+        from .targets import call_factory, fake_group, load_target
+
+        factory = load_target(ns.target)
+        profiles = [ns.hardware] if ns.hardware else list(PROFILES)
+        with fake_group(ns.world_size):
+            try:
+                plan = make_plan(factory, ns.world_size, replicate=ns.replicate, call=call_factory,
+                                 profiles=profiles, mp_policy=_mp_policy(ns.mp),
+                                 reshard_after_forward=not ns.no_reshard, progress=progress.step,
+                                 attention=ns.attention, ac=ns.ac, compiler=ns.compiler)
+            except (RunError, UsageError):
+                raise
+            except Exception as e:
+                raise RunError(f"planning failed: {type(e).__name__}: {e}") from e
     seconds, rss = time.perf_counter() - start, peak_rss_bytes()
     if ns.json:
         out = plan.to_json()
