@@ -155,3 +155,20 @@ def trace_graph_artifact(name: str, gm) -> None:
     from torch._logging._internal import trace_structured_artifact
 
     trace_structured_artifact(name, "string", payload_fn=lambda: gm.print_readable(print_output=False))
+
+
+def concatenate_meshes(meshes: list) -> "torch.distributed.device_mesh.DeviceMesh":
+    """One mesh of the dims of `meshes` (slices of one root mesh, e.g. mesh["dp"] and mesh["tp"]), in that order:
+    what a parameter sharded over dp on top of tensor parallelism lives on (FSDP2 builds the same). Raises
+    RuntimeError for meshes of different roots or overlapping dims."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh._concatenate(meshes)
+
+
+def strided_shard(dim: int, split_factor: int):
+    """DTensor's `_StridedShard`: dim-0 sharding over dp of a tensor that tensor parallelism already shards on the
+    same dim (how FSDP2 + TP places it, so state dicts and DCP agree with fully_shard)."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return _StridedShard(dim, split_factor=split_factor)

@@ -85,14 +85,16 @@ def _check_call_inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -
     param = next(iter(module.parameters()), None)
     if param is None:
         return
-    if param.device.type == "meta":
+    leaves = [*_named_leaves("args", args), *_named_leaves("kwargs", kwargs)]
+    with_data = any(isinstance(v, torch.Tensor) and v.device.type != "meta" for _, v in leaves)
+    if param.device.type == "meta" and with_data:  # all-meta calls are shape-only runs (the CLI's, a planner's)
         name = next(n for n, p in module.named_parameters() if p is param)
         raise RuntimeError(
             f"parameter '{name}' of {type(module).__name__} is on the meta device: allocate and initialise the "
             "shards before the first forward, e.g. model.to_empty(device=...) then, inside "
             "fsdp2_compile.sharded_parameters(), model.init_weights() / reset_parameters()"
         )
-    check_input_devices([*_named_leaves("args", args), *_named_leaves("kwargs", kwargs)], param.device)
+    check_input_devices(leaves, param.device)
 
 
 def _named_leaves(name: str, obj: Any) -> list[tuple[str, Any]]:

@@ -60,6 +60,7 @@ __all__ = [
     "collective",
     "collective_kind",
     "concrete",
+    "fsdp_collective_kind",
     "fsdp_op_name",
     "nbytes",
     "schema_args",
@@ -103,6 +104,9 @@ class Role(StrEnum):
     """The padding rows dropped again."""
     KEEP_ALIVE = "keep_alive"
     """`fsdp2::keep_alive` after a wait: the collective's inputs live until it is done."""
+    TP = "tp"
+    """A collective, or its wait, that tensor parallelism (DTensor redistribution) put in the graph: costed and
+    checked like FSDP's, never bucketed or moved by the FSDP passes."""
 
 
 PARAMS = "fsdp.params"
@@ -308,6 +312,13 @@ COLLECTIVE_KINDS: dict[torch._ops.OpOverload, Role] = {v.op: v.kind for v in _CO
 def collective_kind(node: fx.Node) -> Role | None:
     """"all_gather", "reduce_scatter" or "all_reduce" for a functional collective node, else None."""
     return COLLECTIVE_KINDS.get(node.target) if node.op == "call_function" else None
+
+
+def fsdp_collective_kind(node: fx.Node) -> Role | None:
+    """The kind of a collective the FSDP passes inserted (tagged with that role); None for any other node,
+    tensor parallelism's collectives included."""
+    kind = collective_kind(node)
+    return kind if kind is not None and node.meta.get(ROLE) == kind else None
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from enum import IntEnum
 from torch import fx
 
 from .graph import positions, stable_topological_sort
-from .ir import ROLE, AllReduceArgs, CollectiveArgs, Role, collective_kind, nbytes, val
+from .ir import ROLE, AllReduceArgs, CollectiveArgs, Role, fsdp_collective_kind, nbytes, val
 
 __all__ = ["Rank", "Unit", "anchors_at", "emit_order", "find_units", "memory_budget", "order_keys"]
 
@@ -66,11 +66,12 @@ def _finish_nodes(collective: fx.Node) -> list[fx.Node]:
 
 
 def find_units(gm: fx.GraphModule) -> list[Unit]:
-    """Every collective of the graph as a unit, all-gathers ordered by first use, then the others in graph order."""
+    """Every FSDP collective of the graph as a unit, all-gathers ordered by first use, then the others in graph
+    order (tensor parallelism's collectives are not units: they stay with their compute)."""
     pos = positions(gm.graph)
     units = []
     for node in gm.graph.nodes:
-        kind = collective_kind(node)
+        kind = fsdp_collective_kind(node)
         if kind is None:
             continue
         finish = _finish_nodes(node)

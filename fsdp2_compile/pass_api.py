@@ -24,6 +24,8 @@ __all__ = ["Fact", "Pass", "PassContext", "PassOrderError", "check_contracts", "
 class Fact(StrEnum):
     """What a pass can establish about the graph it leaves."""
 
+    TP_TAGGED = "tp_tagged"
+    """Collectives already in the captured graph (tensor parallelism's) and their waits carry `Role.TP`."""
     TIED_GRADS_COMBINED = "tied_grads_combined"
     """A parameter used several times has one `fsdp2::reduce_grad` (its gradients summed before reduction)."""
     UNSHARD_LOWERED = "unshard_lowered"

@@ -20,12 +20,14 @@ from .passes import (
     lower_unshard,
     reorder_for_overlap,
     schedule,
+    tag_tp_collectives,
 )
 from .report import NodeFacts, Snapshot, dump_requested, node_facts, snapshot
 
 __all__ = ["PASSES", "NodeFacts", "PassContext", "Snapshot", "node_facts", "run_pipeline"]
 
 PASSES: list[Pass] = [
+    tag_tp_collectives,
     combine_tied_grads,
     lower_unshard,
     lower_reduce_grad,

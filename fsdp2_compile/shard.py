@@ -8,6 +8,11 @@ show the sharded DTensors with their logical shapes.
 
 HSDP: on a 2-D mesh `(replicate, shard)` parameters are `DTensor [Replicate(), Shard(0)]`: sharded over the
 mesh's last dim, replicated over its first; gradients are reduce-scattered, then all-reduced over the replicas.
+
+FSDP + tensor parallelism: a parameter that is already a DTensor on a 1-D TP mesh (from `parallelize_module`)
+keeps its TP layout and is sharded over the dp mesh on top, as FSDP2 does: a DTensor on the concatenated (dp, tp)
+mesh, `[Shard(0) | _StridedShard(0) when TP also shards dim 0, *tp placements]`. `module.weight` gathers over dp
+and returns the TP DTensor, so TP's own collectives (DTensor redistribution) trace into the same graph.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
+from ._torch_private import concatenate_meshes, strided_shard
 from .comm_groups import fsdp_group
 from .config import MixedPrecisionPolicy
 from .cost_model import measure_profile
@@ -45,6 +51,20 @@ __all__ = [
 ]
 
 _STATE_ATTR = "_fsdp2_state"
+
+
+@dataclass(frozen=True)
+class TPLayout:
+    """A tensor-parallel parameter's DTensor layout before `shard`: what the gathered TP-local tensor is wrapped
+    back into for the module's forward."""
+
+    mesh: DeviceMesh
+    placements: tuple
+    shape: torch.Size
+    stride: tuple[int, ...]
+
+    def wrap(self, local: torch.Tensor) -> DTensor:
+        return DTensor.from_local(local, self.mesh, self.placements, run_check=False, shape=self.shape, stride=self.stride)
 
 
 @dataclass
@@ -67,6 +87,8 @@ class ParamInfo:
     """False: backward keeps the unsharded gradient on this rank instead of reducing it (`set_requires_gradient_sync`)."""
     pending_key: str = ""
     """Where unsynced gradients are kept; set the first time sync is turned off (then synced backwards add them)."""
+    tp: TPLayout | None = None
+    """FSDP + TP: the parameter's tensor-parallel layout (`dim0` is then its TP-local dim 0)."""
 
     def gather(self, param: nn.Parameter) -> torch.Tensor:
         if _SHARDED_ACCESS.active:
@@ -79,7 +101,7 @@ class ParamInfo:
         full = self._unshard(param)
         if self.reshard_after_forward and not torch.compiler.is_compiling():
             note_gathered(full, functools.partial(self._unshard, param))
-        return full
+        return full if self.tp is None else self.tp.wrap(full)
 
     def _unshard(self, param: DTensor) -> torch.Tensor:
         return unshard(
@@ -230,22 +252,56 @@ def _check_param(fqn: str, param: nn.Parameter, mesh: DeviceMesh) -> None:
             f"move the module with module.to('{mesh.device_type}') before calling shard"
         )
     if isinstance(param, DTensor):
+        _check_tp_param(fqn, param, mesh)
+
+
+def _check_tp_param(fqn: str, param: DTensor, mesh: DeviceMesh) -> None:
+    """A DTensor parameter must be tensor-parallel on a 1-D mesh that is a sibling of `mesh` (one root mesh)."""
+    tp_mesh = param.device_mesh
+    where = f"parameter '{fqn}' is a DTensor on mesh {tp_mesh.mesh_dim_names or tuple(tp_mesh.shape)}"
+    if tp_mesh.ndim != 1 or any(p.is_partial() for p in param.placements):
         raise ValueError(
-            f"parameter '{fqn}' is already a DTensor not managed by fsdp2_compile; "
-            "only plain parameters can be sharded"
+            f"{where} with placements {param.placements}; fsdp2_compile shards over the dp mesh on top of 1-D tensor "
+            "parallelism (Shard or Replicate placements) only"
         )
+    same = set(tp_mesh.mesh_dim_names or ()) & set(mesh.mesh_dim_names or ())
+    if same:
+        raise ValueError(
+            f"{where}, and shard got that same mesh dim {sorted(same)}: pass the data-parallel mesh, e.g. "
+            f"shard(module, mesh['dp']) with the tensor-parallel plan applied on mesh['tp']"
+        )
+    try:
+        concatenate_meshes([mesh, tp_mesh])
+    except RuntimeError as e:
+        raise ValueError(
+            f"{where}, which shard's mesh {mesh.mesh_dim_names or tuple(mesh.shape)} does not extend ({e}); slice both "
+            "from one mesh: mesh = init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp')), "
+            "parallelize_module(..., mesh['tp'], plan), shard(..., mesh['dp'])"
+        ) from None
 
 
 def _shard_param(param: nn.Parameter, mesh: DeviceMesh) -> nn.Parameter:
-    """Rows of this rank's shard on the mesh's last (shard) dim; replicated over a 2-D mesh's first dim."""
+    """Rows of this rank's shard on the mesh's last (shard) dim; replicated over a 2-D mesh's first dim. A
+    tensor-parallel DTensor: its TP-local tensor's rows, on the (dp, tp) mesh (see the module docstring)."""
     world_size, rank = mesh.size(mesh.ndim - 1), mesh.get_local_rank(mesh.ndim - 1)
-    chunks = torch.chunk(param.detach(), world_size, dim=0)
-    local = chunks[rank] if rank < len(chunks) else param.new_empty((0, *param.shape[1:]))
-    placements = [Shard(0)] if mesh.ndim == 1 else [Replicate(), Shard(0)]
-    dtensor = DTensor.from_local(
-        local.clone(), mesh, placements, run_check=False, shape=param.shape, stride=param.stride()
-    )
+    data = param.detach().to_local() if isinstance(param, DTensor) else param.detach()
+    chunks = torch.chunk(data, world_size, dim=0)
+    local = chunks[rank] if rank < len(chunks) else data.new_empty((0, *data.shape[1:]))
+    dp = [Shard(0)] if mesh.ndim == 1 else [Replicate(), Shard(0)]
+    on = mesh
+    if isinstance(param, DTensor):
+        tp_mesh, tp_placements = param.device_mesh, tuple(param.placements)
+        if tp_placements[0].is_shard(0):  # TP's row blocks are split again by dp: strided, as FSDP2 places them
+            dp[-1] = strided_shard(0, tp_mesh.size())
+        dp, on = [*dp, *tp_placements], concatenate_meshes([mesh, tp_mesh])
+    dtensor = DTensor.from_local(local.clone(), on, dp, run_check=False, shape=param.shape, stride=param.stride())
     return nn.Parameter(dtensor, requires_grad=param.requires_grad)
+
+
+def _tp_layout(param: nn.Parameter) -> TPLayout | None:
+    if not isinstance(param, DTensor):
+        return None
+    return TPLayout(param.device_mesh, tuple(param.placements), param.shape, param.stride())
 
 
 def _check_bool(method: str, name: str, value: object) -> None:
@@ -455,10 +511,11 @@ def shard(
                 else:
                     _check_param(fqn, param, mesh)
                     sharded = _shard_param(param, mesh)
+                    tp = _tp_layout(param)
                     info = ParamInfo(
                         fqn=fqn,
                         bucket=_group_path(member, mod_name, paths),
-                        dim0=param.shape[0],
+                        dim0=param.to_local().shape[0] if tp is not None else param.shape[0],
                         world_size=world_size,
                         group_name=group_name,
                         param_dtype=mp_policy.param_dtype if mp_policy.param_dtype != param.dtype else None,
@@ -466,6 +523,7 @@ def shard(
                         reshard_after_forward=reshard_after_forward,
                         replicate_size=replicate_size,
                         replicate_group_name=replicate_group_name,
+                        tp=tp,
                     )
                     _REPLACED[param] = (sharded, info)
                     taken.append(info)

@@ -7,6 +7,7 @@ from .lower_reduce_grad import lower_reduce_grad
 from .lower_unshard import lower_unshard
 from .reorder_for_overlap import reorder_for_overlap
 from .schedule import schedule
+from .tag_tp_collectives import tag_tp_collectives
 
 __all__ = [
     "bucket_collectives",
@@ -16,4 +17,5 @@ __all__ = [
     "lower_unshard",
     "reorder_for_overlap",
     "schedule",
+    "tag_tp_collectives",
 ]
