@@ -255,29 +255,56 @@ def _check_param(fqn: str, param: nn.Parameter, mesh: DeviceMesh) -> None:
         _check_tp_param(fqn, param, mesh)
 
 
+def _mesh_desc(mesh: DeviceMesh) -> str:
+    names = mesh.mesh_dim_names
+    dims = ", ".join(f"{n}={k}" for n, k in zip(names, mesh.shape)) if names else f"unnamed, shape {tuple(mesh.shape)}"
+    return f"mesh ({dims})"
+
+
+_RECIPE = (
+    "slice both from one mesh: mesh = init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp')), "
+    "parallelize_module(block, mesh['tp'], plan), then shard(block, mesh['dp'])"
+)
+
+
 def _check_tp_param(fqn: str, param: DTensor, mesh: DeviceMesh) -> None:
-    """A DTensor parameter must be tensor-parallel on a 1-D mesh that is a sibling of `mesh` (one root mesh)."""
+    """A DTensor parameter must be tensor-parallel (Shard / Replicate) on a 1-D mesh that `mesh` extends: both
+    slices of one mesh over the same ranks, with disjoint dims. Checked on every rank before any collective (the
+    checks read only the meshes' layouts, which every rank holds whole)."""
     tp_mesh = param.device_mesh
-    where = f"parameter '{fqn}' is a DTensor on mesh {tp_mesh.mesh_dim_names or tuple(tp_mesh.shape)}"
-    if tp_mesh.ndim != 1 or any(p.is_partial() for p in param.placements):
+    where = f"parameter '{fqn}' is a DTensor on the tensor-parallel {_mesh_desc(tp_mesh)}"
+    dp = f"shard's {_mesh_desc(mesh)}"
+    if tp_mesh.ndim != 1:
         raise ValueError(
-            f"{where} with placements {param.placements}; fsdp2_compile shards over the dp mesh on top of 1-D tensor "
-            "parallelism (Shard or Replicate placements) only"
+            f"{where} with placements {tuple(param.placements)}: a {tp_mesh.ndim}-D mesh. fsdp2_compile shards over "
+            f"{dp} on top of 1-D tensor parallelism only; apply the TP plan on one 1-D slice, e.g. mesh['tp']"
         )
-    same = set(tp_mesh.mesh_dim_names or ()) & set(mesh.mesh_dim_names or ())
+    if any(p.is_partial() for p in param.placements):
+        raise ValueError(
+            f"{where} with placements {tuple(param.placements)}: a Partial (pending-reduction) parameter cannot be "
+            f"sharded over {dp}; parameters must be Shard or Replicate (redistribute it, or let parallelize_module "
+            "place it)"
+        )
+    if not mesh.mesh_dim_names or not tp_mesh.mesh_dim_names:
+        raise ValueError(
+            f"{where}, and {dp}" + (" (the default 1-D mesh over every rank)" if not mesh.mesh_dim_names else "")
+            + f" has no dim names: with tensor parallelism {_RECIPE}"
+        )
+    same = set(tp_mesh.mesh_dim_names) & set(mesh.mesh_dim_names)
     if same:
         raise ValueError(
-            f"{where}, and shard got that same mesh dim {sorted(same)}: pass the data-parallel mesh, e.g. "
+            f"{where}, and {dp} has the same dim {sorted(same)}: pass the data-parallel mesh, e.g. "
             f"shard(module, mesh['dp']) with the tensor-parallel plan applied on mesh['tp']"
         )
     try:
         concatenate_meshes([mesh, tp_mesh])
     except RuntimeError as e:
-        raise ValueError(
-            f"{where}, which shard's mesh {mesh.mesh_dim_names or tuple(mesh.shape)} does not extend ({e}); slice both "
-            "from one mesh: mesh = init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp')), "
-            "parallelize_module(..., mesh['tp'], plan), shard(..., mesh['dp'])"
-        ) from None
+        why = (
+            "they are meshes over different ranks"
+            if "different device mesh" in str(e)
+            else "they overlap: some ranks of one data-parallel group are also in one tensor-parallel group"
+        )
+        raise ValueError(f"{where}, which {dp} does not extend ({why}); {_RECIPE}") from None
 
 
 def _shard_param(param: nn.Parameter, mesh: DeviceMesh) -> nn.Parameter:
@@ -484,6 +511,7 @@ def shard(
     _check_options(reshard_after_forward, mp_policy)
     mesh = _default_mesh(mesh)
     ignored = _check_ignored(ignored_params)
+    _check_new_params(members, mesh, ignored)  # on every rank, before any collective
     world_size, group_name, replicate_size, replicate_group_name = _mesh_groups(mesh)
     if world_size > 1 and torch.distributed.get_backend(mesh.get_group(mesh.ndim - 1)) != "fake":
         # for the scheduler's cost model; measured once per process group
@@ -540,6 +568,17 @@ def shard(
         register_reshard_hooks(member)  # acts only on parameters gathered with reshard_after_forward on
         object.__setattr__(member, _STATE_ATTR, state)
     return module
+
+
+def _check_new_params(members: list[nn.Module], mesh: DeviceMesh, ignored: dict[int, nn.Parameter]) -> None:
+    """`_check_param` on every parameter this `shard` call will take over (not ignored, not taken by an earlier
+    call), before `shard` measures the link or creates any group: bad input fails on every rank alike."""
+    for member in members:
+        for mod_name, mod in member.named_modules(remove_duplicate=False):
+            for pname, param in mod._parameters.items():
+                if param is None or id(param) in ignored or pname in _infos(mod) or param in _REPLACED:
+                    continue
+                _check_param(f"{mod_name}.{pname}" if mod_name else pname, param, mesh)
 
 
 def _check_modules(module: object) -> list[nn.Module]:
