@@ -3,7 +3,8 @@
     torchrun --nproc-per-node 2 benchmarks/step_time.py --mode full [--layers 8 --d-model 512 ...]
 
 Modes: fsdp2 (FSDP2 eager: fully_shard per block + root), plain (our pipeline without bucketing, reordering or
-scheduling), full (bucketed, reordered, scheduled), inductor (full, compiled by Inductor).
+scheduling), full (bucketed, reordered, scheduled), inductor (full, compiled by Inductor), keep-quarter (full, with
+selective unsharding keeping a quarter of the gathered parameter bytes from forward to backward).
 Prints one JSON line (rank 0): median/mean step seconds after warm-up, first-step (compile) seconds, peak RSS per
 rank, collectives and bytes per step.
 """
@@ -32,6 +33,7 @@ CONFIGS = {
     "plain": fc.CompileConfig(buckets="none", prefetch=False, schedule=False),
     "full": fc.CompileConfig(),
     "inductor": fc.CompileConfig(compiler="inductor"),
+    "keep-quarter": fc.CompileConfig(keep_gathered=0.25),
 }
 
 

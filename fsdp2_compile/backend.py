@@ -34,6 +34,7 @@ from .consistency import rank_check
 from .cost_model import PROFILES, HardwareProfile, measured_profile
 from .graph import nodes_calling
 from .ir import REDUCE_GRAD, UNSHARD, ReduceGradArgs, UnshardArgs
+from .keep_gathered import buckets_to_keep
 from .pipeline import PassContext, run_pipeline
 from .report import GraphRecord, collectives, dump_requested, record_graph
 from .shard import is_known_param
@@ -98,9 +99,13 @@ def _check_graph_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> No
     check_input_devices(named, device)
 
 
-def _tag_unshards(joint: fx.GraphModule) -> None:
+def _tag_unshards(joint: fx.GraphModule, config: CompileConfig) -> None:
+    """Gathered parameters are recomputed in backward (resharded after forward) unless their module says not to
+    or selective unsharding keeps their bucket."""
+    kept = buckets_to_keep(joint.graph, config.keep_gathered)
     for node in nodes_calling(joint.graph, UNSHARD):
-        reshard = UnshardArgs.of(node).reshard_after_forward
+        call = UnshardArgs.of(node)
+        reshard = call.reshard_after_forward and call.bucket not in kept
         node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE if reshard else CheckpointPolicy.MUST_SAVE
 
 
@@ -138,8 +143,8 @@ def _rng_states_before_opaques(fw: fx.GraphModule, bw: fx.GraphModule) -> None:
     bw.recompile()
 
 
-def _partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any):
-    _tag_unshards(joint)
+def _partition(joint: fx.GraphModule, joint_inputs: Any, *, config: CompileConfig, **kwargs: Any):
+    _tag_unshards(joint, config)
     fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
     _rng_states_before_opaques(fw, bw)
     return fw, bw
@@ -199,7 +204,7 @@ def fsdp2_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Com
         fw_compiler=_compiler("forward", config),
         bw_compiler=_compiler("backward", config),
         inference_compiler=_compiler("inference", config),
-        partition_fn=_partition,
+        partition_fn=functools.partial(_partition, config=config),
         decompositions=inductor_decompositions() if config.compiler == "inductor" else None,
     )
 

@@ -60,6 +60,10 @@ class CompileConfig:
     memory_budget_bytes: int | None = None
     """Cap on the bytes of gathered buckets alive at once (in use + prefetched); None: `prefetch_depth + 1` times
     the largest bucket."""
+    keep_gathered: int | float | None = None
+    """Selective unsharding: a budget for gathered parameters kept from forward to backward instead of resharded
+    and gathered again — bytes (int), or a fraction (float in (0, 1]) of the resharded parameters' gathered bytes.
+    The last buckets of the forward are kept first (`keep_gathered.py`). None (the default): FSDP2's behaviour."""
     schedule: bool = True
     """Let the cost-model scheduler pick each all-gather's start (within `prefetch_depth` and the budget)."""
     hardware: str | None = None
@@ -90,6 +94,14 @@ class CompileConfig:
             raise ValueError(
                 f"CompileConfig.memory_budget_bytes={self.memory_budget_bytes!r}: use a positive number of bytes, "
                 "or None for prefetch_depth + 1 times the largest bucket"
+            )
+        keep = self.keep_gathered
+        if keep is not None and not (
+            (_is_int(keep) and keep >= 0) or (isinstance(keep, float) and 0.0 <= keep <= 1.0)
+        ):
+            raise ValueError(
+                f"CompileConfig.keep_gathered={keep!r}: use a number of bytes (int >= 0), a fraction of the "
+                "gathered parameter bytes (float in [0, 1]), or None"
             )
         for name in ("prefetch", "schedule", "check_rank_consistency", "keep_snapshots"):
             if not isinstance(getattr(self, name), bool):

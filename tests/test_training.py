@@ -185,6 +185,26 @@ def test_every_pipeline_configuration_keeps_parity(config):
     assert result["live_unsharded"] == []
 
 
+def test_selective_unsharding_keeps_the_last_buckets_gathered_with_parity():
+    # keep_gathered=0.5: of the GPT's buckets (root, blocks.0, blocks.1), the ones backward needs first that fit
+    # half the gathered bytes stay gathered from forward; backward gathers only the others
+    plain = run("gpt", 2)
+    result = run("gpt", 2, config=(("keep_gathered", 0.5),))
+    torch.testing.assert_close(result["losses"], reference("gpt")[0], rtol=1e-5, atol=0)
+    assert result["losses"] == plain["losses"]  # the same arithmetic, fewer collectives
+
+    def backward_gathers(r):
+        [bw] = [g for g in r["graphs"] if g["kind"] == "backward"]
+        return [c for c in bw["collectives"] if c.kind == "all_gather"]
+
+    kept = {c.params for c in backward_gathers(plain)} - {c.params for c in backward_gathers(result)}
+    assert kept and len(backward_gathers(result)) < len(backward_gathers(plain))
+    kept_bytes = sum(c.nbytes for c in backward_gathers(plain) if c.params in kept)
+    all_bytes = sum(c.nbytes for c in backward_gathers(plain))
+    assert 0 < kept_bytes <= all_bytes / 2
+    assert all(order == result["orders"][0] for order in result["orders"])
+
+
 def test_inductor_keeps_parity():
     # Inductor fuses elementwise ops and may sum in another order: fp32 losses agree to ~1e-6 relative per step,
     # which AdamW's sign-like updates can grow over 10 steps; 1e-4 still tells a wrong gradient apart (~1e-2).
