@@ -1,8 +1,10 @@
 """Run the step-time benchmark for every mode on plain loopback and on a loopback shaped to 1 Gbit/s (a network
 namespace with `tc ... tbf`, needs root and iproute2), then compile times at 4, 8 and 16 layers, and print a
-Markdown table with ratios against FSDP2 eager measured in the same run.
+Markdown table with ratios against FSDP2 eager measured in the same run, and against the floor: max(compute alone
+— one rank's share of the batch on one process, no communication — and the bytes a step moves over the shaped
+link; on loopback the floor is the compute alone).
 
-    .venv/bin/python benchmarks/run.py [--modes fsdp2 plain full inductor] [--steps 6] [--quick]
+    .venv/bin/python benchmarks/run.py [--modes fsdp2 plain full inductor keep-quarter] [--steps 6] [--quick]
 """
 
 from __future__ import annotations
@@ -30,9 +32,9 @@ def shaped_link(rate: str) -> list[str]:
     return ["ip", "netns", "exec", NETNS]
 
 
-def job(prefix: list[str], mode: str, extra: list[str], port: int) -> dict:
-    cmd = [*prefix, TORCHRUN, "--master-addr", "127.0.0.1", "--master-port", str(port), "--nproc-per-node", "2",
-           os.path.join(HERE, "step_time.py"), "--mode", mode, *extra]
+def job(prefix: list[str], mode: str, extra: list[str], port: int, ranks: int = 2) -> dict:
+    cmd = [*prefix, TORCHRUN, "--master-addr", "127.0.0.1", "--master-port", str(port), "--nproc-per-node",
+           str(ranks), os.path.join(HERE, "step_time.py"), "--mode", mode, *extra]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
     if out.returncode or not lines:
@@ -44,12 +46,15 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--modes", nargs="+", default=["fsdp2", "plain", "full", "inductor"])
     p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--rate", default="1gbit")
+    p.add_argument("--rate", default="1gbit", help="tc rate of the shaped link, in bits/s units tc takes (e.g. 1gbit)")
+    p.add_argument("--batch", type=int, default=8, help="global batch")
     p.add_argument("--quick", action="store_true", help="a 2-layer d=256 model, to try the harness")
     args = p.parse_args()
     size = ["--layers", "2", "--d-model", "256", "--vocab", "2048", "--seq", "128"] if args.quick else []
-    extra = [*size, "--steps", str(args.steps)]
+    extra = [*size, "--steps", str(args.steps), "--batch", str(args.batch)]
     port = 29700
+    compute = job([], "compute", [*size, "--steps", str(args.steps), "--batch", str(args.batch // 2)], port, ranks=1)
+    print(f"# compute alone (one rank's share) median {compute['median_s']:.3f} s", file=sys.stderr, flush=True)
     results = {}
     for net, prefix in (("loopback", []), (args.rate, shaped_link(args.rate))):
         for mode in args.modes:
@@ -65,20 +70,40 @@ def main() -> None:
             compile_s[layers] = r["first_step_s"] - r["median_s"]
             print(f"# compile {layers} layers: {compile_s[layers]:.1f} s", file=sys.stderr, flush=True)
 
-    base = {net: results[(net, "fsdp2")]["median_s"] for net, _ in results if (net, "fsdp2") in results}
-    print("| link | mode | step (median) | vs FSDP2 eager | peak RSS / rank | collectives / step | MB / step |")
-    print("|---|---|---|---|---|---|---|")
+    base = {net: results[(net, "fsdp2")] for net, _ in results if (net, "fsdp2") in results}
+    link_bytes_per_s = _rate_bytes_per_s(args.rate)
+    print(f"compute alone (one rank's share of the batch, one process, eager, no communication): "
+          f"{compute['median_s']:.3f} s\n")
+    print("| link | mode | step (median) | vs FSDP2 eager | floor | vs floor | peak RSS / rank | RSS vs eager "
+          "| collectives / step | MB / step |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for (net, mode), r in results.items():
-        ratio = f"{r['median_s'] / base[net]:.2f}x" if net in base else "-"
+        eager = base.get(net)
+        ratio = f"{r['median_s'] / eager['median_s']:.2f}x" if eager else "-"
+        rss = max(r["peak_rss_mib"])
+        rss_ratio = f"{rss / max(eager['peak_rss_mib']):.2f}x" if eager else "-"
+        moved = r["bytes_per_step"] or results.get((net, "full"), {}).get("bytes_per_step") or 0
+        floor = compute["median_s"] if net == "loopback" else max(compute["median_s"], moved / link_bytes_per_s)
         colls = r["collectives_per_step"] or "-"
         mb = f"{r['bytes_per_step'] / 1e6:.1f}" if r["bytes_per_step"] else "-"
-        print(f"| {net} | {mode} | {r['median_s']:.3f} s | {ratio} | {max(r['peak_rss_mib']):.0f} MiB | {colls} | {mb} |")
+        print(f"| {net} | {mode} | {r['median_s']:.3f} s | {ratio} | {floor:.3f} s | {r['median_s'] / floor:.2f}x "
+              f"| {rss:.0f} MiB | {rss_ratio} | {colls} | {mb} |")
+    print("\nfloor: max(compute alone, MB / step at the shaped link's rate); fsdp2 rows use our full pipeline's "
+          "MB / step (FSDP2 moves the same parameter and gradient bytes); MB / step counts every collective's full "
+          "buffer (gathered parameters, gradients to reduce) of one step's forward and backward graphs")
     if compile_s:
         print("\n| layers | compile time (first step - median step) |\n|---|---|")
         for layers, s in compile_s.items():
             print(f"| {layers} | {s:.1f} s |")
     first = next(iter(results.values()))
     print(f"\nmodel: {first['params'] / 1e6:.1f} M parameters, {first['world']} ranks, gloo; {args.steps} timed steps")
+
+
+def _rate_bytes_per_s(rate: str) -> float:
+    """tc's rate units ("1gbit", "100mbit", "500kbit") in bytes per second."""
+    units = {"gbit": 1e9, "mbit": 1e6, "kbit": 1e3, "bit": 1.0}
+    unit = next(u for u in units if rate.endswith(u))
+    return float(rate[: -len(unit)]) * units[unit] / 8
 
 
 if __name__ == "__main__":

@@ -4,7 +4,9 @@
 
 Modes: fsdp2 (FSDP2 eager: fully_shard per block + root), plain (our pipeline without bucketing, reordering or
 scheduling), full (bucketed, reordered, scheduled), inductor (full, compiled by Inductor), keep-quarter (full, with
-selective unsharding keeping a quarter of the gathered parameter bytes from forward to backward).
+selective unsharding keeping a quarter of the gathered parameter bytes from forward to backward), compute (one
+process, the unsharded model in eager on one rank's share of the batch: the compute alone, no communication; run
+it with --nproc-per-node 1 and --batch set to the per-rank batch).
 Prints one JSON line (rank 0): median/mean step seconds after warm-up, first-step (compile) seconds, peak RSS per
 rank, collectives and bytes per step.
 """
@@ -41,6 +43,8 @@ def build(args) -> torch.nn.Module:
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=args.layers, n_head=args.heads, d_model=args.d_model)
     model = GPT(cfg)
+    if args.mode == "compute":
+        return model
     if args.mode == "fsdp2":
         from torch.distributed.fsdp import fully_shard
 
@@ -61,7 +65,7 @@ def build(args) -> torch.nn.Module:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--mode", choices=["fsdp2", *CONFIGS], required=True)
+    p.add_argument("--mode", choices=["fsdp2", "compute", *CONFIGS], required=True)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--d-model", type=int, default=512)
     p.add_argument("--heads", type=int, default=8)
