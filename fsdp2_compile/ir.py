@@ -38,6 +38,7 @@ __all__ = [
     "COLLECTIVE_KINDS",
     "KEEP_ALIVE",
     "PARAMS",
+    "PREFETCH",
     "REDUCE_GRAD",
     "ROLE",
     "STASH_GRAD",
@@ -112,6 +113,10 @@ class Role(StrEnum):
 PARAMS = "fsdp.params"
 """`node.meta` key: the parameter names (a tuple of fqns) a communication / cast / copy node serves; several once
 bucketed."""
+PREFETCH = "fsdp.prefetch"
+"""`node.meta` key on an all-gather: the buckets (a tuple) whose all-gathers are issued right before this one's
+first use — `FSDPModule.set_modules_to_forward_prefetch` / `set_modules_to_backward_prefetch`, for the graph's
+direction."""
 BUCKET = "fsdp.bucket"
 """`node.meta` key: the FSDP group (module path of its `shard` call, "" = the root) a node belongs to; bucketing may
 refine it."""

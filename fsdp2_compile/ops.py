@@ -67,11 +67,14 @@ def unshard(
     replicate_group_name: str = "",
     requires_grad_sync: bool = True,
     pending_key: str = "",
+    prefetch_forward: str = "",
+    prefetch_backward: str = "",
 ) -> Tensor:
     """All-gather a dim-0 shard into the full parameter of `dim0` rows, cast to `param_dtype` first.
     Only the backward uses the rest: `replicate_*` name the HSDP replicate group (`1` / `""` without one);
     `requires_grad_sync=False` keeps the gradient unsharded under `pending_key` instead of reducing it, and a
-    synced backward with a `pending_key` adds what was kept first."""
+    synced backward with a `pending_key` adds what was kept first. `prefetch_*`: comma-separated buckets whose
+    all-gathers the scheduler issues right before this parameter's bucket is used (explicit prefetching)."""
     x = shard if param_dtype is None else shard.to(param_dtype)
     x = pad_rows(x, padded_rows(dim0, world_size)).contiguous()
     full = _funcol.wait_tensor(_funcol.all_gather_into_tensor(x, world_size, group_name))

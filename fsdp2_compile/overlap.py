@@ -17,7 +17,7 @@ from enum import IntEnum
 from torch import fx
 
 from .graph import positions, stable_topological_sort
-from .ir import ROLE, AllReduceArgs, CollectiveArgs, Role, fsdp_collective_kind, nbytes, val
+from .ir import BUCKET, PREFETCH, ROLE, AllReduceArgs, CollectiveArgs, Role, fsdp_collective_kind, nbytes, val
 
 __all__ = ["Rank", "Unit", "anchors_at", "emit_order", "find_units", "memory_budget", "order_keys"]
 
@@ -83,8 +83,16 @@ def find_units(gm: fx.GraphModule) -> list[Unit]:
 
 
 def anchors_at(gathers: list[Unit], distances: list[int]) -> dict[fx.Node, fx.Node]:
-    """Gather k (in first-use order) starts `distances[k]` gathers early: right before gather k-d's first use."""
-    return {u.collective: gathers[k - d].first_use for k, (u, d) in enumerate(zip(gathers, distances))}
+    """Gather k (in first-use order) starts `distances[k]` gathers early: right before gather k-d's first use —
+    unless a bucket used before it asked to prefetch it (`ir.PREFETCH`, set by `set_modules_to_*_prefetch`): then
+    right before the first such bucket's first use."""
+    anchors = {u.collective: gathers[k - d].first_use for k, (u, d) in enumerate(zip(gathers, distances))}
+    for k, u in enumerate(gathers):
+        for asking in gathers[:k]:
+            if u.collective.meta.get(BUCKET) in asking.collective.meta.get(PREFETCH, ()):
+                anchors[u.collective] = asking.first_use
+                break
+    return anchors
 
 
 class Rank(IntEnum):

@@ -22,7 +22,7 @@ import functools
 import warnings
 import weakref
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -89,6 +89,10 @@ class ParamInfo:
     """Where unsynced gradients are kept; set the first time sync is turned off (then synced backwards add them)."""
     tp: TPLayout | None = None
     """FSDP + TP: the parameter's tensor-parallel layout (`dim0` is then its TP-local dim 0)."""
+    prefetch_forward: tuple[ParamInfo, ...] = field(default=(), repr=False, compare=False)
+    """One parameter of each group to prefetch when this one's group is used in forward (`set_modules_to_forward_
+    prefetch`); their buckets are read when the graph is traced, after every `shard` call has named them."""
+    prefetch_backward: tuple[ParamInfo, ...] = field(default=(), repr=False, compare=False)
 
     def gather(self, param: nn.Parameter) -> torch.Tensor:
         if _SHARDED_ACCESS.active:
@@ -118,6 +122,8 @@ class ParamInfo:
             self.replicate_group_name,
             self.requires_gradient_sync,
             self.pending_key,
+            ",".join(i.bucket for i in self.prefetch_forward),
+            ",".join(i.bucket for i in self.prefetch_backward),
         )
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
@@ -407,21 +413,29 @@ class FSDPModule:
 
     set_reduce_scatter_divide_factor = set_gradient_divide_factor
 
-    def set_modules_to_forward_prefetch(self, modules: list[nn.Module]) -> None:
-        """Not supported: the scheduler picks each all-gather's start from the whole step's graph
-        (`CompileConfig.prefetch_depth`, `memory_budget_bytes`)."""
-        self._refuse_prefetch_lists("set_modules_to_forward_prefetch")
+    def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """In forward, issue the all-gathers of `modules`' groups right before this module's group is used (the
+        scheduler places the others itself; explicit ones take precedence and ignore the memory budget)."""
+        targets = self._prefetch_targets("set_modules_to_forward_prefetch", modules)
+        for info in self._param_infos(recurse=False):
+            info.prefetch_forward = targets
 
-    def set_modules_to_backward_prefetch(self, modules: list[nn.Module]) -> None:
-        """Not supported; see `set_modules_to_forward_prefetch`."""
-        self._refuse_prefetch_lists("set_modules_to_backward_prefetch")
+    def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """In backward, issue the all-gathers of `modules`' groups right before this module's group is used."""
+        targets = self._prefetch_targets("set_modules_to_backward_prefetch", modules)
+        for info in self._param_infos(recurse=False):
+            info.prefetch_backward = targets
 
-    def _refuse_prefetch_lists(self, method: str) -> None:
-        raise NotImplementedError(
-            f"{type(self).__name__}.{method} is not supported by fsdp2_compile: the compiler schedules every "
-            "all-gather from the whole step's graph; steer it with CompileConfig(prefetch_depth=..., "
-            "memory_budget_bytes=...) and see the order with FSDP2_COMPILE_DUMP=dir"
-        )
+    def _prefetch_targets(self, method: str, modules: object) -> tuple[ParamInfo, ...]:
+        if not isinstance(modules, (list, tuple)):
+            raise TypeError(f"{type(self).__name__}.{method}(modules) takes a list of modules, got {type(modules).__name__}")
+        for i, m in enumerate(modules):
+            if not isinstance(m, FSDPModule):
+                raise TypeError(
+                    f"{type(self).__name__}.{method}: modules[{i}] ({type(m).__name__}) was not passed to "
+                    "fsdp2_compile.shard; only sharded modules have all-gathers to prefetch"
+                )
+        return tuple(_state(m).infos[0] for m in modules if _state(m).infos)
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """FSDP2-equal results without a separate gather: reading `module.weight` outside a compiled forward

@@ -25,6 +25,7 @@ from fsdp2_compile.graph import ancestors_after, insert_call, insert_op, positio
 from fsdp2_compile.ir import (
     BUCKET,
     PARAMS,
+    PREFETCH,
     WAIT,
     AllGatherArgs,
     AllReduceArgs,
@@ -88,6 +89,9 @@ def _fuse_all_gathers(graph: fx.Graph, members: list[fx.Node], hoist: dict[fx.No
         flat = [insert_call(graph, aten.view.default, (s, [-1]), tag(Role.COPY_IN)) for s in shards]
         packed = insert_call(graph, aten.cat.default, (flat,), tag(Role.COPY_IN))
         gathered = insert_op(graph, call.replace(input=packed), tag(Role.ALL_GATHER))
+        prefetch = tuple(dict.fromkeys(b for m in members for b in m.meta.get(PREFETCH, ())))
+        if prefetch:
+            gathered.meta[PREFETCH] = prefetch
         waited = insert_op(graph, WaitArgs(gathered), tag(Role.WAIT))
         table = insert_call(graph, aten.view.default, (waited, [world, sum(sizes)]), tag(Role.COPY_OUT))
         offset = 0

@@ -3,8 +3,9 @@ after folding repeated unshards of one parameter (tied weights, a weight read tw
 graphs get that from the partitioner's CSE, inference graphs do not.
 
 Runs on any forward, backward or inference graph. Every node it inserts carries `ir.Tags` (`fsdp.params`: the
-parameter, `fsdp.bucket`: its `shard` call, `fsdp.role`: an `ir.Role`). The cast comes before the all-gather, so a
-bf16 policy moves half the bytes.
+parameter, `fsdp.bucket`: its `shard` call, `fsdp.role`: an `ir.Role`); an all-gather also carries the buckets
+its module asked to prefetch in this graph's direction (`fsdp.prefetch`). The cast comes before the all-gather, so
+a bf16 policy moves half the bytes.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch
 from torch import fx
 
 from fsdp2_compile.graph import insert_call, insert_contiguous, insert_op, nodes_calling, val
-from fsdp2_compile.ir import UNSHARD, AllGatherArgs, Role, Tags, UnshardArgs, WaitArgs
+from fsdp2_compile.ir import PREFETCH, UNSHARD, AllGatherArgs, Role, Tags, UnshardArgs, WaitArgs
 from fsdp2_compile.ops import padded_rows
 from fsdp2_compile.pass_api import Fact, PassContext, contract
 
@@ -54,6 +55,9 @@ def lower_unshard(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
                 x = insert_call(graph, aten.constant_pad_nd.default, (x, pad), tag(Role.PAD))
             x = insert_contiguous(graph, x, tag(Role.CONTIGUOUS))
             x = insert_op(graph, AllGatherArgs(x, a.world_size, a.group_name), tag(Role.ALL_GATHER))
+            prefetch = a.prefetch_backward if ctx.kind == "backward" else a.prefetch_forward
+            if prefetch:
+                x.meta[PREFETCH] = tuple(prefetch.split(","))
             x = insert_op(graph, WaitArgs(x), tag(Role.WAIT))
             if rows * a.world_size != a.dim0:
                 x = insert_call(graph, aten.slice.Tensor, (x, 0, 0, a.dim0), tag(Role.UNPAD))

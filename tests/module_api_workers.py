@@ -46,13 +46,17 @@ def _step(model, opt, i: int) -> float:
 
 def module_api(rank: int, world_size: int, feature: str) -> dict:
     """`feature`: "list_group" ([tok_emb, ln_f, lm_head] sharded as one group); "reshard_setter"
-    (set_reshard_after_forward(False) on the root after the first step); "unshard_calls" (unshard(async_op=True)
-    / wait / reshard and set_is_last_backward around every step)."""
+    (set_reshard_after_forward(False) on the root after the first step); "unshard_calls" (explicit prefetch lists
+    between the blocks, then unshard(async_op=True) / wait / reshard and set_is_last_backward around every
+    step)."""
     out = {}
     for system in ("fsdp2", "ours"):
         clear_compiled_graphs()
         model = _build(system, group_head=feature == "list_group")
         opt = make_optimizer(model)
+        if feature == "unshard_calls":
+            model.blocks[0].set_modules_to_forward_prefetch([model.blocks[1]])
+            model.blocks[1].set_modules_to_backward_prefetch([model.blocks[0]])
         losses = []
         for i in range(STEPS):
             if feature == "reshard_setter" and i == 1:

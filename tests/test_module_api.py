@@ -31,9 +31,49 @@ def test_set_reshard_after_forward_recompiles_and_backward_gathers_nothing():
     assert sum(kind == "all_gather" for kind, _ in second_backward) == 0  # nothing resharded after forward
 
 
-def test_unshard_reshard_and_is_last_backward_leave_training_as_fully_shard():
+def test_prefetch_lists_unshard_reshard_and_is_last_backward_leave_training_as_fully_shard():
     result = run_ranks(module_api, 2, "unshard_calls")[0]
     assert result["ours"] == result["fsdp2"]
+
+
+def test_explicit_prefetch_lists_steer_the_scheduler(fake_pg):
+    """blocks.0 asks for blocks.2 and blocks.3 in forward, blocks.3 for blocks.0 in backward: with prefetch depth 1
+    (the scheduler alone would start each gather one block ahead) their all-gathers are issued right before the
+    asking block's first use."""
+    import cli_factories
+
+    from fsdp2_compile.report import clear_compiled_graphs, compiled_graphs
+
+    clear_compiled_graphs()
+    torch.manual_seed(0)
+    model = cli_factories.Tiny(layers=4)
+    blocks = model.blocks
+    for block in blocks:
+        fc.shard(block)
+    fc.shard_compile(model, compile_config=fc.CompileConfig(prefetch_depth=1, hardware="cpu-gloo-loopback"))
+    blocks[0].set_modules_to_forward_prefetch([blocks[2], blocks[3]])
+    blocks[3].set_modules_to_backward_prefetch([blocks[0]])
+    model(torch.randint(0, 33, (2, 4))).sum().backward()
+    with pytest.raises(TypeError, match=r"modules\[0\] \(ShardedLinear\) was not passed to fsdp2_compile.shard"):
+        blocks[0].set_modules_to_forward_prefetch([blocks[0].fc])
+
+    def issue_order(gm) -> list[str]:
+        """Buckets in the order their all-gathers are issued, with "use:<bucket>" at each gather's first use."""
+        order, waits = [], {}
+        for node in gm.graph.nodes:
+            if node.target is torch.ops._c10d_functional.all_gather_into_tensor.default:
+                order.append(node.meta["fsdp.bucket"])
+                waits[next(iter(node.users))] = node.meta["fsdp.bucket"]
+            elif node.target is torch.ops._c10d_functional.wait_tensor.default and node in waits:
+                order.append(f"use:{waits[node]}")
+        return order
+
+    forward, backward = (r.gm for r in compiled_graphs())
+    fw = issue_order(forward)
+    assert fw.index("blocks.2") < fw.index("use:blocks.0") and fw.index("blocks.3") < fw.index("use:blocks.0"), fw
+    bw = issue_order(backward)
+    assert bw.index("blocks.0") < bw.index("use:blocks.3"), bw
+    clear_compiled_graphs()
 
 
 def test_buffer_dtype_casts_floating_buffers_of_the_group_only(fake_pg):
@@ -48,8 +88,6 @@ def test_buffer_dtype_casts_floating_buffers_of_the_group_only(fake_pg):
     (lambda m: m.set_requires_all_reduce(False), "set_requires_gradient_sync(False)"),
     (lambda m: m.set_gradient_divide_factor(2.0), "scale the loss instead"),
     (lambda m: m.set_reduce_scatter_divide_factor(2.0), "scale the loss instead"),
-    (lambda m: m.set_modules_to_forward_prefetch([m]), "CompileConfig(prefetch_depth=..."),
-    (lambda m: m.set_modules_to_backward_prefetch([m]), "CompileConfig(prefetch_depth=..."),
 ])
 def test_what_is_not_supported_says_so_and_what_to_do(fake_pg, call, text):
     model = fc.shard(nn.Linear(4, 4))
