@@ -185,13 +185,21 @@ class _Exchange:
         while not store.check(list(keys.values())) and not any(store.check([k]) for k in failed_keys):
             if time.monotonic() > deadline:
                 missing = sorted({r for (_, r), k in keys.items() if not store.check([k])})
+                compile_id = current_compile_id()
+                recompiling = (
+                    " This rank is recompiling a graph it compiled before, so a guard failed here and not there: "
+                    "something this graph depends on changed on this rank only (a parameter's requires_grad, a "
+                    "module setting such as set_requires_gradient_sync, an input's shape or dtype); "
+                    "TORCH_LOGS=recompiles names the guard."
+                    if compile_id is not None and compile_id[1] > 0 else ""
+                )
                 raise RuntimeError(
                     f"fsdp2_compile: rank(s) {missing} did not publish their {self.kind} schedule within "
                     f"{self.wait_s:.0f} s (the process group times out after {self.pg_timeout_s:.0f} s): they "
                     "raised or crashed before compiling this graph (look at their errors), are late (e.g. slow "
                     "data loading: raise the timeout of init_process_group), or compiled different graphs (e.g. a "
                     "data-dependent branch went another way there, so they did not need this graph: keep control "
-                    "flow the same on every rank)"
+                    "flow the same on every rank)" + recompiling
                 )
             time.sleep(pause)
             pause = min(2 * pause, 0.2)

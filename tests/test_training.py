@@ -222,6 +222,9 @@ def test_ranks_configured_differently_fail_clearly_on_every_rank():
 def test_a_rank_that_never_compiles_the_graph_is_named_after_the_timeout():
     message = run_ranks(unpublished_schedule, 2, timeout=120)[0]
     assert "rank(s) [1] did not publish their forward schedule within 2 s" in message, message
+    assert "recompiling" not in message
+    message = run_ranks(unpublished_schedule, 2, True, timeout=120)[0]  # rank 0 recompiles: a guard failed there
+    assert "This rank is recompiling a graph it compiled before" in message and "TORCH_LOGS=recompiles" in message
     assert "data-dependent branch" in message
 
 

@@ -329,11 +329,18 @@ def checkpoint_helpers(rank: int, world_size: int, path: str) -> dict:
     return dict(saved=_full_state(model, opt), loaded=_full_state(fresh, fresh_opt), errors=errors)
 
 
-def unpublished_schedule(rank: int, world_size: int) -> str:
-    """Only rank 0 compiles a graph (as when a data-dependent branch differs): it must raise, not wait forever."""
+def unpublished_schedule(rank: int, world_size: int, recompiling: bool = False) -> str:
+    """Only rank 0 compiles a graph (as when a data-dependent branch differs): it must raise, not wait forever.
+    `recompiling`: as if rank 0 were recompiling a frame (a guard failed there only, e.g. a parameter frozen on
+    rank 0 after the first compilation)."""
+    from unittest import mock
+
+    import fsdp2_compile.consistency as consistency
     from fsdp2_compile.consistency import check_same_schedule
 
     message = "no error"
+    if recompiling:
+        mock.patch.object(consistency, "current_compile_id", return_value=(0, 1)).start()
     if rank == 0:
         try:
             check_same_schedule(torch.fx.symbolic_trace(torch.nn.Linear(2, 2)), "forward", timeout_s=2)
