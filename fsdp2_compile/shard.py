@@ -93,6 +93,8 @@ class ParamInfo:
     """One parameter of each group to prefetch when this one's group is used in forward (`set_modules_to_forward_
     prefetch`); their buckets are read when the graph is traced, after every `shard` call has named them."""
     prefetch_backward: tuple[ParamInfo, ...] = field(default=(), repr=False, compare=False)
+    grad_divide_factor: float = 0.0
+    """`set_gradient_divide_factor`: gradients are multiplied by 1 / it on each rank and summed (0: averaged)."""
 
     def gather(self, param: nn.Parameter) -> torch.Tensor:
         if _SHARDED_ACCESS.active:
@@ -124,6 +126,7 @@ class ParamInfo:
             self.pending_key,
             ",".join(i.bucket for i in self.prefetch_forward),
             ",".join(i.bucket for i in self.prefetch_backward),
+            self.grad_divide_factor,
         )
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
@@ -402,14 +405,14 @@ class FSDPModule:
             )
 
     def set_gradient_divide_factor(self, factor: float) -> None:
-        """Only the default: gradients are averaged over all data-parallel ranks (shard x replicate)."""
-        default = {i.world_size * i.replicate_size for i in self._param_infos(recurse=False)}
-        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or default != {factor}:
-            raise NotImplementedError(
-                f"{type(self).__name__}.set_gradient_divide_factor({factor!r}) is not supported by fsdp2_compile "
-                f"yet: gradients are averaged over the data-parallel ranks ({', '.join(map(str, sorted(default)))}); "
-                "scale the loss instead (loss * ranks / factor gives the same gradients)"
-            )
+        """This module's group (not its children's, as in FSDP2): each rank's gradient is multiplied by 1 / factor
+        and the results are summed over the data-parallel ranks (reduce-scatter, then the HSDP all-reduce),
+        instead of averaged; a factor equal to the shard group's size on a 1-D mesh is the default average."""
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
+            raise ValueError(f"{type(self).__name__}.set_gradient_divide_factor({factor!r}): use a positive number")
+        for info in self._param_infos(recurse=False):
+            default = info.replicate_size == 1 and factor == info.world_size
+            info.grad_divide_factor = 0.0 if default else float(factor)
 
     set_reduce_scatter_divide_factor = set_gradient_divide_factor
 

@@ -65,7 +65,7 @@ def _group(collectives: list[fx.Node], buckets) -> list[list[fx.Node]]:
             name = f"cap{index}"
         else:
             name = _bucket_of(node.meta[PARAMS][0], node, buckets)
-        groups[(name, inp.dtype, call.group_size, call.group_name)].append(node)
+        groups[(name, inp.dtype, call.group_size, call.group_name, getattr(call, "reduce_op", None))].append(node)
     return [g for g in groups.values() if len(g) > 1]
 
 
@@ -131,7 +131,7 @@ def _fuse_reduce_scatters(graph: fx.Graph, members: list[fx.Node]) -> None:
         per_rank = [insert_call(graph, aten.view.default, (g, [world, w]), tag(Role.COPY_IN)) for g, w in zip(grads, widths)]
         packed = insert_call(graph, aten.cat.default, (per_rank, 1), tag(Role.COPY_IN))
         flat = insert_call(graph, aten.view.default, (packed, [-1]), tag(Role.COPY_IN))
-        reduced = insert_op(graph, ReduceScatterArgs(flat, "avg", world, call.group_name), tag(Role.REDUCE_SCATTER))
+        reduced = insert_op(graph, call.replace(input=flat), tag(Role.REDUCE_SCATTER))
         waited = insert_op(graph, WaitArgs(reduced), tag(Role.WAIT))
         if all_reduces:
             replicated = insert_op(graph, AllReduceArgs.of(all_reduces[0]).replace(input=waited), tag(Role.ALL_REDUCE))

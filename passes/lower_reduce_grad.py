@@ -1,5 +1,6 @@
 """Lower every `fsdp2::reduce_grad` into `[cast to reduce_dtype] → [pad] → reduce_scatter_tensor(avg) →
-wait_tensor → [all_reduce(avg) over the HSDP replicate group → wait_tensor] → [unpad] → [cast to param dtype]`.
+wait_tensor → [all_reduce(avg) over the HSDP replicate group → wait_tensor] → [unpad] → [cast to param dtype]`;
+with a gradient divide factor f, `[× 1/f]` after the cast and "sum" instead of "avg".
 
 A no-op on graphs without gradients. Every node it inserts carries `ir.Tags` (`fsdp.params`, `fsdp.bucket`,
 `fsdp.role`); the result is this rank's shard of the averaged gradient. Tied gradients must be summed first
@@ -31,15 +32,18 @@ def lower_reduce_grad(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             x = a.grad
             if val(x).dtype != a.reduce_dtype:
                 x = insert_call(graph, convert, (x, a.reduce_dtype), tag(Role.CAST))
+            op = "avg"
+            if a.divide_factor:
+                x, op = insert_call(graph, aten.mul.Tensor, (x, 1.0 / a.divide_factor), tag(Role.CAST)), "sum"
             missing = rows * a.world_size - val(x).shape[0]
             if missing:
                 pad = [0, 0] * (val(x).dim() - 1) + [0, missing]
                 x = insert_call(graph, aten.constant_pad_nd.default, (x, pad), tag(Role.PAD))
             x = insert_contiguous(graph, x, tag(Role.CONTIGUOUS))
-            x = insert_op(graph, ReduceScatterArgs(x, "avg", a.world_size, a.group_name), tag(Role.REDUCE_SCATTER))
+            x = insert_op(graph, ReduceScatterArgs(x, op, a.world_size, a.group_name), tag(Role.REDUCE_SCATTER))
             x = insert_op(graph, WaitArgs(x), tag(Role.WAIT))
             if a.replicate_size > 1:
-                x = insert_op(graph, AllReduceArgs(x, "avg", a.replicate_group_name), tag(Role.ALL_REDUCE))
+                x = insert_op(graph, AllReduceArgs(x, op, a.replicate_group_name), tag(Role.ALL_REDUCE))
                 x = insert_op(graph, WaitArgs(x), tag(Role.WAIT))
             if a.local_rows != rows:
                 x = insert_call(graph, aten.slice.Tensor, (x, 0, 0, a.local_rows), tag(Role.UNPAD))

@@ -75,3 +75,22 @@ def module_api(rank: int, world_size: int, feature: str) -> dict:
                 for r in compiled_graphs()
             ]
     return out
+
+
+def divide_factor(rank: int, world_size: int) -> dict:
+    """First-step full gradients of the GPT (blocks, then the root, compiled) with the default average and with
+    `set_gradient_divide_factor(f)` on every group, for f in (1.0, world_size, 4.0)."""
+    grads = {}
+    for factor in (None, 1.0, float(world_size), 4.0):
+        clear_compiled_graphs()
+        model = _build("ours", group_head=False)
+        if factor is not None:
+            for m in model.modules():
+                if isinstance(m, fc.FSDPModule):
+                    m.set_gradient_divide_factor(factor)
+        x, y = batch("gpt", 0)
+        loss_fn("gpt", model(local_slice(x, rank, world_size)), local_slice(y, rank, world_size)).backward()
+        grads[factor] = {k: p.grad.full_tensor() for k, p in model.named_parameters()}
+        if factor == 1.0:
+            grads["ops"] = sorted({c.kind for r in compiled_graphs() for c in collectives(r.gm)})
+    return grads

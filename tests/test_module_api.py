@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from harness import run_ranks
-from module_api_workers import module_api
+from module_api_workers import divide_factor, module_api
 from torch import nn
 
 import fsdp2_compile as fc
@@ -76,6 +76,16 @@ def test_explicit_prefetch_lists_steer_the_scheduler(fake_pg):
     clear_compiled_graphs()
 
 
+def test_gradient_divide_factor_sums_scaled_gradients():
+    """On 2 ranks: factor 1 sums the ranks' gradients (exactly twice the average), factor 2 is the average, factor
+    4 half of it (powers of two: exact)."""
+    grads = run_ranks(divide_factor, 2)[0]
+    average = grads[None]
+    for factor, scale in ((1.0, 2.0), (2.0, 1.0), (4.0, 0.5)):
+        for k, g in average.items():
+            assert torch.equal(grads[factor][k], g * scale), (factor, k)
+
+
 def test_buffer_dtype_casts_floating_buffers_of_the_group_only(fake_pg):
     model = nn.Sequential(nn.BatchNorm1d(4), nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)))
     fc.shard(model[1], mp_policy=fc.MixedPrecisionPolicy(buffer_dtype=torch.float64))
@@ -86,13 +96,12 @@ def test_buffer_dtype_casts_floating_buffers_of_the_group_only(fake_pg):
 
 @pytest.mark.parametrize("call, text", [
     (lambda m: m.set_requires_all_reduce(False), "set_requires_gradient_sync(False)"),
-    (lambda m: m.set_gradient_divide_factor(2.0), "scale the loss instead"),
-    (lambda m: m.set_reduce_scatter_divide_factor(2.0), "scale the loss instead"),
 ])
 def test_what_is_not_supported_says_so_and_what_to_do(fake_pg, call, text):
     model = fc.shard(nn.Linear(4, 4))
     with pytest.raises(NotImplementedError, match="not supported by fsdp2_compile") as info:
         call(model)
     assert text in str(info.value)
-    model.set_requires_all_reduce(True)  # the defaults are accepted
-    model.set_gradient_divide_factor(4)
+    model.set_requires_all_reduce(True)  # the default is accepted
+    with pytest.raises(ValueError, match=r"set_gradient_divide_factor\(0\): use a positive number"):
+        model.set_gradient_divide_factor(0)
