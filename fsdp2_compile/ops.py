@@ -70,13 +70,17 @@ def unshard(
     prefetch_forward: str = "",
     prefetch_backward: str = "",
     grad_divide_factor: float = 0.0,
+    requires_all_reduce: bool = True,
+    partial_key: str = "",
 ) -> Tensor:
     """All-gather a dim-0 shard into the full parameter of `dim0` rows, cast to `param_dtype` first.
     Only the backward uses the rest: `replicate_*` name the HSDP replicate group (`1` / `""` without one);
     `requires_grad_sync=False` keeps the gradient unsharded under `pending_key` instead of reducing it, and a
     synced backward with a `pending_key` adds what was kept first. `prefetch_*`: comma-separated buckets whose
     all-gathers the scheduler issues right before this parameter's bucket is used (explicit prefetching).
-    `grad_divide_factor` (0: average): the gradient is summed over the ranks after each is multiplied by 1/it."""
+    `grad_divide_factor` (0: average): the gradient is summed over the ranks after each is multiplied by 1/it.
+    HSDP: `requires_all_reduce=False` keeps the reduce-scattered shard under `partial_key` instead of all-reducing
+    it; a backward with the all-reduce adds what was kept first."""
     x = shard if param_dtype is None else shard.to(param_dtype)
     x = pad_rows(x, padded_rows(dim0, world_size)).contiguous()
     full = _funcol.wait_tensor(_funcol.all_gather_into_tensor(x, world_size, group_name))
@@ -101,17 +105,26 @@ def reduce_grad(
     replicate_size: int,
     replicate_group_name: str,
     divide_factor: float = 0.0,
+    requires_all_reduce: bool = True,
+    partial_key: str = "",
 ) -> Tensor:
     """Average a full gradient over the group and return this rank's `local_rows`-row shard in `out_dtype`.
     With an HSDP replicate group (`replicate_size > 1`) the shard is then averaged over that group too. With a
-    `divide_factor`, each rank's gradient is multiplied by 1 / divide_factor and the results are summed instead."""
+    `divide_factor`, each rank's gradient is multiplied by 1 / divide_factor and the results are summed instead.
+    HSDP without the all-reduce (`requires_all_reduce=False`): the reduced shard is kept under `partial_key` (a
+    zero shard back); the next reduction with the all-reduce adds it first."""
     x = grad.to(reduce_dtype)
     op = "avg"
     if divide_factor:
         x, op = x * (1.0 / divide_factor), "sum"
     x = pad_rows(x, padded_rows(grad.shape[0], world_size) * world_size).contiguous()
     out = _funcol.wait_tensor(_funcol.reduce_scatter_tensor(x, op, world_size, group_name))
+    if replicate_size > 1 and not requires_all_reduce:
+        return torch.ops.fsdp2.stash_grad(out, partial_key, reduce_dtype, out.shape[0], reduce_dtype, fqn)[
+            :local_rows].to(out_dtype).clone()
     if replicate_size > 1:
+        if partial_key:
+            out = torch.ops.fsdp2.add_pending_grad(out, partial_key, reduce_dtype, fqn)
         out = _funcol.wait_tensor(_funcol.all_reduce(out, op, replicate_group_name))
     return out[:local_rows].to(out_dtype).clone()
 
@@ -166,7 +179,7 @@ def _unshard_setup_context(ctx, inputs, output) -> None:
         grad=None, local_rows=a.shard.shape[0], world_size=a.world_size, group_name=a.group_name,
         reduce_dtype=a.reduce_dtype, out_dtype=a.shard.dtype, fqn=a.fqn, bucket=a.bucket,
         replicate_size=a.replicate_size, replicate_group_name=a.replicate_group_name,
-        divide_factor=a.grad_divide_factor,
+        divide_factor=a.grad_divide_factor, requires_all_reduce=a.requires_all_reduce, partial_key=a.partial_key,
     )
     ctx.n_inputs = len(inputs)
 

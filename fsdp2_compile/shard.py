@@ -95,6 +95,10 @@ class ParamInfo:
     prefetch_backward: tuple[ParamInfo, ...] = field(default=(), repr=False, compare=False)
     grad_divide_factor: float = 0.0
     """`set_gradient_divide_factor`: gradients are multiplied by 1 / it on each rank and summed (0: averaged)."""
+    requires_all_reduce: bool = True
+    """HSDP: False keeps the reduce-scattered gradient on this rank instead of all-reducing it over the replicas."""
+    partial_key: str = ""
+    """Where those partial gradients are kept; set the first time the all-reduce is turned off."""
 
     def gather(self, param: nn.Parameter) -> torch.Tensor:
         if _SHARDED_ACCESS.active:
@@ -127,6 +131,8 @@ class ParamInfo:
             ",".join(i.bucket for i in self.prefetch_forward),
             ",".join(i.bucket for i in self.prefetch_backward),
             self.grad_divide_factor,
+            self.requires_all_reduce,
+            self.partial_key,
         )
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
@@ -395,14 +401,14 @@ class FSDPModule:
         _check_bool("set_is_last_backward", "is_last_backward", is_last_backward)
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
-        """Only True: HSDP gradients are all-reduced over the replicas in every synced backward. (For gradient
-        accumulation use `set_requires_gradient_sync(False)`, which skips both reductions.)"""
+        """HSDP gradient accumulation with reduce-scatter only: False keeps each backward's reduce-scattered
+        gradient on this rank (the parameters' `.grad` get zeros), and the next backward with the all-reduce adds
+        them before all-reducing over the replicas. No effect on a 1-D mesh."""
         _check_bool("set_requires_all_reduce", "requires_all_reduce", requires_all_reduce)
-        if not requires_all_reduce:
-            raise NotImplementedError(
-                f"{type(self).__name__}.set_requires_all_reduce(False) is not supported by fsdp2_compile yet; for "
-                "gradient accumulation use set_requires_gradient_sync(False) on all micro-batches but the last"
-            )
+        for info in self._param_infos(recurse):
+            info.requires_all_reduce = requires_all_reduce
+            if not requires_all_reduce and not info.partial_key:
+                info.partial_key = f"{info.fqn}@{id(info):x}/partial"
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """This module's group (not its children's, as in FSDP2): each rank's gradient is multiplied by 1 / factor

@@ -1,6 +1,8 @@
 """Lower every `fsdp2::reduce_grad` into `[cast to reduce_dtype] → [pad] → reduce_scatter_tensor(avg) →
 wait_tensor → [all_reduce(avg) over the HSDP replicate group → wait_tensor] → [unpad] → [cast to param dtype]`;
-with a gradient divide factor f, `[× 1/f]` after the cast and "sum" instead of "avg".
+with a gradient divide factor f, `[× 1/f]` after the cast and "sum" instead of "avg". HSDP with the all-reduce
+off (`set_requires_all_reduce(False)`): the reduced shard goes to `fsdp2::stash_grad` (kept, a zero shard on);
+with it on after such backwards, `fsdp2::add_pending_grad` adds what was kept before the all-reduce.
 
 A no-op on graphs without gradients. Every node it inserts carries `ir.Tags` (`fsdp.params`, `fsdp.bucket`,
 `fsdp.role`); the result is this rank's shard of the averaged gradient. Tied gradients must be summed first
@@ -13,7 +15,17 @@ import torch
 from torch import fx
 
 from fsdp2_compile.graph import insert_call, insert_contiguous, insert_op, nodes_calling, val
-from fsdp2_compile.ir import REDUCE_GRAD, AllReduceArgs, ReduceGradArgs, ReduceScatterArgs, Role, Tags, WaitArgs
+from fsdp2_compile.ir import (
+    REDUCE_GRAD,
+    AddPendingGradArgs,
+    AllReduceArgs,
+    ReduceGradArgs,
+    ReduceScatterArgs,
+    Role,
+    StashGradArgs,
+    Tags,
+    WaitArgs,
+)
 from fsdp2_compile.ops import padded_rows
 from fsdp2_compile.pass_api import Fact, PassContext, contract
 
@@ -42,7 +54,11 @@ def lower_reduce_grad(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             x = insert_contiguous(graph, x, tag(Role.CONTIGUOUS))
             x = insert_op(graph, ReduceScatterArgs(x, op, a.world_size, a.group_name), tag(Role.REDUCE_SCATTER))
             x = insert_op(graph, WaitArgs(x), tag(Role.WAIT))
-            if a.replicate_size > 1:
+            if a.replicate_size > 1 and not a.requires_all_reduce:  # HSDP accumulation: keep the reduced shard
+                x = insert_op(graph, StashGradArgs(x, a.partial_key, a.reduce_dtype, rows, a.reduce_dtype, a.fqn), tag())
+            elif a.replicate_size > 1:
+                if a.partial_key:
+                    x = insert_op(graph, AddPendingGradArgs(x, a.partial_key, a.reduce_dtype, a.fqn), tag())
                 x = insert_op(graph, AllReduceArgs(x, op, a.replicate_group_name), tag(Role.ALL_REDUCE))
                 x = insert_op(graph, WaitArgs(x), tag(Role.WAIT))
             if a.local_rows != rows:

@@ -94,3 +94,43 @@ def divide_factor(rank: int, world_size: int) -> dict:
         if factor == 1.0:
             grads["ops"] = sorted({c.kind for r in compiled_graphs() for c in collectives(r.gm)})
     return grads
+
+
+def hsdp_accumulation(rank: int, world_size: int) -> dict:
+    """HSDP on (replicate=2, shard=2): two micro-batches a step, the first with `set_requires_all_reduce(False)`
+    (reduce-scatter only), the second with it; `fully_shard` and ours, the losses (averaged over ranks) of each
+    micro-batch and the parameters' full values after the steps."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("replicate", "shard"))
+    out = {}
+    for system in ("fsdp2", "ours"):
+        clear_compiled_graphs()
+        model = make_model("gpt")
+        shard = (lambda m: fully_shard(m, mesh=mesh)) if system == "fsdp2" else (lambda m: fc.shard(m, mesh))
+        for block in model.blocks:
+            shard(block)
+        if system == "fsdp2":
+            fully_shard(model, mesh=mesh)
+        else:
+            fc.shard_compile(model, mesh)
+        opt = make_optimizer(model)
+        losses = []
+        for i in range(STEPS):
+            x, y = batch("gpt", i)
+            x, y = local_slice(x, rank, world_size), local_slice(y, rank, world_size)
+            for micro in (0, 1):
+                model.set_requires_all_reduce(micro == 1)
+                loss = loss_fn("gpt", model(x[micro::2]), y[micro::2]) / 2
+                loss.backward()
+                loss = loss.detach().clone()
+                dist.all_reduce(loss)
+                losses.append(loss.item())
+            opt.step()
+            opt.zero_grad()
+        out[system] = losses
+        out[f"{system}_params"] = {k: p.full_tensor() for k, p in model.named_parameters()}
+        if system == "ours":
+            out["graphs"] = [(r.kind, [c.kind for c in collectives(r.gm)]) for r in compiled_graphs()]
+    return out

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from harness import run_ranks
-from module_api_workers import divide_factor, module_api
+from module_api_workers import divide_factor, hsdp_accumulation, module_api
 from torch import nn
 
 import fsdp2_compile as fc
@@ -94,8 +94,23 @@ def test_buffer_dtype_casts_floating_buffers_of_the_group_only(fake_pg):
     assert model[1][1].running_var.dtype == torch.float64  # its own call's dtype, not the root's
 
 
+def test_hsdp_accumulation_without_the_all_reduce_matches_fully_shard_bitwise():
+    """4 ranks as (replicate 2, shard 2): per step, a micro-batch with set_requires_all_reduce(False), then one with
+    it; the same under fully_shard. The backward without it issues reduce-scatters and no all-reduce."""
+    r = run_ranks(hsdp_accumulation, 4)[0]
+    assert r["ours"] == r["fsdp2"]
+    for k, p in r["fsdp2_params"].items():
+        assert torch.equal(r["ours_params"][k], p), k
+    backward = [kinds for kind, kinds in r["graphs"] if kind == "backward"]
+    assert len(backward) == 2  # one graph per setting (guarded)
+    without, with_ = backward
+    assert "all_reduce" not in without and without.count("reduce_scatter") == 3
+    # the kept shards are added before the all-reduce, so today those all-reduces are per parameter, not bucketed
+    assert with_.count("all_reduce") == len(r["ours_params"])  # one per parameter
+
+
 @pytest.mark.parametrize("call, text", [
-    (lambda m: m.set_requires_all_reduce(False), "set_requires_gradient_sync(False)"),
+    (lambda m: m.set_reshard_after_backward(False), "set_requires_gradient_sync(False)"),
 ])
 def test_what_is_not_supported_says_so_and_what_to_do(fake_pg, call, text):
     model = fc.shard(nn.Linear(4, 4))
