@@ -23,6 +23,7 @@ def shard_compile(
     reshard_after_forward: bool = True,
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     ignored_params: Iterable[nn.Parameter] | None = None,
+    offload_policy: object = None,
     compile_config: CompileConfig = CompileConfig(),
     dynamic: bool | None = None,
 ) -> nn.Module:
@@ -44,6 +45,7 @@ def shard_compile(
         reshard_after_forward=reshard_after_forward,
         mp_policy=mp_policy,
         ignored_params=ignored_params,
+        offload_policy=offload_policy,
     )
     compile_in_place(module, make_backend(compile_config), dynamic=dynamic)
     return module

@@ -519,6 +519,7 @@ def shard(
     reshard_after_forward: bool = True,
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     ignored_params: Iterable[nn.Parameter] | None = None,
+    offload_policy: object = None,
 ) -> nn.Module | list[nn.Module]:
     """Shard `module`'s parameters on dim 0 over `mesh`, in place, like FSDP2's `fully_shard`.
 
@@ -528,10 +529,11 @@ def shard(
     first call on a process group measures the link and compute speed for the scheduler, agreed across ranks).
     `mesh=None` means a 1-D mesh over the default process group. Parameters in `ignored_params` are left as they
     are (not sharded, not gathered, their gradients not reduced). Every module given becomes an `FSDPModule`.
+    `offload_policy`: torch's `OffloadPolicy()` (no offload) is accepted; `CPUOffloadPolicy` is not supported yet.
     Returns `module`.
     """
     members = _check_modules(module)
-    _check_options(reshard_after_forward, mp_policy)
+    _check_options(reshard_after_forward, mp_policy, offload_policy)
     mesh = _default_mesh(mesh)
     ignored = _check_ignored(ignored_params)
     _check_new_params(members, mesh, ignored)  # on every rank, before any collective
@@ -622,7 +624,18 @@ def _check_modules(module: object) -> list[nn.Module]:
     return members
 
 
-def _check_options(reshard_after_forward: object, mp_policy: object) -> None:
+def _check_options(reshard_after_forward: object, mp_policy: object, offload_policy: object = None) -> None:
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+    if isinstance(offload_policy, CPUOffloadPolicy):
+        raise NotImplementedError(
+            "shard(offload_policy=CPUOffloadPolicy()) is not supported by fsdp2_compile yet: sharded parameters, "
+            "gradients and optimizer state stay on the mesh's device (on a CPU mesh they are on the CPU already)"
+        )
+    if offload_policy is not None and not isinstance(offload_policy, OffloadPolicy):
+        raise TypeError(
+            f"shard(offload_policy=...) takes torch.distributed.fsdp.OffloadPolicy(), got {type(offload_policy).__name__}"
+        )
     if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
         raise NotImplementedError(
             f"shard(reshard_after_forward={reshard_after_forward}): FSDP2's int form (reshard to a smaller group "

@@ -131,6 +131,16 @@ def test_a_list_of_modules_is_one_group(fake_pg):
         fc.shard([nn.Linear(2, 2), "head"])
 
 
+def test_offload_policy(fake_pg):
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+    with raises(NotImplementedError, "CPUOffloadPolicy()) is not supported by fsdp2_compile yet"):
+        fc.shard(Net(), offload_policy=CPUOffloadPolicy())
+    with raises(TypeError, "takes torch.distributed.fsdp.OffloadPolicy(), got str"):
+        fc.shard(Net(), offload_policy="cpu")
+    assert fc.is_sharded(fc.shard(Net(), offload_policy=OffloadPolicy()))
+
+
 def test_a_process_group_is_not_a_mesh(fake_pg):
     with raises(TypeError, "mesh must be a DeviceMesh or None, got", "DeviceMesh.from_group(group, device_type)"):
         fc.shard(Net(), dist.group.WORLD)
