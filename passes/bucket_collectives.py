@@ -34,6 +34,7 @@ from fsdp2_compile.ir import (
     Role,
     Tags,
     WaitArgs,
+    fsdp_collective_kind,
     nbytes,
 )
 from fsdp2_compile.pass_api import Fact, PassContext, contract
@@ -165,10 +166,10 @@ def bucket_collectives(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         return gm
     graph = gm.graph
     hoist: dict[fx.Node, fx.Node] = {}
-    for members in _group([n for n in graph.nodes if n.target is AG], buckets):
+    for members in _group([n for n in graph.nodes if fsdp_collective_kind(n) == Role.ALL_GATHER], buckets):
         _log_bucket(ctx, Role.ALL_GATHER, members)
         _fuse_all_gathers(graph, members, hoist)
-    for members in _group([n for n in graph.nodes if n.target is RS], buckets):
+    for members in _group([n for n in graph.nodes if fsdp_collective_kind(n) == Role.REDUCE_SCATTER], buckets):
         _log_bucket(ctx, Role.REDUCE_SCATTER, members)
         _fuse_reduce_scatters(graph, members)
     # Restore a topological order: hoisted copy-ins move up to just before their fused all-gather's first copy-in
