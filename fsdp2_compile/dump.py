@@ -35,6 +35,7 @@ from .report import (
     collective,
     compiled_graphs,
     dump_requested,
+    is_tp,
     saved_bytes,
 )
 
@@ -62,11 +63,15 @@ def _note(facts: NodeFacts) -> str:
 
 def annotate(snapshot: Snapshot) -> str:
     """The snapshot's text with every collective, wait, cast and fsdp2 op line followed by
-    `# bucket=... params=[...] role=...`, from the snapshot's node facts."""
+    `# bucket=... params=[...] role=...`, from the snapshot's node facts; tensor parallelism's collectives and waits
+    by `# tensor parallel <kind>`."""
     out = []
     for raw in snapshot.text.splitlines():
         m = _NODE_NAME.match(raw)
         facts = snapshot.nodes.get(m.group(1)) if m else None
+        if facts is not None and facts.tp:
+            out.append(f"{raw}  # tensor parallel {facts.kind}")
+            continue
         shown = facts is not None and facts.params and facts.role in _ANNOTATED
         out.append(raw + _note(facts) if shown else raw)
     return "\n".join(out) + "\n"
@@ -80,9 +85,10 @@ class PassStats:
     name: str
     nodes: int
     counts: Counter = field(default_factory=Counter)
-    """Collectives by kind ("all_gather", "reduce_scatter", "all_reduce") and "wait"."""
+    """FSDP's collectives by kind ("all_gather", "reduce_scatter", "all_reduce") and "wait"; tensor parallelism's
+    apart: "tp" (its collectives), "tp all_reduce" etc. by kind, "tp wait"."""
     bytes_by_dtype: Counter = field(default_factory=Counter)
-    """Bytes of the full (padded) buffers collectives move, by (kind, dtype name)."""
+    """Bytes of the full (padded) buffers collectives move, by (kind, dtype name); TP's kinds as "tp <kind>"."""
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -95,6 +101,12 @@ def pass_stats(record: GraphRecord) -> list[PassStats]:
     for snap in record.snapshots:
         s = PassStats(snap.name, len(_NODE_LINE.findall(snap.text)))
         for facts in snap.nodes.values():
+            if facts.tp:  # tensor parallelism's: never in FSDP's columns
+                s.counts[f"tp {facts.kind}"] += 1
+                if facts.kind != "wait":
+                    s.counts["tp"] += 1
+                    s.bytes_by_dtype[(f"tp {facts.kind}", _dtype_name(facts.dtype))] += facts.nbytes
+                continue
             if facts.role in _COUNTED:
                 s.counts[facts.role] += 1
             if facts.role in _KINDS:
@@ -131,20 +143,45 @@ def summarize(records: list[GraphRecord], profile: HardwareProfile | None = None
     timelines = _timelines(records, profiles)
     for label, record, tl in zip(_labels(records), records, timelines):
         out.append(f"== {label} graph ({len(record.gm.graph.nodes)} nodes)")
+        stats = pass_stats(record)
+        tp = any(s.counts["tp"] for s in stats)
         out.append(f"  {'pass':<22}{'nodes':>7}{'all_gather':>12}{'reduce_scat':>12}{'all_reduce':>12}{'wait':>6}"
-                   "  bytes by dtype")
-        for s in pass_stats(record):
+                   + (f"{'tp':>5}" if tp else "") + "  bytes by dtype")
+        for s in stats:
             parts = [f"{k[0]} {k[1]} {size_text(v)}" for k, v in sorted(s.bytes_by_dtype.items())]
             out.append(
                 f"  {s.name:<22}{s.nodes:>7}{s.counts['all_gather']:>12}{s.counts['reduce_scatter']:>12}"
-                f"{s.counts['all_reduce']:>12}{s.counts['wait']:>6}  {'; '.join(parts) or '-'}"
+                f"{s.counts['all_reduce']:>12}{s.counts['wait']:>6}" + (f"{s.counts['tp']:>5}" if tp else "")
+                + f"  {'; '.join(parts) or '-'}"
             )
-        out.append(f"  {'bucket':<22}{'collective':<16}{'dtype':<10}{'bytes':>16}  params")
+        if tp:
+            out.append("  (tp: tensor parallelism's collectives, from DTensor redistribution; the other columns are "
+                       "FSDP's)")
+        out.append(f"  {'bucket':<22}{'collective':<20}{'dtype':<10}{'bytes':>12}  params")
         for node in record.gm.graph.nodes:
             c = collective(node)
             if c is not None:
-                bucket = node.meta.get(BUCKET, "?") or "<root>"
-                out.append(f"  {bucket:<22}{c.kind:<16}{_dtype_name(c.dtype):<10}{size_text(c.nbytes):>16}  {len(c.params)}")
+                if is_tp(node):
+                    bucket, kind = "(tensor parallel)", f"tp {c.kind}"
+                else:
+                    bucket, kind = node.meta.get(BUCKET, "?") or "<root>", str(c.kind)
+                out.append(f"  {bucket:<22}{kind:<20}{_dtype_name(c.dtype):<10}{size_text(c.nbytes):>12}  "
+                           f"{len(c.params)}")
+        final = stats[-1] if stats else None
+        if final is None:
+            final = PassStats("final", len(record.gm.graph.nodes))
+            for node in record.gm.graph.nodes:
+                c = collective(node)
+                if c is not None and is_tp(node):
+                    final.counts["tp"] += 1
+                    final.counts[f"tp {c.kind}"] += 1
+                    final.bytes_by_dtype[(f"tp {c.kind}", _dtype_name(c.dtype))] += c.nbytes
+        if final.counts["tp"]:
+            kinds = ", ".join(f"{k.removeprefix('tp ')} x{n}" for k, n in sorted(final.counts.items())
+                              if k.startswith("tp ") and k != "tp wait")
+            total = sum(v for k, v in final.bytes_by_dtype.items() if k[0].startswith("tp "))
+            out.append(f"  tensor parallel: {final.counts['tp']} collectives ({kinds}), {size_text(total)} of "
+                       "buffers (not in FSDP's counts above)")
         out.append(
             f"  estimate: step {tl.total_s * 1e3:.3f} ms, compute {tl.compute_s * 1e3:.3f} ms, "
             f"communication {tl.comm_s * 1e3:.3f} ms, exposed communication {tl.exposed_comm_s * 1e3:.3f} ms, "

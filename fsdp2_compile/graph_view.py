@@ -20,19 +20,24 @@ import torch
 from torch import fx
 
 from .ir import BUCKET, PARAMS, ROLE, WAIT, Role, collective, collective_kind
+from .report import is_tp
 
-__all__ = ["COLOURS", "Row", "compact_rows", "input_params", "write_dot", "write_svg"]
+__all__ = ["COLOURS", "LEGEND", "Row", "compact_rows", "input_params", "write_dot", "write_svg"]
 
-COLOURS = {  # category -> (fill, stroke)
+COLOURS = {  # category -> (fill, stroke); "tp" / "tp_wait": tensor parallelism's collectives and their waits
     "all_gather": ("#8fd18f", "#2e7d32"),
     "reduce_scatter": ("#f6a38e", "#c62828"),
     "all_reduce": ("#ce93d8", "#6a1b9a"),
     "wait": ("#ffe082", "#f57f17"),
+    "tp": ("#4dd0e1", "#006064"),
+    "tp_wait": ("#b2ebf2", "#00838f"),
     "cast": ("#90caf9", "#1565c0"),
     "input": ("#eeeeee", "#9e9e9e"),
     "compute": ("#ffffff", "#bdbdbd"),
     "output": ("#eeeeee", "#616161"),
 }
+LEGEND = {"tp": "tensor parallel collective", "tp_wait": "tensor parallel wait"}
+"""Legend text of a category, where not its name."""
 _CAST = torch.ops.prims.convert_element_type.default
 _FOLDED_ROLES = {Role.PAD, Role.CONTIGUOUS, Role.COPY_IN, Role.COPY_OUT, Role.UNPAD, Role.KEEP_ALIVE}
 _VIEWS = {"view", "_unsafe_view", "reshape", "expand", "permute", "transpose", "t", "squeeze", "unsqueeze", "slice",
@@ -74,9 +79,9 @@ def _category(node: fx.Node) -> str | None:
         return "output"
     kind = collective_kind(node)
     if kind is not None:
-        return str(kind)
+        return "tp" if is_tp(node) else str(kind)
     if node.target is WAIT:
-        return "wait"
+        return "tp_wait" if is_tp(node) else "wait"
     if node.target is _CAST:
         return "cast"
     if node.meta.get(ROLE) in _FOLDED_ROLES or _op_name(node) in _VIEWS:
@@ -134,6 +139,12 @@ def _row_text(category: str, nodes: list[fx.Node], params: dict[fx.Node, tuple[s
         c = collective(first)
         names, dtype = _listed(_relative(c.params, bucket), _SHOWN_PARAMS), str(c.dtype).removeprefix("torch.")
         return f"{category} {where}: {size_text(c.nbytes)} {dtype}, {len(c.params)} params: {names}"
+    if category == "tp":
+        c = collective(first)
+        return (f"tensor parallel {c.kind}: {size_text(c.nbytes)} {str(c.dtype).removeprefix('torch.')}, "
+                f"{_shape(first)} (DTensor redistribution)")
+    if category == "tp_wait":
+        return f"wait for tensor parallel {collective_kind(first.all_input_nodes[0]) or 'collective'}"
     if category == "wait":
         started = first.all_input_nodes[0]
         return f"wait for {collective_kind(started) or _op_name(started)} {where}".rstrip()
@@ -222,7 +233,8 @@ def _dot_text(rows: list[Row], title: str, wrap: int) -> str:
     out.append("  subgraph cluster_legend { label=legend; rank=same;")
     for category in [c for c in COLOURS if any(r.category == c for r in rows)]:
         fill, stroke = COLOURS[category]
-        out.append(f'    legend_{category} [label="{category}", fillcolor="{fill}", color="{stroke}"];')
+        out.append(f'    legend_{category} [label="{LEGEND.get(category, category)}", fillcolor="{fill}", '
+                   f'color="{stroke}"];')
     out.append("  }")
     for i, row in enumerate(rows):
         fill, stroke = COLOURS[row.category]
@@ -273,7 +285,7 @@ def _text(x: float, y: float, text: str, size: float = _FONT, attrs: str = "") -
             f'lengthAdjust="spacingAndGlyphs"{attrs}>{escape(text)}</text>')
 
 
-_COMM = ("all_gather", "reduce_scatter", "all_reduce", "wait")
+_COMM = ("all_gather", "reduce_scatter", "all_reduce", "wait", "tp", "tp_wait")
 
 
 def _builtin_svg(rows: list[Row], title: str) -> str:
@@ -290,8 +302,9 @@ def _builtin_svg(rows: list[Row], title: str) -> str:
     for category in legend:
         fill, stroke = COLOURS[category]
         out.append(f'<rect x="{x}" y="30" width="12" height="12" fill="{fill}" stroke="{stroke}"/>')
-        out.append(_text(x + 16, 40, category))
-        x += 16 + text_width(category) + 12
+        name = LEGEND.get(category, category)
+        out.append(_text(x + 16, 40, name))
+        x += 16 + text_width(name) + 12
     for row, ls, y, y_next in zip(rows, lines, ys, ys[1:]):
         fill, stroke = COLOURS[row.category]
         weight = ' font-weight="bold"' if row.category in _COMM else ""

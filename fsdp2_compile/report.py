@@ -22,6 +22,7 @@ from .ir import (
     ROLE,
     WAIT,
     AddPendingGradArgs,
+    Role,
     Collective,
     ReduceGradArgs,
     StashGradArgs,
@@ -47,6 +48,7 @@ __all__ = [
     "compiled_graphs",
     "dump_requested",
     "node_facts",
+    "is_tp",
     "record_graph",
     "saved_bytes",
     "snapshot",
@@ -70,6 +72,14 @@ def dump_requested() -> bool:
 def collectives(gm: fx.GraphModule) -> list[Collective]:
     """The collectives of a graph, in graph order."""
     return [c for c in map(collective, gm.graph.nodes) if c is not None]
+
+
+def is_tp(node: fx.Node) -> bool:
+    """A collective, or a wait, of tensor parallelism: tagged `Role.TP`, or (before the tag_tp_collectives pass) not
+    tagged by any FSDP pass. FSDP's collectives and waits always carry their own role."""
+    if collective(node) is None and node.target is not WAIT:
+        return False
+    return node.meta.get(ROLE) in (None, Role.TP)
 
 
 def saved_bytes(gm: fx.GraphModule) -> int:
@@ -97,6 +107,11 @@ class NodeFacts:
     bucket: str
     dtype: torch.dtype | None = None
     nbytes: int | None = None
+    kind: str | None = None
+    """The op: a collective's kind ("all_gather", "reduce_scatter", "all_reduce") or "wait"; None for others."""
+    tp: bool = False
+    """A collective or wait of tensor parallelism (DTensor redistribution): `Role.TP`, or (before the
+    tag_tp_collectives pass) a collective / wait no FSDP pass tagged. Never counted with FSDP's."""
 
 
 @dataclass(frozen=True)
@@ -126,11 +141,13 @@ def node_facts(node: fx.Node) -> NodeFacts | None:
         return None
     role = node.meta.get(ROLE) or op or (found.kind if found is not None else "wait" if is_wait else None)
     value = node.meta.get("val")
+    kind = str(found.kind) if found is not None else "wait" if is_wait else None
+    tp = kind is not None and node.meta.get(ROLE) in (None, Role.TP)
     if found is not None:
-        return NodeFacts(role, params, bucket, found.dtype, found.nbytes)
+        return NodeFacts(role, params, bucket, found.dtype, found.nbytes, kind, tp)
     if isinstance(value, torch.Tensor):
-        return NodeFacts(role, params, bucket, value.dtype, nbytes(value))
-    return NodeFacts(role, params, bucket)
+        return NodeFacts(role, params, bucket, value.dtype, nbytes(value), kind, tp)
+    return NodeFacts(role, params, bucket, kind=kind, tp=tp)
 
 
 def snapshot(name: str, gm: fx.GraphModule) -> Snapshot:

@@ -95,3 +95,115 @@ def gpt_bench(batch: int = 4, seq: int = 256):
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
     return model, (idx,), loss
+
+
+class TPBlock(nn.Module):
+    """norm -> up_proj -> relu -> down_proj, residual: named so the default TP plan splits up column-wise and down
+    row-wise (one all-reduce of the activations per block in forward, one in backward)."""
+
+    def __init__(self, d: int, hidden: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.up_proj = nn.Linear(d, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, d, bias=False)
+
+    def forward(self, x):
+        return x + self.down_proj(torch.relu(self.up_proj(self.norm(x))))
+
+
+class TPStack(nn.Module):
+    def __init__(self, d: int = 16, hidden: int = 64, layers: int = 2, vocab: int = 32):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(TPBlock(d, hidden) for _ in range(layers))
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, idx):
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def tp_mlp(layers: int = 2):
+    """`TPStack` (d 16, hidden 64, vocab 32) on the meta device, tokens (2, 8); for `--tp` (default TP plan)."""
+    with torch.device("meta"):
+        model = TPStack(layers=layers)
+        idx = torch.zeros(2, 8, dtype=torch.long)
+    return model, (idx,), lambda out: out.float().sum()
+
+
+def tp_mlp_real():
+    """`TPStack` with real CPU weights (for `dump --tp`)."""
+    torch.manual_seed(0)
+    return TPStack(), (torch.randint(0, 32, (2, 8)),)
+
+
+def tp_mlp_sequence_parallel(layers: int = 2):
+    """`TPStack` with its own TP plan: sequence parallel norms, the activations all-gathered before up_proj and
+    reduce-scattered after down_proj (torchtitan's layout)."""
+    return tp_mlp(layers)
+
+
+def _sequence_parallel_plan(block):
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel)
+
+    return {
+        "norm": SequenceParallel(),
+        "up_proj": ColwiseParallel(input_layouts=Shard(1)),
+        "down_proj": RowwiseParallel(output_layouts=Shard(1)),
+    }
+
+
+tp_mlp_sequence_parallel.tp_plan = _sequence_parallel_plan
+
+
+def _head_local_attention(attn):
+    """examples/llama.py's attention forward with head counts taken from the (TP-local) projections, as torchtitan
+    and Hugging Face write it (`view(b, t, -1, head_dim)`), so column-wise q/k/v work; identical without TP."""
+    import types
+
+    import torch.nn.functional as F
+
+    def forward(self, x):
+        from llama import rotate
+
+        b, t, _ = x.shape
+        cfg, head_dim = self.cfg, self.cfg.d_model // self.cfg.n_heads
+        q = self.wq(x).view(b, t, -1, head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, t, -1, head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, t, -1, head_dim).transpose(1, 2)
+        q, k = rotate(q, cfg.rope_theta), rotate(k, cfg.rope_theta)
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(y.transpose(1, 2).reshape(b, t, -1))
+
+    attn.forward = types.MethodType(forward, attn)
+
+
+def _llama_tp(cfg_name: str, layers, batch, seq):
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+    import llama
+
+    model, args, loss = llama.build(getattr(llama, cfg_name), layers, batch, seq)
+    for layer in model.layers:
+        _head_local_attention(layer.attn)
+    return model, args, loss
+
+
+def llama3_8b_tp(layers: int | None = None, batch: int = 1, seq: int = 2048):
+    """examples/llama.py's Llama-3-8B shapes (meta) with head-local attention views, for `--tp` (default plan:
+    wq/wk/wv/w1/w3 column-wise, wo/w2 row-wise)."""
+    return _llama_tp("LLAMA3_8B", layers, batch, seq)
+
+
+def llama_tiny_tp(layers: int | None = None, batch: int = 2, seq: int = 16):
+    """examples/llama.py's tiny Llama (meta) with head-local attention views, for `--tp`."""
+    return _llama_tp("LLAMA_TINY", layers, batch, seq)
