@@ -32,6 +32,13 @@ REPLICATE_HELP = (
     "N/R ranks, then all-reduced over R (default 1: shard over all N ranks; N must be a multiple of R)"
 )
 
+TP_HELP = (
+    "tensor parallelism of degree T inside FSDP: mesh N/T x T (dp x tp), or R x N/(R T) x T with --replicate; the "
+    "factory's TP plan (factory.tp_plan) or a default for Linear layers named like torchtitan / Hugging Face "
+    "(q/k/v/gate/up column-wise, o/down/proj row-wise) is applied to every block on the tp mesh, then the model is "
+    "sharded over dp (default 1: no TP; N must be a multiple of R x T)"
+)
+
 LARGE_WORLD = 100_000
 """--world-size above this warns with the memory and time the fake process group's run will need."""
 BASE_BYTES = 400 * 2**20
@@ -99,8 +106,13 @@ def _mp_policy(name: str | None):
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
-def _mesh_words(world_size: int, replicate: int) -> str:
-    """'4 ranks' or '4 ranks, mesh 2 x 2 (replicate x shard)'."""
+def _mesh_words(world_size: int, replicate: int, tp: int = 1) -> str:
+    """'4 ranks', '4 ranks, mesh 2 x 2 (replicate x shard)' or '4 ranks, mesh 2 x 2 (dp x tp)'."""
+    if tp > 1:
+        if replicate == 1:
+            return f"{world_size} ranks, mesh {world_size // tp} x {tp} (dp x tp)"
+        return (f"{world_size} ranks, mesh {replicate} x {world_size // (replicate * tp)} x {tp} "
+                "(replicate x dp x tp)")
     if replicate == 1:
         return f"{world_size} ranks"
     return f"{world_size} ranks, mesh {replicate} x {world_size // replicate} (replicate x shard)"
@@ -135,6 +147,13 @@ def check_args(ns: argparse.Namespace) -> None:
         raise UsageError(f"--world-size must be >= 1, got {ns.world_size}")
     if ns.replicate < 1:
         raise UsageError(f"--replicate must be >= 1, got {ns.replicate}")
+    if ns.tp < 1:
+        raise UsageError(f"--tp must be >= 1, got {ns.tp}")
+    if ns.tp > 1 and ns.world_size % (ns.replicate * ns.tp):
+        raise UsageError(
+            f"--world-size {ns.world_size} is not a multiple of --replicate {ns.replicate} x --tp {ns.tp}: the mesh "
+            f"is replicate x dp x tp; pass a --world-size that is a multiple of {ns.replicate * ns.tp}"
+        )
     if ns.world_size % ns.replicate:
         raise UsageError(
             f"--world-size {ns.world_size} is not a multiple of --replicate {ns.replicate}: HSDP needs "
@@ -168,7 +187,9 @@ def cmd_dump(ns: argparse.Namespace) -> int:
         from .config import CompileConfig
         from .cost_model import PROFILES
         from .dump import write_dump
-        from .plan import hsdp_mesh, shard_blocks
+        from .plan import shard_blocks
+        from .planner_reduce import block_list
+        from .planner_tp import apply_tp, plan_meshes, plan_text, tp_plan_for
         from .report import clear_compiled_graphs, compiled_graphs
         from .targets import call_factory, fake_group, load_target
 
@@ -176,11 +197,25 @@ def cmd_dump(ns: argparse.Namespace) -> int:
         hardware = ns.hardware or "cpu-gloo-loopback"
         mp = _mp_policy(ns.mp)
         reshard = not ns.no_reshard
-        where = _mesh_words(ns.world_size, ns.replicate)
+        where = _mesh_words(ns.world_size, ns.replicate, ns.tp)
+        tp_text = ""
         with fake_group(ns.world_size):
-            mesh = hsdp_mesh(ns.world_size, ns.replicate)
+            mesh, tp_mesh = plan_meshes(ns.world_size, ns.replicate, ns.tp)
             progress.step(f"building {ns.target}")
             model, args, loss_fn = call_factory(factory)
+            if tp_mesh is not None:
+                _, blocks = block_list(model)
+                if blocks is None:
+                    raise UsageError("--tp needs a model with an nn.ModuleList of blocks to apply the TP plan to")
+                try:
+                    plan, source = tp_plan_for(factory, blocks[0])
+                except ValueError as e:
+                    raise UsageError(f"--tp {ns.tp}: {e}") from e
+                tp_text = plan_text(plan, source)
+                try:
+                    apply_tp(model, tp_mesh, plan)
+                except Exception as e:
+                    raise RunError(f"applying the TP plan failed: {type(e).__name__}: {e}") from e
             progress.step(f"sharding over {where} (rank 0, fake process group), compiling forward and backward")
             if not ns.no_block_shard:
                 shard_blocks(model, mesh, reshard_after_forward=reshard, mp_policy=mp)
@@ -202,6 +237,8 @@ def cmd_dump(ns: argparse.Namespace) -> int:
             progress.step(f"simulating the step and writing {len(records)} graphs to {ns.out}")
             summary = write_dump(records, ns.out, PROFILES[hardware])
     print(f"sharded over {where}")
+    if tp_text:
+        print(f"tensor parallel {ns.tp}: {tp_text}")
     print(summary, end="")
     print(f"artefacts in {os.path.abspath(ns.out)}")
     return 0
@@ -224,9 +261,13 @@ def cmd_plan(ns: argparse.Namespace) -> int:
                 plan = make_plan(factory, ns.world_size, replicate=ns.replicate, call=call_factory,
                                  profiles=profiles, mp_policy=_mp_policy(ns.mp),
                                  reshard_after_forward=not ns.no_reshard, progress=progress.step,
-                                 attention=ns.attention, ac=ns.ac, compiler=ns.compiler)
+                                 attention=ns.attention, ac=ns.ac, compiler=ns.compiler, tp=ns.tp)
             except (RunError, UsageError):
                 raise
+            except ValueError as e:
+                if ns.tp > 1 and "TP plan" in str(e):
+                    raise UsageError(f"--tp {ns.tp}: {e}") from e
+                raise RunError(f"planning failed: {type(e).__name__}: {e}") from e
             except Exception as e:
                 raise RunError(f"planning failed: {type(e).__name__}: {e}") from e
     seconds, rss = time.perf_counter() - start, peak_rss_bytes()
@@ -253,6 +294,7 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("target", metavar="TARGET", help=TARGET_HELP)
     parser.add_argument("--world-size", type=int, required=True, help="number of ranks (N)")
     parser.add_argument("--replicate", type=int, default=1, metavar="R", help=REPLICATE_HELP)
+    parser.add_argument("--tp", type=int, default=1, metavar="T", help=TP_HELP)
     parser.add_argument("--mp", choices=["bf16"], help="mixed precision: bf16 parameters, fp32 gradient reduction")
 
 
@@ -266,6 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
                f"  {PROG} dump examples/llama.py:llama_tiny --world-size 4 --out /tmp/dump\n"
                f"  {PROG} plan examples/llama.py:llama3_70b --world-size 1024\n"
                f"  {PROG} plan examples/llama.py:llama3_70b --world-size 1024 --replicate 8   # HSDP, 8 x 128\n"
+               f"  {PROG} plan tests/cli_factories.py:llama3_8b_tp --world-size 64 --tp 8   # FSDP 8 x TP 8\n"
                f"  python -m fsdp2_compile plan examples/llama.py:llama3_8b --world-size 64 --json\n\n"
                "exit codes: 0 ok, 1 runtime failure, 2 usage error",
     )

@@ -14,6 +14,13 @@ Method:
 - activations and compute: one step of each copy played op by op on the meta device (`planner_trace`), with the
   attention (`planner_attention`) and activation checkpointing (`planner_ac`) asked for; time, schedule and the
   allocator's peak from `planner_step`, device figures from `planner_profiles`.
+- tensor parallelism (`tp` > 1, `planner_tp`): the mesh is (dp, tp) (or (replicate, shard, tp)), the TP plan is
+  applied to every block with `parallelize_module` before `shard` over dp, so the per-rank bytes are the real
+  (dp, tp)-local shards; TP's collectives (Role.TP in the compiled graphs) are counted apart from FSDP's, per layer
+  (2 blocks minus 1), and timed on the profile's intra-node link, on the critical path (nothing overlaps them);
+  compute and activations are traced on a TP-local copy (column-wise Linears with out / tp features, row-wise with
+  in / tp); MFU counts the unsplit model's FLOPs / tp per rank, tokens/s per rank the dp rank's tokens / tp
+  (torchtitan's per-GPU figures).
 """
 
 from __future__ import annotations
@@ -33,8 +40,9 @@ from .planner_ac import has_checkpointing, unwrap_checkpointing
 from .planner_profiles import device_for
 from .planner_reduce import block_list, reduced_copy, scale
 from .planner_step import StepComm, memory_peak, optimizer_time, phase_times, schedule
+from .planner_tp import apply_tp, plan_meshes, plan_text, tp_collective_s, tp_local_copy, tp_plan_for
 from .planner_trace import trace_step
-from .report import clear_compiled_graphs, collective, compiled_graphs
+from .report import clear_compiled_graphs, collective, compiled_graphs, is_tp
 from .shard import default_device_type
 
 __all__ = [
@@ -82,11 +90,26 @@ class Plan:
     compute_s: dict[str, dict[str, float]] = field(default_factory=dict)
     """Per profile: forward, backward (recomputation included) and optimizer seconds."""
     assumptions: dict[str, object] = field(default_factory=dict)
+    tp: int = 1
+    """Tensor-parallel degree: the mesh is (replicate x) shard x tp; 1 = no tensor parallelism."""
+    tp_plan: str = ""
+    """Which TP plan was applied (the factory's or the default), per block; "" without TP."""
+    tp_comm_bytes_per_step: int = 0
+    """Bytes one rank sends per step in TP's collectives (ring over the tp group), not in comm_bytes_per_step."""
+    tp_collective_buffer_bytes: dict[str, int] = field(default_factory=dict)
+    """TP's full buffers per step by collective kind (FSDP's are collective_buffer_bytes)."""
+    tp_collectives_per_layer: dict[str, dict[str, int]] = field(default_factory=dict)
+    """TP's collectives in one block, by graph ("forward", "backward") and kind."""
+    tp_collectives_per_step: dict[str, dict[str, int]] = field(default_factory=dict)
+    """TP's collectives of the whole step, by graph and kind."""
+    tp_comm_s: dict[str, float] = field(default_factory=dict)
+    """Per profile: seconds of TP's collectives per step on the intra-node link (in step_time_s and
+    exposed_comm_s: they sit on the critical path)."""
 
     @property
     def shard_size(self) -> int:
-        """Ranks each parameter is sharded over: world_size / replicate."""
-        return self.world_size // self.replicate
+        """Ranks each parameter is sharded over by FSDP: world_size / (replicate x tp)."""
+        return self.world_size // (self.replicate * self.tp)
 
     def to_json(self) -> dict:
         return {
@@ -106,6 +129,13 @@ class Plan:
             "peak_reserved_bytes": self.peak_reserved_bytes,
             "compute_s": self.compute_s,
             "assumptions": self.assumptions,
+            "tp": self.tp,
+            "tp_plan": self.tp_plan,
+            "tp_comm_bytes_per_step": self.tp_comm_bytes_per_step,
+            "tp_collective_buffer_bytes": self.tp_collective_buffer_bytes,
+            "tp_collectives_per_layer": self.tp_collectives_per_layer,
+            "tp_collectives_per_step": self.tp_collectives_per_step,
+            "tp_comm_s": self.tp_comm_s,
             "profiles": {n: {"alpha_s": p.alpha_s, "beta_s_per_byte": p.beta_s_per_byte, "flops_per_s": p.flops_per_s,
                              "mem_bytes_per_s": p.mem_bytes_per_s, "source": p.source,
                              "device": {**{k: v for k, v in device_for(n).__dict__.items() if k != "sources"},
@@ -153,13 +183,17 @@ def _unique_params(model: nn.Module) -> list[nn.Parameter]:
     return params
 
 
-def analytical_bytes(model: nn.Module, world_size: int) -> dict[str, float]:
+def analytical_bytes(model: nn.Module, world_size: int, tp: int = 1) -> dict[str, float]:
     """numel x bytes / N for parameters and gradients, 2 x 4 bytes x numel / N for AdamW (unsharded model); N is
-    the number of ranks a parameter is sharded over (HSDP: the shard size)."""
-    params = sum(nbytes(p) for p in _unique_params(model))
-    grads = sum(nbytes(p) for p in _unique_params(model) if p.requires_grad)
-    optim = sum(ADAMW_STATES * 4 * p.numel() for p in _unique_params(model) if p.requires_grad)
-    return {"params": params / world_size, "grads": grads / world_size, "optimizer": optim / world_size}
+    the number of ranks a parameter is sharded over (HSDP: the shard size), times `tp` for a parameter tensor
+    parallelism shards (a DTensor with a Shard placement, after the TP plan)."""
+    def ranks(p) -> int:
+        return world_size * tp if isinstance(p, DTensor) and any(pl.is_shard() for pl in p.placements) else world_size
+
+    params = sum(nbytes(p) / ranks(p) for p in _unique_params(model))
+    grads = sum(nbytes(p) / ranks(p) for p in _unique_params(model) if p.requires_grad)
+    optim = sum(ADAMW_STATES * 4 * p.numel() / ranks(p) for p in _unique_params(model) if p.requires_grad)
+    return {"params": params, "grads": grads, "optimizer": optim}
 
 
 def sharded_bytes(model: nn.Module) -> dict[str, int]:
@@ -179,8 +213,9 @@ def _bucket_numel(model: nn.Module) -> dict[str, int]:
 
     buckets: dict[str, int] = {}
     for _, p, info in managed_params(model):
-        rows = padded_rows(p.shape[0], info.world_size) * info.world_size
-        buckets[info.bucket] = buckets.get(info.bucket, 0) + rows * math.prod(p.shape[1:])
+        rows = padded_rows(info.dim0, info.world_size) * info.world_size
+        local = p.to_local() if isinstance(p, DTensor) else p  # trailing dims: TP-local under tensor parallelism
+        buckets[info.bucket] = buckets.get(info.bucket, 0) + rows * math.prod(local.shape[1:])
     return buckets
 
 
@@ -188,14 +223,24 @@ def _bucket_numel(model: nn.Module) -> dict[str, int]:
 class _GraphFigures:
     comm_wire: float
     buffers: dict[str, int]
+    tp_wire: float = 0.0
+    tp_buffers: dict[str, int] = field(default_factory=dict)
+    tp_collectives: list[tuple[str, str, int, int]] = field(default_factory=list)
+    """TP's collectives: (graph kind, collective kind, full buffer bytes, group size)."""
+
+    def tp_counts(self, graph: str, kind: str) -> int:
+        return sum(1 for g, k, _, _ in self.tp_collectives if g == graph and k == kind)
 
 
-def _compile_and_measure(model, args, loss_fn, mesh, compile_kwargs) -> _GraphFigures:
-    """Bytes on the wire and collective buffers of the pipeline's final forward and backward graphs."""
+def _compile_and_measure(model, args, loss_fn, mesh, compile_kwargs, tp_mesh=None, tp_plan=None) -> _GraphFigures:
+    """Bytes on the wire and collective buffers of the pipeline's final forward and backward graphs (FSDP's; TP's
+    apart when `tp_mesh` is given and `tp_plan` is applied to the blocks first)."""
+    from ._torch_private import group_size
     from .backend import make_backend
-    from .shard import shard
 
     unwrap_checkpointing(model)  # checkpointing changes no collective
+    if tp_mesh is not None:
+        apply_tp(model, tp_mesh, tp_plan)
     shard_for_plan(model, mesh=mesh, reshard_after_forward=compile_kwargs["reshard_after_forward"],
                    mp_policy=compile_kwargs["mp_policy"])
     clear_compiled_graphs()
@@ -205,27 +250,36 @@ def _compile_and_measure(model, args, loss_fn, mesh, compile_kwargs) -> _GraphFi
     compiled = torch.compile(model, backend=make_backend(compile_kwargs["compile_config"]))
     loss_fn(compiled(*args)).backward()
     records = [r for r in compiled_graphs() if r.kind in ("forward", "backward")]
-    buffers: dict[str, int] = {}
-    wire = 0.0
+    figures = _GraphFigures(0.0, {})
     for r in records:
-        graph_wire, graph_buffers = wire_bytes(r.gm)
-        wire += graph_wire
-        for kind, nbytes in graph_buffers.items():
-            buffers[kind] = buffers.get(kind, 0) + nbytes
+        for tp, buffers in ((False, figures.buffers), (True, figures.tp_buffers)):
+            graph_wire, graph_buffers = wire_bytes(r.gm, tp=tp)
+            if tp:
+                figures.tp_wire += graph_wire
+            else:
+                figures.comm_wire += graph_wire
+            for kind, nbytes in graph_buffers.items():
+                buffers[kind] = buffers.get(kind, 0) + nbytes
+        for node in r.gm.graph.nodes:
+            c = collective(node)
+            if c is not None and is_tp(node):
+                figures.tp_collectives.append(
+                    (r.kind, str(c.kind), c.nbytes, group_size(CollectiveArgs.of(node).group_name)))
     clear_compiled_graphs()
-    return _GraphFigures(comm_wire=wire, buffers=buffers)
+    return figures
 
 
-def wire_bytes(gm) -> tuple[float, dict[str, int]]:
+def wire_bytes(gm, tp: bool | None = None) -> tuple[float, dict[str, int]]:
     """(bytes one rank sends, full buffer bytes by collective kind) of a graph's collectives: a ring over the
-    collective's own group of G ranks sends (G-1)/G of the buffer, twice that for an all-reduce."""
+    collective's own group of G ranks sends (G-1)/G of the buffer, twice that for an all-reduce. `tp`: None every
+    collective, False FSDP's only, True tensor parallelism's only."""
     from ._torch_private import group_size
 
     buffers: dict[str, int] = {}
     wire = 0.0
     for node in gm.graph.nodes:
         c = collective(node)
-        if c is None:
+        if c is None or (tp is not None and is_tp(node) != tp):
             continue
         group = group_size(CollectiveArgs.of(node).group_name)
         buffers[c.kind] = buffers.get(c.kind, 0) + c.nbytes
@@ -261,6 +315,7 @@ def make_plan(
     ac: str = "none",
     compiler: str = "aot_eager",
     prefetch: int | None = None,
+    tp: int = 1,
 ) -> Plan:
     """Plan `factory`'s model at `world_size` ranks; `replicate` > 1: HSDP on a `replicate x world_size/replicate`
     mesh (`hsdp_mesh`). Needs the default process group of `world_size` ranks (the fake one);
@@ -268,7 +323,8 @@ def make_plan(
     "math"; `ac`: "none", "full" or "selective" (a model the factory already checkpointed is planned as given);
     `compiler`: "aot_eager" (eager kernels), "inductor" (fused elementwise) or "inductor-blocks" (Inductor on each
     block only, the rest eager: torchtitan's per-block compile); `prefetch`: blocks gathered ahead
-    (default: CompileConfig's prefetch_depth)."""
+    (default: CompileConfig's prefetch_depth); `tp` > 1: tensor parallelism of degree `tp` inside FSDP on a
+    (dp, tp) mesh (`planner_tp`; the factory's `tp_plan` or the default one)."""
     from .config import CompileConfig, MixedPrecisionPolicy
 
     if compiler not in ("aot_eager", "inductor", "inductor-blocks"):
@@ -276,8 +332,8 @@ def make_plan(
     mp_policy = mp_policy or MixedPrecisionPolicy()
     profiles = profiles or list(PROFILES)
     step = progress or (lambda msg: None)
-    mesh = hsdp_mesh(world_size, replicate)
-    shard_size = world_size // replicate
+    mesh, tp_mesh = plan_meshes(world_size, replicate, tp)
+    shard_size = world_size // (replicate * tp)
     prefetch = CompileConfig().prefetch_depth if prefetch is None else prefetch
 
     step("building the full model")
@@ -286,12 +342,23 @@ def make_plan(
     layers = len(blocks) if blocks is not None else 0
     given_ac = has_checkpointing(model)
     ac_used = "as given" if given_ac else ac
-    analytical = analytical_bytes(model, shard_size)
     n_params = sum(p.numel() for p in _unique_params(model))
+    tp_plan, tp_text = None, ""
+    if tp_mesh is not None:
+        unwrap_checkpointing(model)  # the plan names block-relative modules; checkpointing changes no shard
+        if blocks is None:
+            raise ValueError("--tp needs a model with an nn.ModuleList of blocks to apply the TP plan to")
+        tp_plan, source = tp_plan_for(factory, blocks[0])
+        tp_text = plan_text(tp_plan, source)
+        step(f"applying {tp_text} on the tp mesh of {tp} ranks")
+        apply_tp(model, tp_mesh, tp_plan)
+    analytical = analytical_bytes(model, shard_size, tp)
     param_dtype = mp_policy.param_dtype or next((p.dtype for p in model.parameters() if p.is_floating_point()),
                                                 torch.float32)
     reduce_dtype = mp_policy.reduce_dtype or param_dtype
     where = f"{world_size} ranks" if mesh is None else f"a {replicate} x {shard_size} mesh (replicate x shard)"
+    if tp_mesh is not None:
+        where = f"dp ({shard_size} ranks" + (f" x {replicate} replicas" if replicate > 1 else "") + f"), tp {tp}"
     step(f"sharding the full model over {where}")
     shard_for_plan(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
     measured = sharded_bytes(model)
@@ -309,16 +376,23 @@ def make_plan(
     }
     reduce = blocks is not None and layers > 2
     counts = (1, 2) if reduce else (None,)
-    figures, traces, hows = [], [], []
+    figures, traces, full_traces, hows, tp_left = [], [], [], [], []
     for n in counts:
         what = f"a {n}-block copy" if n else "the model"
         step(f"compiling {what} through the pipeline")
         model, args, loss_fn, how = reduced_copy(factory, n, call) if n else (*call(factory), "")
-        figures.append(_compile_and_measure(model, args, loss_fn, mesh, compile_kwargs))
-        step(f"playing one step of {what} on the meta device ({attention} attention, AC {ac_used})")
+        figures.append(_compile_and_measure(model, args, loss_fn, mesh, compile_kwargs, tp_mesh, tp_plan))
+        local = " (one TP rank's share)" if tp_mesh is not None else ""
+        step(f"playing one step of {what}{local} on the meta device ({attention} attention, AC {ac_used})")
         model, args, loss_fn, how = reduced_copy(factory, n, call) if n else (*call(factory), "")
+        if tp_mesh is not None:
+            tp_left = tp_local_copy(model, tp_plan, tp)
         traces.append(trace_step(model, args, loss_fn, attention=attention, ac=ac_used,
                                  param_dtype=mp_policy.param_dtype))
+        if tp_mesh is not None:  # the unsplit model's FLOPs, for MFU
+            model, args, loss_fn, _ = reduced_copy(factory, n, call) if n else (*call(factory), "")
+            full_traces.append(trace_step(model, args, loss_fn, attention=attention, ac=ac_used,
+                                          param_dtype=mp_policy.param_dtype))
         hows.append(how)
 
     def extrapolate(values: list[float]) -> float:
@@ -328,7 +402,19 @@ def make_plan(
     buffers = {k: int(extrapolate([g.buffers.get(k, 0) for g in figures])) for k in figures[-1].buffers}
     fused = {"aot_eager": False, "inductor": True, "inductor-blocks": "blocks"}[compiler]
     activations = extrapolate([t.saved_bytes(fused) for t in traces])
-    model_flops = 3 * extrapolate([t.forward_flops() for t in traces])
+    model_flops = 3 * extrapolate([t.forward_flops() for t in (full_traces or traces)]) / tp
+
+    # tensor parallelism's collectives: per block (2 blocks minus 1) and per step, by graph and kind
+    tp_kinds = sorted({(g, k) for f in figures for g, k, _, _ in f.tp_collectives})
+    tp_per_layer: dict[str, dict[str, int]] = {}
+    tp_per_step: dict[str, dict[str, int]] = {}
+    for g, k in tp_kinds:
+        counts_ = [f.tp_counts(g, k) for f in figures]
+        tp_per_step.setdefault(g, {})[k] = int(extrapolate(counts_))
+        tp_per_layer.setdefault(g, {})[k] = counts_[1] - counts_[0] if reduce else counts_[0] // max(layers, 1)
+    tp_wire = extrapolate([f.tp_wire for f in figures])
+    tp_buffers = {k: int(extrapolate([f.tp_buffers.get(k, 0) for f in figures]))
+                  for k in sorted({k for f in figures for k in f.tp_buffers})}
 
     block_names = [b for b in numel if b]
     grad_buffers = 2 * max((numel[b] for b in block_names), default=0) * (_itemsize(param_dtype)
@@ -341,7 +427,7 @@ def make_plan(
     peak_alloc = int(max(peak_alloc, optimizer_point))
 
     tokens = tokens_of(full_args)
-    time, exposed, tps, mfu, reserved, compute = {}, {}, {}, {}, {}, {}
+    time, exposed, tps, mfu, reserved, compute, tp_s = {}, {}, {}, {}, {}, {}, {}
     for name in profiles:
         prof, dev = PROFILES[name], device_for(name)
         ph = [phase_times(t, dev, fused) for t in traces]
@@ -351,6 +437,22 @@ def make_plan(
         else:
             fw_block = bw_block = 0.0
             fw_rest, bw_rest = ph[0].forward, ph[0].backward
+
+        # TP's collectives on the intra-node link, on the critical path (the next op needs their result): added to
+        # the phase they run in; full AC replays forward's in backward
+        def tp_time(f: _GraphFigures, graph: str) -> float:
+            return sum(tp_collective_s(k, b, g, dev.intra_node_alpha_s, dev.intra_node_bytes_per_s)
+                       for gk, k, b, g in f.tp_collectives if gk == graph)
+
+        tp_fw = [tp_time(f, "forward") for f in figures]
+        tp_bw = [tp_time(f, "backward") + (tp_time(f, "forward") if ac_used == "full" else 0.0) for f in figures]
+        if reduce:
+            tp_fw_block, tp_bw_block = tp_fw[1] - tp_fw[0], tp_bw[1] - tp_bw[0]
+            tp_fw_rest, tp_bw_rest = tp_fw[0] - tp_fw_block, tp_bw[0] - tp_bw_block
+        else:
+            tp_fw_block = tp_bw_block = 0.0
+            tp_fw_rest, tp_bw_rest = tp_fw[0], tp_bw[0]
+        tp_s[name] = (tp_fw_rest + tp_bw_rest + (layers * (tp_fw_block + tp_bw_block) if reduce else 0.0))
 
         def coll(nbytes: float, group: int, factor: float = 1.0) -> float:
             return prof.alpha_s + factor * (group - 1) / group * nbytes * prof.beta_s_per_byte if group > 1 else 0.0
@@ -370,12 +472,14 @@ def make_plan(
         )
         if not reduce:  # no block list to schedule: one forward and one backward beside all collectives
             sc.gather_s, sc.reduce_s = [], []
-        run_s, exposed_s = schedule(fw_block, fw_rest, bw_block, bw_rest, sc, dev.comm_overlaps_compute,
+        run_s, exposed_s = schedule(fw_block + tp_fw_block, fw_rest + tp_fw_rest, bw_block + tp_bw_block,
+                                    bw_rest + tp_bw_rest, sc, dev.comm_overlaps_compute,
                                     prefetch=max(prefetch, 1), reshard=reshard_after_forward)
+        exposed_s += tp_s[name]  # schedule counted TP's time as compute
         opt_s = optimizer_time(measured["params"], measured["grads"], measured["optimizer"], dev)
         time[name] = run_s + opt_s
         exposed[name] = exposed_s
-        tps[name] = tokens / time[name]
+        tps[name] = tokens / tp / time[name]
         mfu[name] = model_flops / time[name] / dev.peak_flops
         reserved[name] = int(peak_alloc * dev.allocator_factor + dev.runtime_bytes)
         compute[name] = {"forward": fw_rest + layers * fw_block if reduce else fw_rest,
@@ -400,9 +504,17 @@ def make_plan(
               f"{ac_used}, {compiler} kernels), scheduled with FSDP's prefetch of {prefetch} block(s)")
     if given_ac and ac != "none":
         method += f"; --ac {ac} ignored: the factory's model is already checkpointed"
-    if mesh is not None:
+    if replicate > 1:
         method += (f"; HSDP: parameters sharded over {shard_size} ranks, replicated {replicate} times, gradients "
                    f"reduce-scattered over {shard_size} ranks then all-reduced over {replicate}")
+    if tp_mesh is not None:
+        method += (f"; tensor parallel {tp}: {tp_text}, applied with parallelize_module before shard over dp; TP's "
+                   "collectives from the same graphs, counted apart from FSDP's and timed on the intra-node link on "
+                   "the critical path (in step time and exposed communication)"
+                   + ("; full AC replays forward's in backward" if ac_used == "full" else "")
+                   + "; compute and activations of one TP rank (column-wise Linears out/tp, row-wise in/tp)"
+                   + (f", left whole: {', '.join(tp_left)}" if tp_left else "")
+                   + "; MFU: the unsplit model's FLOPs / tp per rank; tokens/s per rank: the dp rank's tokens / tp")
     assumptions = {
         "attention": attention,
         "ac": ac_used,
@@ -415,9 +527,13 @@ def make_plan(
         "model_flops_per_step_per_rank": model_flops,
         "optimizer": "AdamW, fp32 states",
         "reduction": reduced,
+        "tp": tp,
     }
     return Plan(world_size, n_params, layers, per_rank, analytical, int(comm), buffers, time, exposed, method, buckets,
-                replicate, tps, mfu, reserved, compute, assumptions)
+                replicate, tps, mfu, reserved, compute, assumptions, tp=tp, tp_plan=tp_text,
+                tp_comm_bytes_per_step=int(tp_wire), tp_collective_buffer_bytes=tp_buffers,
+                tp_collectives_per_layer=tp_per_layer, tp_collectives_per_step=tp_per_step,
+                tp_comm_s=tp_s if tp_mesh is not None else {})
 
 
 def size_text(n: float) -> str:
@@ -435,9 +551,14 @@ def _col(n: float) -> str:
 def format_plan(plan, seconds: float, rss: int) -> str:
     pr, an = plan.per_rank_bytes, plan.analytical_bytes
     header = f"plan: {plan.params:,} parameters, {plan.layers} blocks, world size {plan.world_size}"
-    if plan.replicate > 1:
+    if plan.replicate > 1 and plan.tp == 1:
         header += f", mesh {plan.replicate} x {plan.shard_size} (replicate x shard)"
+    elif plan.tp > 1:
+        header += (f", mesh {plan.replicate} x {plan.shard_size} x {plan.tp} (replicate x dp x tp)" if plan.replicate > 1
+                   else f", mesh {plan.shard_size} x {plan.tp} (dp x tp)")
     divisor = "N" if plan.replicate == 1 else "(N/R)"
+    if plan.tp > 1:
+        divisor = "(dp*tp), /dp untouched by TP"
     out = [header, "", "per-rank memory (rank 0, the largest shard)"]
     for key in ("params", "grads", "optimizer"):
         error = (pr[key] - an[key]) / an[key] * 100 if an[key] else 0.0
@@ -453,7 +574,20 @@ def format_plan(plan, seconds: float, rss: int) -> str:
     ring = "(N-1)/N of the buffers" if plan.replicate == 1 else (
         f"(G-1)/G of each buffer, 2(G-1)/G of an all-reduce's; G = its group, "
         f"{plan.shard_size} or {plan.replicate} ranks")
-    out.append(f"communication per step: {size_text(plan.comm_bytes_per_step)} sent per rank ({ring}: {buffers})")
+    out.append(f"communication per step: {size_text(plan.comm_bytes_per_step)} sent per rank ({ring}: {buffers})"
+               + (" (FSDP's, over dp)" if plan.tp > 1 else ""))
+    if plan.tp > 1:
+        def kinds(d: dict) -> str:
+            return ", ".join(f"{k} x{n:,}" for k, n in sorted(d.items())) or "none"
+
+        tp_buffers = ", ".join(f"{k} {size_text(v)}" for k, v in sorted(plan.tp_collective_buffer_bytes.items()))
+        out.append(f"tensor parallel {plan.tp}: {plan.tp_plan}")
+        for graph in ("forward", "backward"):
+            out.append(f"  {graph:<9} per layer: {kinds(plan.tp_collectives_per_layer.get(graph, {}))}; per step: "
+                       f"{kinds(plan.tp_collectives_per_step.get(graph, {}))}")
+        out.append(f"  {size_text(plan.tp_comm_bytes_per_step)} sent per rank per step ((T-1)/T of each buffer, "
+                   f"2(T-1)/T of an all-reduce's, T = {plan.tp}: {tp_buffers or 'none'}), on the intra-node link, "
+                   "on the critical path (TP comm below)")
     if plan.assumptions:
         a = plan.assumptions
         out.append(f"assumed: {a['attention']} attention, activation checkpointing {a['ac']}, {a['compiler']} "
@@ -461,7 +595,7 @@ def format_plan(plan, seconds: float, rss: int) -> str:
                    f"{a['tokens_per_step_per_rank']:,} tokens per rank per step")
     out.append("")
     out.append(f"  {'profile':<20}{'step time':>12}{'exposed comm':>14}{'tokens/s/rank':>15}{'MFU':>7}"
-               f"{'reserved peak':>15}")
+               f"{'reserved peak':>15}" + (f"{'TP comm':>12}" if plan.tp_comm_s else ""))
     for name, t in plan.step_time_s.items():
         tps, mfu = plan.tokens_per_s_per_rank.get(name), plan.mfu.get(name)
         reserved = plan.peak_reserved_bytes.get(name)
@@ -469,6 +603,7 @@ def format_plan(plan, seconds: float, rss: int) -> str:
             f"  {name:<20}{t * 1e3:>9.1f} ms{plan.exposed_comm_s[name] * 1e3:>11.1f} ms"
             + (f"{tps:>15,.0f}" if tps is not None and tps >= 100 else f"{tps:>15.3g}" if tps is not None else "")
             + (f"{mfu * 100:>6.1f}%{size_text(reserved):>15}" if mfu is not None else "")
+            + (f"{plan.tp_comm_s[name] * 1e3:>9.1f} ms" if name in plan.tp_comm_s else "")
         )
     out.append("")
     out.append("profiles (cost model: alpha, link, FLOP/s, memory; source)")
@@ -479,7 +614,9 @@ def format_plan(plan, seconds: float, rss: int) -> str:
         d = device_for(name)
         eff = ", ".join(f"{k} {v:.2f}" for k, v in d.efficiency.items())
         out.append(f"    planner: peak {d.peak_flops / 1e12:.4g} TFLOP/s, memory {d.mem_bytes_per_s / 1e9:.4g} GB/s, "
-                   f"efficiency {eff}; sources in --json (profiles.<name>.device.sources)")
+                   f"efficiency {eff}" + (f", intra-node link {d.intra_node_bytes_per_s / 1e9:.3g} GB/s "
+                                          f"{d.intra_node_alpha_s * 1e6:.0f} us (TP)" if plan.tp > 1 else "")
+                   + "; sources in --json (profiles.<name>.device.sources)")
     out.append("")
     out.append(f"method: {plan.method}")
     out.append(f"planner: {seconds:.1f} s wall, peak RSS {rss / 2**20:.0f} MiB")

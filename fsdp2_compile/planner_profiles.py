@@ -28,6 +28,11 @@ class DeviceFigures:
     """Reserved (what the device reports) / allocated (live tensors) at the peak."""
     runtime_bytes: int
     """Memory a process holds before any tensor (runtime, libraries, CUDA context)."""
+    intra_node_bytes_per_s: float = 0.0
+    """Bandwidth of the link between ranks of one node, bytes/s each rank sends (tensor parallelism's collectives
+    run on it: TP inside a node, FSDP across)."""
+    intra_node_alpha_s: float = 0.0
+    """Fixed cost of one collective on the intra-node link."""
     sources: dict[str, str] = field(default_factory=dict)
 
 
@@ -39,7 +44,12 @@ _H100 = DeviceFigures(
     comm_overlaps_compute=True,
     allocator_factor=1.159,
     runtime_bytes=int(0.5 * 2**30),
+    intra_node_bytes_per_s=360e9,
+    intra_node_alpha_s=15e-6,
     sources={
+        "intra_node_bytes_per_s": "NVLink 4 on H100 SXM: 450 GB/s per direction (NVIDIA H100 datasheet, 900 GB/s "
+                                  "bidirectional) x 0.8 assumed; as cost_model h100-nvlink (not measured here)",
+        "intra_node_alpha_s": "as cost_model h100-nvlink: 15 us per collective (assumed)",
         "peak_flops": "NVIDIA H100 SXM datasheet: 989 TFLOP/s dense bf16",
         "mem_bytes_per_s": "torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Hardware: 96 GB HBM2e, "
                            "2.4 TB/s (Grand Teton, 500 W)",
@@ -63,7 +73,12 @@ _CPU = DeviceFigures(
     comm_overlaps_compute=False,
     allocator_factor=1.0,
     runtime_bytes=401 * 2**20,
+    intra_node_bytes_per_s=0.38e9,
+    intra_node_alpha_s=500e-6,
     sources={
+        "intra_node_bytes_per_s": "cost_model cpu-gloo-loopback: measured gloo bandwidth over loopback between "
+                                  "ranks on this machine (0.36-0.40 GB/s)",
+        "intra_node_alpha_s": "cost_model cpu-gloo-loopback: measured 0.46-0.58 ms per collective",
         "peak_flops": "cost_model cpu-gloo-loopback: measured fp32 matmul rate on this 2-core machine (sustained, "
                       "so efficiency 1.0)",
         "mem_bytes_per_s": "cost_model cpu-gloo-loopback: measured copy bandwidth (efficiency 1.0)",

@@ -197,3 +197,71 @@ def test_inductor_fuses_elementwise_whole_model_or_inside_blocks_only():
     outside = {sid for op in trace.ops if not op.in_block for sid, _ in op.creates}
     assert outside & eager <= blocks  # nothing created outside a block is fused away under "blocks"
     assert any(op.in_block and op.phase == "backward" for op in trace.ops)  # backward of a block is attributed
+
+
+# ---------------------------------------------------------------------------------------------- tensor parallelism
+# cli_factories.tp_mlp: embed 32 x 16, per block norm (16 + 16) + up_proj 64 x 16 + down_proj 16 x 64, final norm
+# (16 + 16), head 32 x 16; fp32; tokens (2, 8), d 16: one activation 2 x 8 x 16 x 4 B = 1 KiB.
+TP_ACT = 2 * 8 * 16 * F32
+
+
+def _tp_plan(factory, tp: int, world_size: int = 4, **kwargs):
+    with fake_group(world_size):
+        return make_plan(factory, world_size, call=call_factory, profiles=["h100-nvlink"], tp=tp, **kwargs)
+
+
+def test_tp_per_rank_bytes_are_hand_counted_over_dp_times_tp():
+    one, two = _tp_plan(cli_factories.tp_mlp, 1), _tp_plan(cli_factories.tp_mlp, 2)
+    # --tp 1, dp 4: every parameter / 4: embed 128 + 2 x (4 + 4 + 256 + 256) + 4 + 4 + head 128 = 1304 elements
+    # --tp 2, dp 2: up / down over dp x tp = 4 (256 each), the rest over dp = 2: 256 + 2 x (8 + 8 + 512) + 16 + 256
+    for plan, elements in ((one, 1304), (two, 1584)):
+        assert plan.per_rank_bytes["params"] == plan.per_rank_bytes["grads"] == elements * F32
+        assert plan.per_rank_bytes["optimizer"] == 2 * elements * F32
+        assert plan.analytical_bytes["params"] == elements * F32
+    assert two.shard_size == 2 and two.tp == 2 and one.tp == 1
+    # FSDP gathers the TP-local blocks over dp: a block bucket of 2 x 16 + 2 x 512 elements (was 2 x 16 + 2 x 1024)
+    assert two.buckets["blocks.0"] == (2 * 16 + 2 * 512) * F32 and one.buckets["blocks.0"] == (2 * 16 + 2 * 1024) * F32
+    assert "the default plan (Linear layers by name), per block: colwise up_proj; rowwise down_proj" in two.tp_plan
+    assert two.tp_plan in two.method and one.tp_plan == "" and one.tp_comm_s == {}
+
+
+@pytest.mark.parametrize("layers", [2, 4])
+def test_tp_collectives_counted_per_layer_apart_from_fsdp(layers):
+    """Plain TP: one all-reduce of the activations per block in forward (down_proj's output), one in backward
+    (up_proj's input gradient); never counted in FSDP's buffers (which have no all-reduce without HSDP). 4 blocks:
+    the 1- and 2-block copies, per layer = 2 minus 1."""
+    plan = _tp_plan(lambda layers=layers: cli_factories.tp_mlp(layers), 2)
+    assert plan.tp_collectives_per_layer == {"forward": {"all_reduce": 1}, "backward": {"all_reduce": 1}}
+    assert plan.tp_collectives_per_step == {"forward": {"all_reduce": layers}, "backward": {"all_reduce": layers}}
+    assert plan.tp_collective_buffer_bytes == {"all_reduce": 2 * layers * TP_ACT}
+    assert plan.tp_comm_bytes_per_step == 2 * layers * TP_ACT  # ring all-reduce: 2 (T-1)/T of the buffer, T = 2
+    assert set(plan.collective_buffer_bytes) == {"all_gather", "reduce_scatter"}
+    # intra-node link (h100: NVLink 360 GB/s, 15 us), on the critical path: in exposed communication
+    each = 15e-6 + 2 * 0.5 * TP_ACT / 360e9
+    assert plan.tp_comm_s["h100-nvlink"] == pytest.approx(2 * layers * each)
+    assert plan.exposed_comm_s["h100-nvlink"] >= plan.tp_comm_s["h100-nvlink"]
+    out = plan.to_json()
+    assert out["tp"] == 2 and out["tp_collectives_per_layer"] == plan.tp_collectives_per_layer
+    assert out["profiles"]["h100-nvlink"]["device"]["intra_node_bytes_per_s"] == 360e9
+    assert "intra_node_bytes_per_s" in out["profiles"]["h100-nvlink"]["device"]["sources"]
+
+
+def test_tp_with_replicas_plans_a_3d_mesh():
+    plan = _tp_plan(cli_factories.tp_mlp, 2, world_size=8, replicate=2)
+    assert plan.shard_size == 2 and plan.per_rank_bytes["params"] == 1584 * F32
+    assert plan.tp_collectives_per_step["forward"] == {"all_reduce": 2}
+    assert "all_reduce" in plan.collective_buffer_bytes  # HSDP's, over the replicas; TP's kept apart
+
+
+def test_tp_sequence_parallel_plan_of_the_factory_counts_all_gathers_and_reduce_scatters():
+    """The factory's own plan (sequence parallel norm): per block the activations are all-gathered before up_proj
+    and reduce-scattered after down_proj, each way; backward also all-reduces the norm's replicated weight and bias
+    gradients (Partial over the sequence shards)."""
+    plan = _tp_plan(cli_factories.tp_mlp_sequence_parallel, 2)
+    assert "the factory's tp_plan" in plan.tp_plan and "sequence parallel norm" in plan.tp_plan
+    assert plan.tp_collectives_per_layer["forward"] == {"all_gather": 1, "reduce_scatter": 1}
+    assert plan.tp_collectives_per_layer["backward"] == {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 2}
+    # SequenceParallel takes each rank's plain (2, 8, 16) block input as its sequence shard: gathered to (2, 16, 16),
+    # 2 KiB; 2 blocks, forward + backward
+    assert plan.tp_collective_buffer_bytes["all_gather"] == 2 * 2 * 2 * TP_ACT
+    assert plan.tp_collective_buffer_bytes["reduce_scatter"] == 2 * 2 * 2 * TP_ACT
