@@ -378,3 +378,60 @@ def test_progress(terminal):
     with Progress(2, quiet=True, stream=quiet) as progress:
         progress.step("compiling")
     assert quiet.getvalue() == ""
+
+
+# ---------------------------------------------------------------------------------------------- --tp
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--world-size", "6", "--tp", "4"], "--world-size 6 is not a multiple of --replicate 1 x --tp 4"),
+        (["--world-size", "8", "--replicate", "2", "--tp", "3"], "is not a multiple of --replicate 2 x --tp 3"),
+        (["--world-size", "4", "--tp", "0"], "--tp must be >= 1, got 0"),
+    ],
+)
+def test_tp_usage_errors(args, message, capsys):
+    from fsdp2_compile.cli import main
+
+    code = main(["plan", f"{FACTORIES}:tp_mlp", *args])
+    assert code == 2 and message in capsys.readouterr().err
+
+
+def test_tp_default_plan_that_finds_no_linear_pair_is_a_usage_error(capsys, tmp_path):
+    from fsdp2_compile.cli import main
+
+    code = main(["dump", f"{FACTORIES}:tiny", "--world-size", "4", "--tp", "2", "--out", str(tmp_path), "-q"])
+    err = capsys.readouterr().err
+    assert code == 2 and "found no column-wise / row-wise pair among the block's Linear layers (fc)" in err
+    assert "factory.tp_plan" in err
+
+
+def test_dump_tp_end_to_end(tmp_path):
+    """dump --tp 2 on 4 ranks: the plan used is stated, the summary counts TP's all-reduces in their own column and
+    graph.svg draws them in their own colour, with a legend entry."""
+    out = tmp_path / "dump"
+    r = cli("dump", f"{FACTORIES}:tp_mlp_real", "--world-size", "4", "--tp", "2", "--out", str(out), "-q")
+    assert r.returncode == 0, r.stderr
+    assert "sharded over 4 ranks, mesh 2 x 2 (dp x tp)" in r.stdout
+    assert ("tensor parallel 2: the default plan (Linear layers by name), per block: colwise up_proj; rowwise "
+            "down_proj") in r.stdout
+    assert r.stdout.count("tensor parallel: 2 collectives (all_reduce x2)") == 2  # forward and backward
+    final = [line.split() for line in r.stdout.splitlines() if line.strip().startswith("keep_inputs_until_wait")]
+    assert len(final) == 2 and all(row[4] == "0" and row[6] == "2" for row in final)  # all_reduce 0, tp 2
+    svg = (out / "forward" / "graph.svg").read_text()
+    assert "tensor parallel collective" in svg and "tensor parallel all_reduce" in svg
+
+
+def test_plan_tp_json_keeps_its_keys_and_adds_tp_ones():
+    r = cli("plan", f"{FACTORIES}:tp_mlp", "--world-size", "4", "--tp", "2", "--hardware", "h100-nvlink", "--json",
+            "-q")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    for key in ("world_size", "replicate", "shard_size", "per_rank_bytes", "comm_bytes_per_step",
+                "collective_buffer_bytes", "step_time_s", "exposed_comm_s", "tp", "tp_plan", "tp_comm_bytes_per_step",
+                "tp_collective_buffer_bytes", "tp_collectives_per_layer", "tp_collectives_per_step", "tp_comm_s"):
+        assert key in out, key
+    assert out["tp"] == 2 and out["shard_size"] == 2 and out["per_rank_bytes"]["params"] == 1584 * 4
+    assert out["tp_collectives_per_layer"] == {"forward": {"all_reduce": 1}, "backward": {"all_reduce": 1}}
+    assert "intra_node_bytes_per_s" in out["profiles"]["h100-nvlink"]["device"]
