@@ -157,6 +157,15 @@ def trace_graph_artifact(name: str, gm) -> None:
     trace_structured_artifact(name, "string", payload_fn=lambda: gm.print_readable(print_output=False))
 
 
+def root_mesh_groups(mesh) -> list[str]:
+    """The process groups of every dim of the mesh `mesh` was sliced from (e.g. dp and tp of a (dp, tp) mesh); []
+    for a mesh that is its own root and 1-D."""
+    root = mesh._get_root_mesh()
+    if root.ndim == 1:
+        return []
+    return [root.get_group(i).group_name for i in range(root.ndim)]
+
+
 def concatenate_meshes(meshes: list) -> "torch.distributed.device_mesh.DeviceMesh":
     """One mesh of the dims of `meshes` (slices of one root mesh, e.g. mesh["dp"] and mesh["tp"]), in that order:
     what a parameter sharded over dp on top of tensor parallelism lives on (FSDP2 builds the same). Raises

@@ -9,6 +9,7 @@ communication and the live bytes over the step.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -196,11 +197,15 @@ def measured_profile(group_name: str) -> HardwareProfile | None:
     return _MEASURED.get(group_name)
 
 
-def measure_profile(group_name: str, world_size: int, device_type: str = "cpu") -> HardwareProfile:
+def measure_profile(
+    group_name: str, world_size: int, device_type: str = "cpu", agree_over: Sequence[str] = ()
+) -> HardwareProfile:
     """Alpha/beta measured with all-gathers on the real process group, FLOP/s and memory bandwidth measured
-    locally; the slowest rank's figures are agreed by an all-reduce (MAX of times), so every rank gets the same
-    profile and makes the same decisions. Collective: every rank of the group must call it (`shard` does, once
-    per group, outside any compilation)."""
+    locally; the slowest rank's figures are agreed by an all-reduce (MAX of times) over the group and then over
+    each group of `agree_over` (the other dims of the mesh: HSDP's replicas, tensor parallelism), so every rank of
+    the whole mesh gets the same profile and makes the same decisions — ranks whose graphs share any collective
+    must order them alike. Collective: every rank of those groups must call it (`shard` does, once per group,
+    outside any compilation)."""
     if group_name in _MEASURED:
         return _MEASURED[group_name]
 
@@ -225,7 +230,8 @@ def measure_profile(group_name: str, world_size: int, device_type: str = "cpu") 
     t_small, t_large = seconds(gather(small)), seconds(gather(large))
     mm_s, copy_s = seconds(lambda: a @ a), seconds(buf.clone)
     agreed = torch.tensor([t_small, t_large, mm_s, copy_s], dtype=torch.float64, device=device_type)
-    agreed = _funcol.wait_tensor(_funcol.all_reduce(agreed, "max", group_name))
+    for group in (group_name, *agree_over):
+        agreed = _funcol.wait_tensor(_funcol.all_reduce(agreed, "max", group))
     t_small, t_large, mm_s, copy_s = agreed.tolist()
     wire = (world_size - 1) / world_size * (large.nbytes - small.nbytes) * world_size
     _MEASURED[group_name] = HardwareProfile(

@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ._torch_private import concatenate_meshes, strided_shard
+from ._torch_private import concatenate_meshes, root_mesh_groups, strided_shard
 from .comm_groups import fsdp_group
 from .config import MixedPrecisionPolicy
 from .cost_model import measure_profile
@@ -539,8 +539,8 @@ def shard(
     _check_new_params(members, mesh, ignored)  # on every rank, before any collective
     world_size, group_name, replicate_size, replicate_group_name = _mesh_groups(mesh)
     if world_size > 1 and torch.distributed.get_backend(mesh.get_group(mesh.ndim - 1)) != "fake":
-        # for the scheduler's cost model; measured once per process group
-        measure_profile(group_name, world_size, mesh.device_type)
+        # for the scheduler's cost model; measured once per process group, agreed over the whole mesh
+        measure_profile(group_name, world_size, mesh.device_type, agree_over=root_mesh_groups(mesh))
     for p in ignored.values():
         setattr(p, _IGNORED_ATTR, True)
     _install_optimizer_check()

@@ -16,9 +16,6 @@ from tp_workers import LLAMA_PLAN
 
 import fsdp2_compile as fc
 
-SP_COMPILE_CONFIG = fc.CompileConfig(buckets="none")
-"""passes/bucket_collectives.py groups every all-gather / reduce-scatter of the graph, sequence parallelism's
-included (KeyError 'fsdp.params'); one bucket per parameter until it keeps to FSDP's (ir.fsdp_collective_kind)."""
 MAX_NORM = 0.5  # small enough that clip_grad_norm_ clips
 
 
@@ -81,7 +78,7 @@ def sequence_parallel(rank: int, world_size: int, steps: int = 3) -> dict:
     result = {}
     for system in ("fsdp2", "ours"):
         model = parallelize(Llama(), mesh["tp"])
-        _shard_all(model, model.layers, system, mesh["dp"], SP_COMPILE_CONFIG)
+        _shard_all(model, model.layers, system, mesh["dp"], fc.CompileConfig())
         out = _train_tt(model, dp_rank, dp_size, steps, parallel=True)
         opt = out.pop("opt")
         out["state_dict"] = {k: (tuple(map(str, v.placements)), _full(v).clone()) for k, v in model.state_dict().items()}
