@@ -67,14 +67,16 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
         cfg, head_dim = self.cfg, self.cfg.d_model // self.cfg.n_heads
-        q = self.wq(x).view(b, t, cfg.n_heads, head_dim).transpose(1, 2)
-        k = self.wk(x).view(b, t, cfg.n_kv_heads, head_dim).transpose(1, 2)
-        v = self.wv(x).view(b, t, cfg.n_kv_heads, head_dim).transpose(1, 2)
+        # head counts from the projections (-1), not the config: under tensor parallelism each rank's column-wise
+        # q/k/v hold only its heads
+        q = self.wq(x).view(b, t, -1, head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, t, -1, head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, t, -1, head_dim).transpose(1, 2)
         q, k = rotate(q, cfg.rope_theta), rotate(k, cfg.rope_theta)
-        group = cfg.n_heads // cfg.n_kv_heads
+        group = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.wo(y.transpose(1, 2).reshape(b, t, cfg.d_model))
+        return self.wo(y.transpose(1, 2).reshape(b, t, -1))
 
 
 class SwiGLU(nn.Module):

@@ -308,7 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
                f"  {PROG} dump examples/llama.py:llama_tiny --world-size 4 --out /tmp/dump\n"
                f"  {PROG} plan examples/llama.py:llama3_70b --world-size 1024\n"
                f"  {PROG} plan examples/llama.py:llama3_70b --world-size 1024 --replicate 8   # HSDP, 8 x 128\n"
-               f"  {PROG} plan tests/cli_factories.py:llama3_8b_tp --world-size 64 --tp 8   # FSDP 8 x TP 8\n"
+               f"  {PROG} plan examples/llama.py:llama3_8b --world-size 64 --tp 8   # FSDP 8 x TP 8\n"
                f"  python -m fsdp2_compile plan examples/llama.py:llama3_8b --world-size 64 --json\n\n"
                "exit codes: 0 ok, 1 runtime failure, 2 usage error",
     )
