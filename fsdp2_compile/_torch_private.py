@@ -181,3 +181,21 @@ def strided_shard(dim: int, split_factor: int):
     from torch.distributed.tensor.placement_types import _StridedShard
 
     return _StridedShard(dim, split_factor=split_factor)
+
+
+def clear_dtensor_caches() -> None:
+    """Forget DTensor's cached sharding propagation: its entries hold the device meshes they were computed on
+    (meshes compare equal by layout, not by process group), so after a process group is destroyed and another made
+    in this process, a cached entry would hand out a mesh whose groups no longer exist ("Could not resolve the
+    process group registered under the name ..."). Planning several meshes in one process needs this."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    clear_native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if clear_native is not None:  # the C++ dispatch fast path's cache
+        clear_native()
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    propagator.propagate_op_sharding.cache_clear()
+    cached = getattr(propagator, "_propagate_tensor_meta_cached", None)
+    if cached is not None and hasattr(cached, "cache_clear"):
+        cached.cache_clear()

@@ -15,7 +15,7 @@ if TYPE_CHECKING:  # torch is imported on use: `fsdp2-compile --help` does not n
     import torch
     from torch import nn
 
-__all__ = ["RunError", "UsageError", "call_factory", "clear_dtensor_caches", "default_loss", "fake_group", "load_target"]
+__all__ = ["RunError", "UsageError", "call_factory", "default_loss", "fake_group", "load_target"]
 
 
 class UsageError(Exception):
@@ -103,7 +103,7 @@ def fake_group(world_size: int):
     """The fake default process group (rank 0 of `world_size`) for the duration of the block."""
     import torch
 
-    from ._torch_private import fake_process_group
+    from ._torch_private import clear_dtensor_caches, fake_process_group
 
     if torch.distributed.is_initialized():
         raise RunError("a default process group is already initialised in this process")
@@ -114,21 +114,3 @@ def fake_group(world_size: int):
     finally:
         torch.distributed.destroy_process_group()
         clear_dtensor_caches()
-
-
-def clear_dtensor_caches() -> None:
-    """Forget DTensor's cached sharding propagation: its entries hold the device meshes they were computed on
-    (meshes compare equal by layout, not by process group), so after a process group is destroyed and another made
-    in this process, a cached entry would hand out a mesh whose groups no longer exist ("Could not resolve the
-    process group registered under the name ..."). Planning several meshes in one process needs this."""
-    import torch
-    from torch.distributed.tensor import DTensor
-
-    clear_native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
-    if clear_native is not None:  # the C++ dispatch fast path's cache
-        clear_native()
-    propagator = DTensor._op_dispatcher.sharding_propagator
-    propagator.propagate_op_sharding.cache_clear()
-    cached = getattr(propagator, "_propagate_tensor_meta_cached", None)
-    if cached is not None and hasattr(cached, "cache_clear"):
-        cached.cache_clear()

@@ -145,7 +145,7 @@ def compile_tp():
 
     import torch
 
-    from fsdp2_compile.targets import clear_dtensor_caches
+    from fsdp2_compile._torch_private import clear_dtensor_caches
 
     clear_compiled_graphs()
     clear_dtensor_caches()  # DTensor's caches hold meshes of process groups earlier tests destroyed
