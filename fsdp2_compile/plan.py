@@ -258,8 +258,8 @@ def _compile_and_measure(model, args, loss_fn, mesh, compile_kwargs, tp_mesh=Non
                 figures.tp_wire += graph_wire
             else:
                 figures.comm_wire += graph_wire
-            for kind, nbytes in graph_buffers.items():
-                buffers[kind] = buffers.get(kind, 0) + nbytes
+            for kind, size in graph_buffers.items():
+                buffers[kind] = buffers.get(kind, 0) + size
         for node in r.gm.graph.nodes:
             c = collective(node)
             if c is not None and is_tp(node):

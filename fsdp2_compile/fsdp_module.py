@@ -1,0 +1,118 @@
+"""`FSDPModule`: the class every module passed to `shard` gets mixed in, with FSDP2's methods of the same names and
+meanings (settings that change the compiled graph are read while Dynamo traces, so a change recompiles)."""
+
+from __future__ import annotations
+
+from .param_state import ParamInfo, is_sharded, state_of
+
+__all__ = ["FSDPModule", "UnshardHandle"]
+
+
+def _check_bool(method: str, name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{method}({name}={value!r}): use True or False")
+
+
+class UnshardHandle:
+    """What `FSDPModule.unshard(async_op=True)` returns; `wait()` returns at once (see `unshard`)."""
+
+    def wait(self) -> None:
+        return None
+
+
+class FSDPModule:
+    """The class every module passed to `shard` gets mixed in (`isinstance(m, FSDPModule)`), with FSDP2's methods
+    of the same names and meanings. Settings that change the compiled graph (gradient sync, resharding after
+    forward) are read while Dynamo traces, so a change after compilation recompiles (Dynamo guards on them) and,
+    set alike on every rank, the ranks agree."""
+
+    def _param_infos(self, recurse: bool) -> list[ParamInfo]:
+        modules = [m for m in self.modules() if is_sharded(m)] if recurse else [self]
+        return list({id(i): i for m in modules for i in state_of(m).infos}.values())
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """FSDP2's gradient-accumulation switch. False: backward reduces no gradient; each rank keeps the
+        unsharded gradients of this module's parameters (their `.grad` gets zeros), and the next backward with
+        sync on adds them before the reduce-scatter, so micro-batches with sync off, then one with it on, equal
+        one large batch. `recurse=False`: only the parameters of this module's own `shard` call."""
+        _check_bool("set_requires_gradient_sync", "requires_gradient_sync", requires_gradient_sync)
+        for info in self._param_infos(recurse):
+            info.set_requires_gradient_sync(requires_gradient_sync)
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        """True: forward frees each gathered parameter after use and backward gathers it again; False: forward
+        keeps it for backward (no second all-gather, more memory)."""
+        _check_bool("set_reshard_after_forward", "reshard_after_forward", reshard_after_forward)
+        for info in self._param_infos(recurse):
+            info.reshard_after_forward = reshard_after_forward
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        """Only True (FSDP2's default): each compiled forward gathers its parameters inside its own graph, so
+        nothing gathered outlives a backward."""
+        _check_bool("set_reshard_after_backward", "reshard_after_backward", reshard_after_backward)
+        if not reshard_after_backward:
+            raise NotImplementedError(
+                f"{type(self).__name__}.set_reshard_after_backward(False) is not supported by fsdp2_compile: every "
+                "compiled forward gathers its parameters inside its graph, so keeping them after backward saves "
+                "nothing. Leave it True; for gradient accumulation use set_requires_gradient_sync(False)"
+            )
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Accepted for FSDP2 compatibility with FSDP2-equal results: every compiled backward waits for its own
+        reductions before it returns, which is what FSDP2 does on the last backward."""
+        _check_bool("set_is_last_backward", "is_last_backward", is_last_backward)
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP gradient accumulation with reduce-scatter only: False keeps each backward's reduce-scattered
+        gradient on this rank (the parameters' `.grad` get zeros), and the next backward with the all-reduce adds
+        them before all-reducing over the replicas. No effect on a 1-D mesh."""
+        _check_bool("set_requires_all_reduce", "requires_all_reduce", requires_all_reduce)
+        for info in self._param_infos(recurse):
+            info.requires_all_reduce = requires_all_reduce
+            if not requires_all_reduce and not info.partial_key:
+                info.partial_key = f"{info.fqn}@{id(info):x}/partial"
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """This module's group (not its children's, as in FSDP2): each rank's gradient is multiplied by 1 / factor
+        and the results are summed over the data-parallel ranks (reduce-scatter, then the HSDP all-reduce),
+        instead of averaged; a factor equal to the shard group's size on a 1-D mesh is the default average."""
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
+            raise ValueError(f"{type(self).__name__}.set_gradient_divide_factor({factor!r}): use a positive number")
+        for info in self._param_infos(recurse=False):
+            default = info.replicate_size == 1 and factor == info.world_size
+            info.grad_divide_factor = 0.0 if default else float(factor)
+
+    set_reduce_scatter_divide_factor = set_gradient_divide_factor
+
+    def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """In forward, issue the all-gathers of `modules`' groups right before this module's group is used (the
+        scheduler places the others itself; explicit ones take precedence and ignore the memory budget)."""
+        targets = self._prefetch_targets("set_modules_to_forward_prefetch", modules)
+        for info in self._param_infos(recurse=False):
+            info.prefetch_forward = targets
+
+    def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """In backward, issue the all-gathers of `modules`' groups right before this module's group is used."""
+        targets = self._prefetch_targets("set_modules_to_backward_prefetch", modules)
+        for info in self._param_infos(recurse=False):
+            info.prefetch_backward = targets
+
+    def _prefetch_targets(self, method: str, modules: object) -> tuple[ParamInfo, ...]:
+        if not isinstance(modules, (list, tuple)):
+            raise TypeError(f"{type(self).__name__}.{method}(modules) takes a list of modules, got {type(modules).__name__}")
+        for i, m in enumerate(modules):
+            if not isinstance(m, FSDPModule):
+                raise TypeError(
+                    f"{type(self).__name__}.{method}: modules[{i}] ({type(m).__name__}) was not passed to "
+                    "fsdp2_compile.shard; only sharded modules have all-gathers to prefetch"
+                )
+        return tuple(state_of(m).infos[0] for m in modules if state_of(m).infos)
+
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """FSDP2-equal results without a separate gather: reading `module.weight` outside a compiled forward
+        always returns the gathered parameter, and compiled graphs gather (prefetched) inside themselves."""
+        _check_bool("unshard", "async_op", async_op)
+        return UnshardHandle() if async_op else None
+
+    def reshard(self) -> None:
+        """Nothing stays gathered between steps (see `unshard`), so there is nothing to free."""

@@ -1,0 +1,194 @@
+"""What `shard` records: each managed parameter's facts (`ParamInfo`, the static arguments of `fsdp2::unshard`),
+each `shard` call's group (`ShardState`), and the lookups the rest of the package uses."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.utils.weak import WeakIdKeyDictionary
+
+from .config import MixedPrecisionPolicy
+from .eager_reshard import note_gathered
+from .ops import unshard
+
+__all__ = [
+    "IGNORED_ATTR",
+    "REPLACED",
+    "STATE_ATTR",
+    "ParamInfo",
+    "ShardState",
+    "TPLayout",
+    "infos_of",
+    "is_known_param",
+    "is_sharded",
+    "managed_params",
+    "sharded_parameters",
+    "state_of",
+]
+
+STATE_ATTR = "_fsdp2_state"
+
+
+@dataclass(frozen=True)
+class TPLayout:
+    """A tensor-parallel parameter's DTensor layout before `shard`: what the gathered TP-local tensor is wrapped
+    back into for the module's forward."""
+
+    mesh: DeviceMesh
+    placements: tuple
+    shape: torch.Size
+    stride: tuple[int, ...]
+
+    def wrap(self, local: torch.Tensor) -> DTensor:
+        return DTensor.from_local(local, self.mesh, self.placements, run_check=False, shape=self.shape, stride=self.stride)
+
+
+@dataclass
+class ParamInfo:
+    """What the property of a managed parameter needs to gather it (the static args of `fsdp2::unshard`)."""
+
+    fqn: str
+    bucket: str
+    """The module path of the `shard` call that took the parameter over: its FSDP group."""
+    dim0: int
+    world_size: int
+    group_name: str
+    param_dtype: torch.dtype | None
+    reduce_dtype: torch.dtype
+    reshard_after_forward: bool
+    replicate_size: int = 1
+    """HSDP: ranks in the replicate group (gradients are all-reduced over it after the reduce-scatter)."""
+    replicate_group_name: str = ""
+    requires_gradient_sync: bool = True
+    """False: backward keeps the unsharded gradient on this rank instead of reducing it (`set_requires_gradient_sync`)."""
+    pending_key: str = ""
+    """Where unsynced gradients are kept; set the first time sync is turned off (then synced backwards add them)."""
+    tp: TPLayout | None = None
+    """FSDP + TP: the parameter's tensor-parallel layout (`dim0` is then its TP-local dim 0)."""
+    prefetch_forward: tuple[ParamInfo, ...] = field(default=(), repr=False, compare=False)
+    """One parameter of each group to prefetch when this one's group is used in forward (`set_modules_to_forward_
+    prefetch`); their buckets are read when the graph is traced, after every `shard` call has named them."""
+    prefetch_backward: tuple[ParamInfo, ...] = field(default=(), repr=False, compare=False)
+    grad_divide_factor: float = 0.0
+    """`set_gradient_divide_factor`: gradients are multiplied by 1 / it on each rank and summed (0: averaged)."""
+    requires_all_reduce: bool = True
+    """HSDP: False keeps the reduce-scattered gradient on this rank instead of all-reducing it over the replicas."""
+    partial_key: str = ""
+    """Where those partial gradients are kept; set the first time the all-reduce is turned off."""
+
+    def gather(self, param: nn.Parameter) -> torch.Tensor:
+        if _SHARDED_ACCESS.active:
+            return param
+        if not isinstance(param, DTensor):
+            raise TypeError(
+                f"parameter '{self.fqn}' was replaced by a {type(param).__name__} after shard(); "
+                "assign parameters before calling fsdp2_compile.shard, or load values with load_state_dict"
+            )
+        full = self._unshard(param)
+        if self.reshard_after_forward and not torch.compiler.is_compiling():
+            note_gathered(full, functools.partial(self._unshard, param))
+        return full if self.tp is None else self.tp.wrap(full)
+
+    def _unshard(self, param: DTensor) -> torch.Tensor:
+        return unshard(
+            param.to_local(),
+            self.dim0,
+            self.world_size,
+            self.group_name,
+            self.param_dtype,
+            self.reduce_dtype,
+            self.fqn,
+            self.bucket,
+            self.reshard_after_forward,
+            self.replicate_size,
+            self.replicate_group_name,
+            self.requires_gradient_sync,
+            self.pending_key,
+            ",".join(i.bucket for i in self.prefetch_forward),
+            ",".join(i.bucket for i in self.prefetch_backward),
+            self.grad_divide_factor,
+            self.requires_all_reduce,
+            self.partial_key,
+        )
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
+        self.requires_gradient_sync = requires_gradient_sync
+        if not requires_gradient_sync and not self.pending_key:
+            self.pending_key = f"{self.fqn}@{id(self):x}"
+
+
+@dataclass(frozen=True, eq=False)
+class ShardState:
+    """Recorded on every module passed to one `shard` call (one FSDP2 parameter group: a module, or a list of
+    modules sharded together); each parameter's own facts are in its `ParamInfo`."""
+
+    infos: tuple[ParamInfo, ...]
+    """The parameters this call took over."""
+    members: tuple[weakref.ref, ...]
+    """The modules of the call; the first one's path names the group's bucket."""
+    mp_policy: MixedPrecisionPolicy
+
+
+class _SharedFlag:
+    active = False
+
+
+_SHARDED_ACCESS = _SharedFlag()
+
+
+@contextlib.contextmanager
+def sharded_parameters() -> Iterator[None]:
+    """Inside, `module.weight` of a sharded module is the sharded DTensor parameter itself, not the gathered
+    tensor: for in-place initialisation (`reset_parameters`, `nn.init.*`) after `to_empty`, e.g. of a model
+    built on the meta device. Not for use inside a compiled region."""
+    _SHARDED_ACCESS.active, before = True, _SHARDED_ACCESS.active
+    try:
+        yield
+    finally:
+        _SHARDED_ACCESS.active = before
+
+
+# original parameter -> (sharded parameter, its info), for parameters tied across shard() calls.
+# Only the *original* parameters are keyed weakly: a weak reference to a sharded parameter would stop
+# `module.to_empty` from swapping it (meta-device initialisation).
+REPLACED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+IGNORED_ATTR = "_fsdp2_ignored"
+
+
+def is_sharded(module: nn.Module) -> bool:
+    """True when `shard` was called on exactly this module."""
+    return isinstance(getattr(module, STATE_ATTR, None), ShardState)
+
+
+def infos_of(module: nn.Module) -> dict[str, ParamInfo]:
+    return getattr(type(module), "_fsdp2_infos", {})
+
+
+def managed_params(module: nn.Module) -> Iterator[tuple[str, nn.Parameter, ParamInfo]]:
+    """(name, sharded parameter, info) of every parameter `shard` manages under `module`, tied ones once."""
+    seen = set()
+    for mod_name, mod in module.named_modules():
+        for pname, info in infos_of(mod).items():
+            param = mod._parameters[pname]
+            if id(param) not in seen:
+                seen.add(id(param))
+                yield (f"{mod_name}.{pname}" if mod_name else pname), param, info
+
+
+def is_known_param(param: nn.Parameter) -> bool:
+    """True for parameters `shard` manages (sharded DTensors) or was told to ignore."""
+    return isinstance(param, DTensor) or getattr(param, IGNORED_ATTR, False)
+
+
+def state_of(module: nn.Module) -> ShardState:
+    return getattr(module, STATE_ATTR)
