@@ -24,11 +24,12 @@ from workers import (
 
 @pytest.mark.parametrize(
     "save_ranks,save_hsdp,load_ranks,load_hsdp",
-    [(2, False, 4, False), (4, False, 2, False), (4, True, 2, False), (2, False, 4, True)],
-    ids=["2-to-4", "4-to-2", "hsdp-2x2-to-2", "2-to-hsdp-2x2"],
+    [(2, False, 4, False), (4, True, 2, False), (2, False, 4, True)],
+    ids=["2-to-4", "hsdp-2x2-to-2", "2-to-hsdp-2x2"],
 )
 def test_dcp_save_and_load_at_another_world_size(tmp_path, save_ranks, save_hsdp, load_ranks, load_hsdp):
-    # HSDP's (Replicate, Shard(0)) state reshards into a 1-D mesh and back, as FSDP2's does
+    # HSDP's (Replicate, Shard(0)) state reshards into a 1-D mesh and back, as FSDP2's does; 4 ranks -> 2 is the
+    # HSDP case (a plain 4-to-2 run repeated it: dropped to keep the suite's time)
     path = str(tmp_path / "ckpt")
     saved = run_ranks(checkpoint_save, save_ranks, path, save_hsdp)[0]
     loaded = run_ranks(checkpoint_load, load_ranks, path, load_hsdp)[0]

@@ -9,12 +9,17 @@ import functools
 import pytest
 import torch
 from harness import run_ranks
-from tp_workers import reference, tp_parity
+from tp_workers import reference, tp_parity_dtypes
 
 
 @functools.cache
+def results(name: str) -> dict:
+    """fp32 (and for Llama bf16 params) in one set of 4 processes."""
+    return run_ranks(tp_parity_dtypes, 4, name, (None, torch.bfloat16) if name == "llama" else (None,))[0]
+
+
 def result(name: str, param_dtype=None) -> dict:
-    return run_ranks(tp_parity, 4, name, param_dtype)[0]
+    return results(name)[str(param_dtype)]
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt"])

@@ -102,9 +102,14 @@ def tp_parity(rank: int, world_size: int, name: str, param_dtype=None) -> dict:
     return out
 
 
+def tp_parity_dtypes(rank: int, world_size: int, name: str, dtypes: tuple) -> dict:
+    """`tp_parity` for each param dtype, in one set of processes (by `str(dtype)`)."""
+    return {str(dtype): tp_parity(rank, world_size, name, dtype) for dtype in dtypes}
+
+
 def reference(name: str) -> tuple[list[float], dict]:
     torch.manual_seed(0)
     return train(name, build(name, "none"))
 
 
-__all__ = ["GPT_CFG", "reference", "tp_parity"]
+__all__ = ["GPT_CFG", "reference", "tp_parity", "tp_parity_dtypes"]
