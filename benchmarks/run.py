@@ -32,14 +32,24 @@ def shaped_link(rate: str) -> list[str]:
     return ["ip", "netns", "exec", NETNS]
 
 
+CRASHES: list[str] = []
+"""Jobs that died and were run again (printed with the table)."""
+
+
 def job(prefix: list[str], mode: str, extra: list[str], port: int, ranks: int = 2) -> dict:
-    cmd = [*prefix, TORCHRUN, "--master-addr", "127.0.0.1", "--master-port", str(port), "--nproc-per-node",
-           str(ranks), os.path.join(HERE, "step_time.py"), "--mode", mode, *extra]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
-    lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
-    if out.returncode or not lines:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{out.stderr[-3000:]}")
-    return json.loads(lines[-1])
+    """One step_time.py run; a job whose ranks die (fully_shard's eager run on gloo aborted in 2 of 4 runs here,
+    "terminate called without an active exception") is run once more on another port and recorded in CRASHES."""
+    for attempt in range(2):
+        cmd = [*prefix, TORCHRUN, "--master-addr", "127.0.0.1", "--master-port", str(port + 1000 * attempt),
+               "--nproc-per-node", str(ranks), os.path.join(HERE, "step_time.py"), "--mode", mode, *extra]
+        # one thread per rank, as torchrun gives each of several ranks: the compute-alone job too (one core, as a rank)
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
+        if not out.returncode and lines:
+            return json.loads(lines[-1])
+        CRASHES.append(f"{mode} ({' '.join(prefix[-1:]) or 'loopback'}): {out.stderr.strip().splitlines()[-1:]}")
+        print(f"# {mode} failed (attempt {attempt + 1}): {out.stderr[-300:]}", file=sys.stderr, flush=True)
+    raise RuntimeError(f"{' '.join(cmd)} failed twice:\n{out.stderr[-3000:]}")
 
 
 def main() -> None:
@@ -72,7 +82,8 @@ def main() -> None:
 
     base = {net: results[(net, "fsdp2")] for net, _ in results if (net, "fsdp2") in results}
     link_bytes_per_s = _rate_bytes_per_s(args.rate)
-    print(f"compute alone (one rank's share of the batch, one process, eager, no communication): "
+    print(f"compute alone (one rank's share of the batch, one process with one thread as each rank has, eager, no "
+          "communication): "
           f"{compute['median_s']:.3f} s\n")
     print("| link | mode | step (median) | vs FSDP2 eager | floor | vs floor | peak RSS / rank | RSS vs eager "
           "| collectives / step | MB / step |")
@@ -95,6 +106,8 @@ def main() -> None:
         print("\n| layers | compile time (first step - median step) |\n|---|---|")
         for layers, s in compile_s.items():
             print(f"| {layers} | {s:.1f} s |")
+    if CRASHES:
+        print(f"\njobs that died and were run again: {'; '.join(CRASHES)}")
     first = next(iter(results.values()))
     print(f"\nmodel: {first['params'] / 1e6:.1f} M parameters, {first['world']} ranks, gloo; {args.steps} timed steps")
 
