@@ -14,16 +14,18 @@ from tp_workers import reference, tp_parity_dtypes
 
 @functools.cache
 def results(name: str) -> dict:
-    """fp32 (and for Llama bf16 params) in one set of 4 processes."""
-    return run_ranks(tp_parity_dtypes, 4, name, (None, torch.bfloat16) if name == "llama" else (None,))[0]
+    """fp32 (and for the Llamas bf16 params) in one set of 4 processes."""
+    return run_ranks(tp_parity_dtypes, 4, name, (None, torch.bfloat16) if name.startswith("llama") else (None,))[0]
 
 
 def result(name: str, param_dtype=None) -> dict:
     return results(name)[str(param_dtype)]
 
 
-@pytest.mark.parametrize("name", ["llama", "gpt"])
+@pytest.mark.parametrize("name", ["llama", "llama-sp", "gpt"])
 def test_fsdp_tp_matches_fully_shard_bitwise_and_a_single_process(name):
+    """llama: HF LlamaForCausalLM with q/k/v/gate/up column-wise, o/down row-wise; llama-sp: the same with
+    sequence-parallel norms (tp_workers.LLAMA_SP_PLAN); gpt: the GPT's MLPs."""
     r = result(name)
     (ours, ours_grads), (fsdp2, fsdp2_grads) = r["ours"], r["fsdp2"]
     assert ours == fsdp2  # bitwise, every step
@@ -40,8 +42,9 @@ def test_fsdp_tp_matches_fully_shard_bitwise_and_a_single_process(name):
         assert o == (("dp", "tp"), ("S(0)", "S(1)"))
 
 
-def test_fsdp_tp_bf16_params_match_fully_shard_bitwise():
-    r = result("llama", torch.bfloat16)
+@pytest.mark.parametrize("name", ["llama", "llama-sp"])
+def test_fsdp_tp_bf16_params_match_fully_shard_bitwise(name):
+    r = result(name, torch.bfloat16)
     assert r["ours"][0] == r["fsdp2"][0]
 
 

@@ -8,8 +8,14 @@ import torch.distributed as dist
 from models import GPT_CFG, batch, local_slice, loss_fn, make_model
 from real_model_workers import hf_model, token_batch
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 
 import fsdp2_compile as fc
 from fsdp2_compile.report import clear_compiled_graphs, collectives, compiled_graphs
@@ -22,12 +28,38 @@ LLAMA_PLAN = {
 }
 GPT_PLAN = {"mlp.0": ColwiseParallel(), "mlp.2": RowwiseParallel()}
 """The GPT's MLPs; its attention keeps one fused qkv projection, which ColwiseParallel cannot split per head."""
+LLAMA_SP_PLAN = {
+    "input_layernorm": SequenceParallel(),
+    "self_attn": PrepareModuleInput(
+        input_kwarg_layouts={"hidden_states": Shard(1)}, desired_input_kwarg_layouts={"hidden_states": Replicate()}
+    ),
+    "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(), "self_attn.v_proj": ColwiseParallel(),
+    "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
+    "post_attention_layernorm": SequenceParallel(),
+    "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+    "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+    "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
+}
+"""HF Llama with sequence-parallel norms: between the layers' matmuls the activations are split on the sequence."""
+
+
+def _llama_sequence_parallel(model, layers, tp_mesh) -> None:
+    """LLAMA_SP_PLAN on every layer. HF derives the rotary positions from the embedding output's length, so the
+    embedding stays whole and layer 0 splits its input on the sequence; the final norm is sequence-parallel and
+    the (tied, whole) head gathers the sequence back."""
+    for layer in layers:
+        parallelize_module(layer, tp_mesh, LLAMA_SP_PLAN)
+    parallelize_module(layers[0], tp_mesh, PrepareModuleInput(
+        input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True))
+    parallelize_module(model.model.norm, tp_mesh, SequenceParallel())
+    parallelize_module(model.lm_head, tp_mesh, PrepareModuleInput(
+        input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True))
 
 
 def build(name: str, system: str, mesh=None, param_dtype=None):
     """The model and its blocks, TP plan applied on mesh["tp"], then sharded over mesh["dp"] (per block, then the
     root) by `fully_shard` ("fsdp2") or `shard` / `shard_compile` ("ours"); unsharded without a mesh."""
-    if name == "llama":
+    if name in ("llama", "llama-sp"):
         model, layers = hf_model("llama")
         plan = LLAMA_PLAN
     else:
@@ -35,8 +67,11 @@ def build(name: str, system: str, mesh=None, param_dtype=None):
         layers, plan = model.blocks, GPT_PLAN
     if mesh is None:
         return model
-    for layer in layers:
-        parallelize_module(layer, mesh["tp"], plan)
+    if name == "llama-sp":
+        _llama_sequence_parallel(model, layers, mesh["tp"])
+    else:
+        for layer in layers:
+            parallelize_module(layer, mesh["tp"], plan)
     if system == "fsdp2":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -53,7 +88,7 @@ def build(name: str, system: str, mesh=None, param_dtype=None):
 
 
 def step_loss(name: str, model, step: int, dp_rank: int, dp_size: int) -> torch.Tensor:
-    if name == "llama":
+    if name in ("llama", "llama-sp"):
         ids = local_slice(token_batch(step), dp_rank, dp_size)
         return model(input_ids=ids, labels=ids).loss
     x, y = batch("gpt", step)
