@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from models import batch, local_slice, loss_fn, make_model, make_optimizer
+from workers import _gpt_steps
 
 import fsdp2_compile as fc
 from fsdp2_compile.report import clear_compiled_graphs, collectives, compiled_graphs
@@ -32,18 +33,6 @@ def _build(system: str, group_head: bool):
     return model
 
 
-def _step(model, opt, i: int) -> float:
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    x, y = batch("gpt", i)
-    loss = loss_fn("gpt", model(local_slice(x, rank, world_size)), local_slice(y, rank, world_size))
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    loss = loss.detach().clone()
-    dist.all_reduce(loss)
-    return loss.item() / world_size
-
-
 def module_api(rank: int, world_size: int, feature: str) -> dict:
     """`feature`: "list_group" ([tok_emb, ln_f, lm_head] sharded as one group); "reshard_setter"
     (set_reshard_after_forward(False) on the root after the first step); "unshard_calls" (explicit prefetch lists
@@ -65,7 +54,7 @@ def module_api(rank: int, world_size: int, feature: str) -> dict:
                 model.set_is_last_backward(True)
                 handle = model.unshard(async_op=True)
                 handle.wait()
-            losses.append(_step(model, opt, i))
+            losses += _gpt_steps(model, opt, dist.get_rank(), dist.get_world_size(), [i])
             if feature == "unshard_calls":
                 model.reshard()
         out[system] = losses
