@@ -20,7 +20,7 @@ def shard_compile(
     module: nn.Module,
     mesh: DeviceMesh | None = None,
     *,
-    reshard_after_forward: bool = True,
+    reshard_after_forward: bool | int | None = True,
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     ignored_params: Iterable[nn.Parameter] | None = None,
     offload_policy: object = None,

@@ -36,6 +36,7 @@ from .graph import nodes_calling
 from .ir import REDUCE_GRAD, UNSHARD, ReduceGradArgs, UnshardArgs
 from .keep_gathered import buckets_to_keep
 from .pipeline import PassContext, run_pipeline
+from .post_forward import gather_backward_from_post_forward_shards
 from .report import GraphRecord, collectives, dump_requested, record_graph
 from .shard import is_known_param
 
@@ -147,6 +148,7 @@ def _partition(joint: fx.GraphModule, joint_inputs: Any, *, config: CompileConfi
     _tag_unshards(joint, config)
     fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
     _rng_states_before_opaques(fw, bw)
+    gather_backward_from_post_forward_shards(fw, bw, kwargs["num_fwd_outputs"])
     return fw, bw
 
 

@@ -41,10 +41,12 @@ class FSDPModule:
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """True: forward frees each gathered parameter after use and backward gathers it again; False: forward
-        keeps it for backward (no second all-gather, more memory)."""
+        keeps it for backward (no second all-gather, more memory). As in FSDP2, a bool only: an int given to
+        `shard` is replaced (True gathers from the whole shard group again)."""
         _check_bool("set_reshard_after_forward", "reshard_after_forward", reshard_after_forward)
         for info in self._param_infos(recurse):
             info.reshard_after_forward = reshard_after_forward
+            info.post_forward_size, info.post_forward_group_name = 0, ""
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """Only True (FSDP2's default): each compiled forward gathers its parameters inside its own graph, so

@@ -72,6 +72,8 @@ def unshard(
     grad_divide_factor: float = 0.0,
     requires_all_reduce: bool = True,
     partial_key: str = "",
+    post_forward_size: int = 0,
+    post_forward_group_name: str = "",
 ) -> Tensor:
     """All-gather a dim-0 shard into the full parameter of `dim0` rows, cast to `param_dtype` first.
     Only the backward uses the rest: `replicate_*` name the HSDP replicate group (`1` / `""` without one);
@@ -80,7 +82,8 @@ def unshard(
     all-gathers the scheduler issues right before this parameter's bucket is used (explicit prefetching).
     `grad_divide_factor` (0: average): the gradient is summed over the ranks after each is multiplied by 1/it.
     HSDP: `requires_all_reduce=False` keeps the reduce-scattered shard under `partial_key` instead of all-reducing
-    it; a backward with the all-reduce adds what was kept first."""
+    it; a backward with the all-reduce adds what was kept first. `post_forward_*` (`reshard_after_forward=int`):
+    the smaller group compiled backwards gather from (`post_forward.py`); eager runs gather from the whole group."""
     x = shard if param_dtype is None else shard.to(param_dtype)
     x = pad_rows(x, padded_rows(dim0, world_size)).contiguous()
     full = _funcol.wait_tensor(_funcol.all_gather_into_tensor(x, world_size, group_name))

@@ -83,6 +83,10 @@ class ParamInfo:
     """HSDP: False keeps the reduce-scattered gradient on this rank instead of all-reducing it over the replicas."""
     partial_key: str = ""
     """Where those partial gradients are kept; set the first time the all-reduce is turned off."""
+    post_forward_size: int = 0
+    """`reshard_after_forward=int`: after forward each rank keeps 1/this of the gathered parameter, and backward
+    gathers it from this many ranks (`post_forward_group_name`); 0: from the whole shard group."""
+    post_forward_group_name: str = ""
 
     def gather(self, param: nn.Parameter) -> torch.Tensor:
         if _SHARDED_ACCESS.active:
@@ -117,6 +121,8 @@ class ParamInfo:
             self.grad_divide_factor,
             self.requires_all_reduce,
             self.partial_key,
+            self.post_forward_size,
+            self.post_forward_group_name,
         )
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:

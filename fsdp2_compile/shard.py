@@ -33,6 +33,7 @@ from .comm_groups import fsdp_group
 from .config import MixedPrecisionPolicy
 from .cost_model import measure_profile
 from .eager_reshard import register_reshard_hooks
+from .post_forward import resolve_reshard
 from .fsdp_module import FSDPModule
 from .param_state import (
     IGNORED_ATTR,
@@ -162,7 +163,7 @@ def shard(
     module: nn.Module | list[nn.Module],
     mesh: DeviceMesh | None = None,
     *,
-    reshard_after_forward: bool = True,
+    reshard_after_forward: bool | int | None = True,
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     ignored_params: Iterable[nn.Parameter] | None = None,
     offload_policy: object = None,
@@ -175,15 +176,21 @@ def shard(
     first call on a process group measures the link and compute speed for the scheduler, agreed across ranks).
     `mesh=None` means a 1-D mesh over the default process group. Parameters in `ignored_params` are left as they
     are (not sharded, not gathered, their gradients not reduced). Every module given becomes an `FSDPModule`.
+    `reshard_after_forward`: True (None, FSDP2's default) frees gathered parameters after forward and gathers
+    them again in backward; False keeps them until backward; an int k dividing the shard group's size keeps 1/k
+    of each on every rank and gathers backward's from k ranks (`post_forward.py`).
     `offload_policy`: torch's `OffloadPolicy()` (no offload) is accepted; `CPUOffloadPolicy` is not supported yet.
     Returns `module`.
     """
     members = check_modules(module)
-    check_options(reshard_after_forward, mp_policy, offload_policy)
+    check_options(mp_policy, offload_policy)
     mesh = resolve_mesh(mesh)
     ignored = check_ignored(ignored_params)
     check_new_params(members, mesh, ignored)  # on every rank, before any collective
     world_size, group_name, replicate_size, replicate_group_name = _mesh_groups(mesh)
+    reshard, post_forward_size, post_forward_group_name = resolve_reshard(
+        reshard_after_forward, mesh.get_group(mesh.ndim - 1).group_name, world_size
+    )
     if world_size > 1 and torch.distributed.get_backend(mesh.get_group(mesh.ndim - 1)) != "fake":
         # for the scheduler's cost model; measured once per process group, agreed over the whole mesh
         measure_profile(group_name, world_size, mesh.device_type, agree_over=root_mesh_groups(mesh))
@@ -218,10 +225,12 @@ def shard(
                         group_name=group_name,
                         param_dtype=mp_policy.param_dtype if mp_policy.param_dtype != param.dtype else None,
                         reduce_dtype=mp_policy.reduce_dtype or mp_policy.param_dtype or param.dtype,
-                        reshard_after_forward=reshard_after_forward,
+                        reshard_after_forward=reshard,
                         replicate_size=replicate_size,
                         replicate_group_name=replicate_group_name,
                         tp=tp,
+                        post_forward_size=post_forward_size,
+                        post_forward_group_name=post_forward_group_name,
                     )
                     REPLACED[param] = (sharded, info)
                     taken.append(info)

@@ -166,7 +166,7 @@ def check_modules(module: object) -> list[nn.Module]:
     return members
 
 
-def check_options(reshard_after_forward: object, mp_policy: object, offload_policy: object = None) -> None:
+def check_options(mp_policy: object, offload_policy: object = None) -> None:
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 
     if isinstance(offload_policy, CPUOffloadPolicy):
@@ -178,14 +178,6 @@ def check_options(reshard_after_forward: object, mp_policy: object, offload_poli
         raise TypeError(
             f"shard(offload_policy=...) takes torch.distributed.fsdp.OffloadPolicy(), got {type(offload_policy).__name__}"
         )
-    if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
-        raise NotImplementedError(
-            f"shard(reshard_after_forward={reshard_after_forward}): FSDP2's int form (reshard to a smaller group "
-            "after forward) is not supported by fsdp2_compile; use True (gather again in backward) or False (keep "
-            "the gathered parameters from forward to backward)"
-        )
-    if not isinstance(reshard_after_forward, bool):
-        raise TypeError(f"shard(reshard_after_forward={reshard_after_forward!r}): use True or False")
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(
             f"shard(mp_policy=...) must be a fsdp2_compile.MixedPrecisionPolicy, got {type(mp_policy).__name__}"

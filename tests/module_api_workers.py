@@ -9,20 +9,21 @@ from models import batch, local_slice, loss_fn, make_model, make_optimizer
 from workers import _gpt_steps
 
 import fsdp2_compile as fc
+from fsdp2_compile.ir import PARAMS, CollectiveArgs, fsdp_collective_kind, nbytes, val
 from fsdp2_compile.report import clear_compiled_graphs, collectives, compiled_graphs
 
 STEPS = 4
 
 
-def _build(system: str, group_head: bool):
-    """The GPT sharded per block then the root; with `group_head`, `[tok_emb, ln_f, lm_head]` is one more group
-    (the embedding and the head share their weight: fully_shard wants tied modules in one group)."""
+def _build(system: str, group_head: bool, **shard_kwargs):
+    """The GPT sharded per block (with `shard_kwargs`) then the root; with `group_head`, `[tok_emb, ln_f, lm_head]`
+    is one more group (the embedding and the head share their weight: fully_shard wants tied modules in one group)."""
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     model = make_model("gpt")
     shard = fully_shard if system == "fsdp2" else fc.shard
     for block in model.blocks:
-        shard(block)
+        shard(block, **shard_kwargs)
     if group_head:
         shard([model.tok_emb, model.ln_f, model.lm_head])
     if system == "fsdp2":
@@ -63,6 +64,37 @@ def module_api(rank: int, world_size: int, feature: str) -> dict:
                 (r.kind, [(c.kind, tuple(sorted({p.split(".")[0] for p in c.params}))) for c in collectives(r.gm)])
                 for r in compiled_graphs()
             ]
+    return out
+
+
+def reshard_to_smaller_group(rank: int, world_size: int, size: int) -> dict:
+    """`reshard_after_forward=size` on the blocks (an int: reshard to groups of `size` ranks after forward):
+    both systems' losses, and our compiled graphs' collectives with their group sizes and the bytes forward
+    saves for backward."""
+    out = {}
+    for system in ("fsdp2", "ours"):
+        clear_compiled_graphs()
+        model = _build(system, group_head=False, reshard_after_forward=size)
+        out[system] = _gpt_steps(model, make_optimizer(model), rank, world_size, range(STEPS))
+    records = compiled_graphs()
+    out["graphs"] = [(r.kind, _collectives_with_group_sizes(r.gm)) for r in records]
+    backward = next(r.gm for r in records if r.kind == "backward")
+    out["saved_rows_bytes"] = sum(nbytes(val(n)) for n in backward.graph.find_nodes(op="placeholder")
+                                  if n.name.startswith("post_forward"))
+    regathered = {p for n in backward.graph.nodes if fsdp_collective_kind(n) == "all_gather"
+                  and CollectiveArgs.of(n).group_size == size for p in n.meta[PARAMS]}
+    out["regathered_bytes"] = sum(p.numel() * p.element_size() for k, p in model.named_parameters() if k in regathered)
+    return out
+
+
+def _collectives_with_group_sizes(gm) -> list[tuple[str, int, tuple[str, ...]]]:
+    """(kind, group size, the groups served) of each FSDP collective of `gm`, in graph order."""
+    out = []
+    for node in gm.graph.nodes:
+        kind = fsdp_collective_kind(node)
+        if kind is not None:
+            groups = sorted({".".join(p.split(".")[:2]) if p.startswith("blocks.") else "root" for p in node.meta[PARAMS]})
+            out.append((str(kind), CollectiveArgs.of(node).group_size, tuple(groups)))
     return out
 
 

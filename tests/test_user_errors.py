@@ -75,10 +75,11 @@ def test_hsdp_mesh_with_dims_named_shard_then_replicate(fake_pg):
 
 
 @pytest.mark.parametrize("value, exc, text", [
-    (2, NotImplementedError, "int form (reshard to a smaller group"),
+    (3, ValueError, "must divide the shard group's size 4; use one of [1, 2, 4]"),
+    (0, ValueError, "reshard_after_forward=0"),
     ("no", TypeError, "reshard_after_forward='no'"),
 ])
-def test_reshard_after_forward_must_be_a_bool(fake_pg, value, exc, text):
+def test_reshard_after_forward_must_be_a_bool_or_a_divisor(fake_pg, value, exc, text):
     with raises(exc, text, "True"):
         fc.shard(Net(), reshard_after_forward=value)
 
