@@ -88,6 +88,9 @@ class Role(StrEnum):
     CAST = "cast"
     """Dtype conversion: to `param_dtype` before an all-gather, to `reduce_dtype` before a reduce-scatter, back
     to the parameter's dtype after it."""
+    TO_DEVICE = "to_device"
+    """`CPUOffloadPolicy` on an accelerator mesh: a CPU shard copied to the device before its all-gather, a reduced
+    gradient copied back to the CPU."""
     PAD = "pad"
     """Zero rows appended so every rank's shard has ceil(dim0 / N) rows."""
     CONTIGUOUS = "contiguous"

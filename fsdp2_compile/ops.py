@@ -74,6 +74,7 @@ def unshard(
     partial_key: str = "",
     post_forward_size: int = 0,
     post_forward_group_name: str = "",
+    compute_device: torch.device | None = None,
 ) -> Tensor:
     """All-gather a dim-0 shard into the full parameter of `dim0` rows, cast to `param_dtype` first.
     Only the backward uses the rest: `replicate_*` name the HSDP replicate group (`1` / `""` without one);
@@ -83,16 +84,22 @@ def unshard(
     `grad_divide_factor` (0: average): the gradient is summed over the ranks after each is multiplied by 1/it.
     HSDP: `requires_all_reduce=False` keeps the reduce-scattered shard under `partial_key` instead of all-reducing
     it; a backward with the all-reduce adds what was kept first. `post_forward_*` (`reshard_after_forward=int`):
-    the smaller group compiled backwards gather from (`post_forward.py`); eager runs gather from the whole group."""
-    x = shard if param_dtype is None else shard.to(param_dtype)
+    the smaller group compiled backwards gather from (`post_forward.py`); eager runs gather from the whole group.
+    `compute_device` (`CPUOffloadPolicy` on an accelerator mesh): where the CPU shard is copied before all else."""
+    x = shard if compute_device is None else shard.to(compute_device, non_blocking=True)
+    x = x if param_dtype is None else x.to(param_dtype)
     x = pad_rows(x, padded_rows(dim0, world_size)).contiguous()
     full = _funcol.wait_tensor(_funcol.all_gather_into_tensor(x, world_size, group_name))
     return full[:dim0].clone() if full.shape[0] != dim0 else full
 
 
 @unshard.register_fake
-def _(shard, dim0, world_size, group_name, param_dtype, reduce_dtype, fqn, bucket, reshard_after_forward, *_backward):
-    return shard.new_empty((dim0, *shard.shape[1:]), dtype=param_dtype or shard.dtype)
+def _(*args, **kwargs):
+    from .ir import UnshardArgs
+
+    a = UnshardArgs.bind(args, kwargs)
+    return a.shard.new_empty((a.dim0, *a.shard.shape[1:]), dtype=a.param_dtype or a.shard.dtype,
+                             device=a.compute_device or a.shard.device)
 
 
 @torch.library.custom_op("fsdp2::reduce_grad", mutates_args=())
@@ -110,12 +117,14 @@ def reduce_grad(
     divide_factor: float = 0.0,
     requires_all_reduce: bool = True,
     partial_key: str = "",
+    out_device: torch.device | None = None,
 ) -> Tensor:
     """Average a full gradient over the group and return this rank's `local_rows`-row shard in `out_dtype`.
     With an HSDP replicate group (`replicate_size > 1`) the shard is then averaged over that group too. With a
     `divide_factor`, each rank's gradient is multiplied by 1 / divide_factor and the results are summed instead.
     HSDP without the all-reduce (`requires_all_reduce=False`): the reduced shard is kept under `partial_key` (a
-    zero shard back); the next reduction with the all-reduce adds it first."""
+    zero shard back); the next reduction with the all-reduce adds it first. `out_device`: where the result goes
+    (`CPUOffloadPolicy`: back to the CPU shard's device)."""
     x = grad.to(reduce_dtype)
     op = "avg"
     if divide_factor:
@@ -129,12 +138,15 @@ def reduce_grad(
         if partial_key:
             out = torch.ops.fsdp2.add_pending_grad(out, partial_key, reduce_dtype, fqn)
         out = _funcol.wait_tensor(_funcol.all_reduce(out, op, replicate_group_name))
-    return out[:local_rows].to(out_dtype).clone()
+    return out[:local_rows].to(out_dtype).to(out_device or out.device).clone()
 
 
 @reduce_grad.register_fake
-def _(grad, local_rows, world_size, group_name, reduce_dtype, out_dtype, fqn, bucket, *_replicate):
-    return grad.new_empty((local_rows, *grad.shape[1:]), dtype=out_dtype)
+def _(*args, **kwargs):
+    from .ir import ReduceGradArgs
+
+    a = ReduceGradArgs.bind(args, kwargs)
+    return a.grad.new_empty((a.local_rows, *a.grad.shape[1:]), dtype=a.out_dtype, device=a.out_device or a.grad.device)
 
 
 _PENDING_GRADS: dict[str, Tensor] = {}
@@ -183,6 +195,7 @@ def _unshard_setup_context(ctx, inputs, output) -> None:
         reduce_dtype=a.reduce_dtype, out_dtype=a.shard.dtype, fqn=a.fqn, bucket=a.bucket,
         replicate_size=a.replicate_size, replicate_group_name=a.replicate_group_name,
         divide_factor=a.grad_divide_factor, requires_all_reduce=a.requires_all_reduce, partial_key=a.partial_key,
+        out_device=a.shard.device if a.compute_device is not None else None,
     )
     ctx.n_inputs = len(inputs)
 

@@ -21,9 +21,9 @@ from .ir import BUCKET, PREFETCH, ROLE, AllReduceArgs, CollectiveArgs, Role, fsd
 
 __all__ = ["Rank", "Unit", "anchors_at", "emit_order", "find_units", "memory_budget", "order_keys"]
 
-_START_ROLES = {Role.CAST, Role.PAD, Role.CONTIGUOUS, Role.COPY_IN}
+_START_ROLES = {Role.TO_DEVICE, Role.CAST, Role.PAD, Role.CONTIGUOUS, Role.COPY_IN}
 """Roles of the nodes before a collective that move with it (its copy-in chain)."""
-_FINISH_ROLES = {Role.WAIT, Role.COPY_OUT, Role.UNPAD, Role.CAST}
+_FINISH_ROLES = {Role.WAIT, Role.COPY_OUT, Role.UNPAD, Role.CAST, Role.TO_DEVICE}
 """Roles of the nodes after a collective that move with its wait (its copy-out chain)."""
 
 

@@ -87,6 +87,9 @@ class ParamInfo:
     """`reshard_after_forward=int`: after forward each rank keeps 1/this of the gathered parameter, and backward
     gathers it from this many ranks (`post_forward_group_name`); 0: from the whole shard group."""
     post_forward_group_name: str = ""
+    compute_device: torch.device | None = None
+    """`CPUOffloadPolicy` on an accelerator mesh: the shard lives on the CPU and is copied here before gathering
+    (its gradient back after reducing); None: the shard is on the mesh's device already."""
 
     def gather(self, param: nn.Parameter) -> torch.Tensor:
         if _SHARDED_ACCESS.active:
@@ -123,6 +126,7 @@ class ParamInfo:
             self.partial_key,
             self.post_forward_size,
             self.post_forward_group_name,
+            self.compute_device,
         )
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:

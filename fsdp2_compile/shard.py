@@ -26,6 +26,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ._torch_private import concatenate_meshes, root_mesh_groups, strided_shard
@@ -83,9 +84,11 @@ def _mesh_groups(mesh: DeviceMesh) -> tuple[int, str, int, str]:
     return shard_size, shard_group, mesh.size(0), fsdp_group(mesh.get_group(0).group_name)
 
 
-def _shard_param(param: nn.Parameter, mesh: DeviceMesh) -> nn.Parameter:
+def _shard_param(param: nn.Parameter, mesh: DeviceMesh, offload: CPUOffloadPolicy | None) -> nn.Parameter:
     """Rows of this rank's shard on the mesh's last (shard) dim; replicated over a 2-D mesh's first dim. A
-    tensor-parallel DTensor: its TP-local tensor's rows, on the (dp, tp) mesh (see the module docstring)."""
+    tensor-parallel DTensor: its TP-local tensor's rows, on the (dp, tp) mesh (see the module docstring).
+    `offload` (`CPUOffloadPolicy`): the rows are kept on the CPU, pinned when the policy asks and an accelerator
+    can use pinned memory."""
     world_size, rank = mesh.size(mesh.ndim - 1), mesh.get_local_rank(mesh.ndim - 1)
     data = param.detach().to_local() if isinstance(param, DTensor) else param.detach()
     chunks = torch.chunk(data, world_size, dim=0)
@@ -97,7 +100,12 @@ def _shard_param(param: nn.Parameter, mesh: DeviceMesh) -> nn.Parameter:
         if tp_placements[0].is_shard(0):  # TP's row blocks are split again by dp: strided, as FSDP2 places them
             dp[-1] = strided_shard(0, tp_mesh.size())
         dp, on = [*dp, *tp_placements], concatenate_meshes([mesh, tp_mesh])
-    dtensor = DTensor.from_local(local.clone(), on, dp, run_check=False, shape=param.shape, stride=param.stride())
+    local = local.clone()
+    if offload is not None and not local.is_meta:
+        local = local.cpu()
+        if offload.pin_memory and torch.accelerator.is_available():
+            local = local.pin_memory()
+    dtensor = DTensor.from_local(local, on, dp, run_check=False, shape=param.shape, stride=param.stride())
     return nn.Parameter(dtensor, requires_grad=param.requires_grad)
 
 
@@ -179,15 +187,19 @@ def shard(
     `reshard_after_forward`: True (None, FSDP2's default) frees gathered parameters after forward and gathers
     them again in backward; False keeps them until backward; an int k dividing the shard group's size keeps 1/k
     of each on every rank and gathers backward's from k ranks (`post_forward.py`).
-    `offload_policy`: torch's `OffloadPolicy()` (no offload) is accepted; `CPUOffloadPolicy` is not supported yet.
+    `offload_policy`: torch's `OffloadPolicy()` (no offload) or `CPUOffloadPolicy(pin_memory=)`: sharded parameters,
+    gradients and optimizer state on the CPU, each shard copied to the mesh's device right before its all-gather
+    (on a CPU mesh they are there already: pinning is skipped without an accelerator).
     Returns `module`.
     """
     members = check_modules(module)
     check_options(mp_policy, offload_policy)
+    offload = offload_policy if isinstance(offload_policy, CPUOffloadPolicy) else None
     mesh = resolve_mesh(mesh)
     ignored = check_ignored(ignored_params)
-    check_new_params(members, mesh, ignored)  # on every rank, before any collective
+    check_new_params(members, mesh, ignored, offload is not None)  # on every rank, before any collective
     world_size, group_name, replicate_size, replicate_group_name = _mesh_groups(mesh)
+    compute_device = _compute_device(mesh) if offload is not None and mesh.device_type != "cpu" else None
     reshard, post_forward_size, post_forward_group_name = resolve_reshard(
         reshard_after_forward, mesh.get_group(mesh.ndim - 1).group_name, world_size
     )
@@ -215,7 +227,7 @@ def shard(
                 if param in REPLACED:  # tied to a parameter sharded by an earlier call under another module
                     sharded, info = REPLACED[param]
                 else:  # checked by check_new_params
-                    sharded = _shard_param(param, mesh)
+                    sharded = _shard_param(param, mesh, offload)
                     tp = _tp_layout(param)
                     info = ParamInfo(
                         fqn=fqn,
@@ -231,6 +243,7 @@ def shard(
                         tp=tp,
                         post_forward_size=post_forward_size,
                         post_forward_group_name=post_forward_group_name,
+                        compute_device=compute_device,
                     )
                     REPLACED[param] = (sharded, info)
                     taken.append(info)
@@ -247,6 +260,11 @@ def shard(
         register_reshard_hooks(member)  # acts only on parameters gathered with reshard_after_forward on
         object.__setattr__(member, STATE_ATTR, state)
     return module
+
+
+def _compute_device(mesh: DeviceMesh) -> torch.device:
+    """The accelerator this rank computes on: the mesh's device type at the current device index."""
+    return torch.device(mesh.device_type, torch.accelerator.current_device_index())
 
 
 def _cast_buffers(module: nn.Module, dtype: torch.dtype | None) -> None:

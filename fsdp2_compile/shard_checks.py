@@ -70,13 +70,13 @@ def resolve_mesh(mesh: DeviceMesh | None) -> DeviceMesh:
     return mesh
 
 
-def _check_param(fqn: str, param: nn.Parameter, mesh: DeviceMesh) -> None:
+def _check_param(fqn: str, param: nn.Parameter, mesh: DeviceMesh, offload: bool) -> None:
     if param.dim() == 0:
         raise ValueError(
             f"parameter '{fqn}' is 0-dimensional; FSDP shards parameters on dim 0. "
             "Give it shape (1,) or pass it in ignored_params"
         )
-    if param.device.type not in (mesh.device_type, "meta"):
+    if param.device.type not in (mesh.device_type, "meta", *(("cpu",) if offload else ())):
         raise ValueError(
             f"parameter '{fqn}' is on device '{param.device}' but the mesh is on '{mesh.device_type}'; "
             f"move the module with module.to('{mesh.device_type}') before calling shard"
@@ -137,15 +137,18 @@ def _check_tp_param(fqn: str, param: DTensor, mesh: DeviceMesh) -> None:
         raise ValueError(f"{where}, which {dp} does not extend ({why}); {_RECIPE}") from None
 
 
-def check_new_params(members: list[nn.Module], mesh: DeviceMesh, ignored: dict[int, nn.Parameter]) -> None:
+def check_new_params(
+    members: list[nn.Module], mesh: DeviceMesh, ignored: dict[int, nn.Parameter], offload: bool = False
+) -> None:
     """`_check_param` on every parameter this `shard` call will take over (not ignored, not taken by an earlier
-    call), before `shard` measures the link or creates any group: bad input fails on every rank alike."""
+    call), before `shard` measures the link or creates any group: bad input fails on every rank alike. With CPU
+    offload, parameters may be on the CPU whatever the mesh's device."""
     for member in members:
         for mod_name, mod in member.named_modules(remove_duplicate=False):
             for pname, param in mod._parameters.items():
                 if param is None or id(param) in ignored or pname in infos_of(mod) or param in REPLACED:
                     continue
-                _check_param(f"{mod_name}.{pname}" if mod_name else pname, param, mesh)
+                _check_param(f"{mod_name}.{pname}" if mod_name else pname, param, mesh, offload)
 
 
 def check_modules(module: object) -> list[nn.Module]:
@@ -167,13 +170,8 @@ def check_modules(module: object) -> list[nn.Module]:
 
 
 def check_options(mp_policy: object, offload_policy: object = None) -> None:
-    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+    from torch.distributed.fsdp import OffloadPolicy
 
-    if isinstance(offload_policy, CPUOffloadPolicy):
-        raise NotImplementedError(
-            "shard(offload_policy=CPUOffloadPolicy()) is not supported by fsdp2_compile yet: sharded parameters, "
-            "gradients and optimizer state stay on the mesh's device (on a CPU mesh they are on the CPU already)"
-        )
     if offload_policy is not None and not isinstance(offload_policy, OffloadPolicy):
         raise TypeError(
             f"shard(offload_policy=...) takes torch.distributed.fsdp.OffloadPolicy(), got {type(offload_policy).__name__}"

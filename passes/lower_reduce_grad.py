@@ -1,5 +1,6 @@
 """Lower every `fsdp2::reduce_grad` into `[cast to reduce_dtype] → [pad] → reduce_scatter_tensor(avg) →
-wait_tensor → [all_reduce(avg) over the HSDP replicate group → wait_tensor] → [unpad] → [cast to param dtype]`;
+wait_tensor → [all_reduce(avg) over the HSDP replicate group → wait_tensor] → [unpad] → [cast to param dtype] →
+[copy to the CPU shard's device]`;
 with a gradient divide factor f, `[× 1/f]` after the cast and "sum" instead of "avg". HSDP with the all-reduce
 off (`set_requires_all_reduce(False)`): the reduced shard goes to `fsdp2::stash_grad` (kept, a zero shard on);
 with it on after such backwards, `fsdp2::add_pending_grad` adds what was kept before the all-reduce.
@@ -65,6 +66,8 @@ def lower_reduce_grad(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
                 x = insert_call(graph, aten.slice.Tensor, (x, 0, 0, a.local_rows), tag(Role.UNPAD))
             if a.reduce_dtype != a.out_dtype:
                 x = insert_call(graph, convert, (x, a.out_dtype), tag(Role.CAST))
+            if a.out_device is not None and a.out_device != val(x).device:
+                x = insert_call(graph, aten._to_copy.default, (x,), tag(Role.TO_DEVICE), {"device": a.out_device})
         node.replace_all_uses_with(x)
         graph.erase_node(node)
     return gm

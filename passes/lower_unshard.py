@@ -1,4 +1,4 @@
-"""Lower every `fsdp2::unshard` into `[cast to param_dtype] → [pad] → all_gather_into_tensor → wait_tensor → [unpad]`,
+"""Lower every `fsdp2::unshard` into `[copy to the compute device] → [cast to param_dtype] → [pad] → all_gather_into_tensor → wait_tensor → [unpad]`,
 after folding repeated unshards of one parameter (tied weights, a weight read twice) into the first: training
 graphs get that from the partitioner's CSE, inference graphs do not.
 
@@ -47,6 +47,9 @@ def lower_unshard(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         rows = padded_rows(a.dim0, a.world_size)
         with graph.inserting_before(node):
             x = a.shard
+            if a.compute_device is not None and a.compute_device != val(x).device:
+                x = insert_call(graph, aten._to_copy.default, (x,), tag(Role.TO_DEVICE),
+                                {"device": a.compute_device, "non_blocking": True})
             if a.param_dtype is not None and a.param_dtype != val(x).dtype:
                 x = insert_call(graph, torch.ops.prims.convert_element_type.default, (x, a.param_dtype), tag(Role.CAST))
             missing = rows - val(x).shape[0]

@@ -87,6 +87,22 @@ def reshard_to_smaller_group(rank: int, world_size: int, size: int) -> dict:
     return out
 
 
+def cpu_offload(rank: int, world_size: int) -> dict:
+    """Every group sharded with `CPUOffloadPolicy` on the CPU mesh: both systems' losses (fully_shard with
+    pin_memory=False: pinning needs an accelerator; ours with the default, which skips it without one)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    out = {}
+    for system, policy in (("fsdp2", CPUOffloadPolicy(pin_memory=False)), ("ours", CPUOffloadPolicy())):
+        model = make_model("gpt")
+        shard = fully_shard if system == "fsdp2" else fc.shard
+        for block in model.blocks:
+            shard(block, offload_policy=policy)
+        (fully_shard if system == "fsdp2" else fc.shard_compile)(model, offload_policy=policy)
+        out[system] = _gpt_steps(model, make_optimizer(model), rank, world_size, range(STEPS))
+    return out
+
+
 def _collectives_with_group_sizes(gm) -> list[tuple[str, int, tuple[str, ...]]]:
     """(kind, group size, the groups served) of each FSDP collective of `gm`, in graph order."""
     out = []

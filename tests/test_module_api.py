@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from harness import run_ranks
-from module_api_workers import divide_factor, hsdp_accumulation, module_api, reshard_to_smaller_group
+from module_api_workers import cpu_offload, divide_factor, hsdp_accumulation, module_api, reshard_to_smaller_group
 from torch import nn
 
 import fsdp2_compile as fc
@@ -45,6 +45,13 @@ def test_reshard_after_forward_int_gathers_backward_from_the_smaller_group():
         ("reduce_scatter", ("blocks.1",)): 4, ("reduce_scatter", ("blocks.0",)): 4, ("reduce_scatter", ("root",)): 4,
     }
     assert result["saved_rows_bytes"] == result["regathered_bytes"] // 2 > 0
+
+
+def test_cpu_offload_policy_trains_as_fully_shard_on_a_cpu_mesh():
+    """On a CPU mesh the shards are on the CPU already: the graphs are those without offload, and the losses
+    bitwise equal to fully_shard's with the same policy (the copies to an accelerator: tests/test_passes.py)."""
+    result = run_ranks(cpu_offload, 2)[0]
+    assert result["ours"] == result["fsdp2"]
 
 
 def test_prefetch_lists_unshard_reshard_and_is_last_backward_leave_training_as_fully_shard():

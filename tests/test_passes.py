@@ -89,6 +89,25 @@ def test_lower_unshard_gathers_a_parameter_read_twice_once(fake_pg):
     assert targets(gm).count(aten.view.default) == 1  # the second read's view went with it
 
 
+def test_an_offloaded_shard_is_copied_to_the_compute_device_and_its_gradient_back(fake_pg):
+    """CPUOffloadPolicy on an accelerator mesh: a CPU shard goes to the compute device before anything else (the
+    cast then runs there), the reduced gradient back to the shard's device last. The meta device stands in for
+    the accelerator (this machine has none)."""
+    device = torch.device("meta")
+
+    def f(shard):
+        full = UNSHARD(shard, 32, 4, fake_pg, bf16, fp32, "w", "", True, compute_device=device)
+        return REDUCE_GRAD(full * 2, 8, 4, fake_pg, fp32, fp32, "w", "", 1, "", out_device=shard.device)
+
+    gm = lower_reduce_grad(lower_unshard(make_fx(f, tracing_mode="fake")(torch.randn(8, 3)), PassContext("forward")),
+                           PassContext("backward"))
+    to_device = [n for n in calls(gm) if n.meta.get(ROLE) == Role.TO_DEVICE]
+    assert [n.meta["val"].device.type for n in to_device] == ["meta", "cpu"]
+    first, last = to_device
+    assert calls(gm)[0] is first and calls(gm)[1].target is torch.ops.prims.convert_element_type.default
+    assert calls(gm)[-1] is last and last.args[0].meta["val"].device.type == "meta"
+
+
 def test_lower_reduce_grad_casts_pads_reduce_scatters_and_unpads(fake_pg):
     def f(grad):
         return REDUCE_GRAD(grad, 6, 4, fake_pg, fp32, fp32, "fc.weight", "", 1, "")

@@ -135,11 +135,10 @@ def test_a_list_of_modules_is_one_group(fake_pg):
 def test_offload_policy(fake_pg):
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 
-    with raises(NotImplementedError, "CPUOffloadPolicy()) is not supported by fsdp2_compile yet"):
-        fc.shard(Net(), offload_policy=CPUOffloadPolicy())
     with raises(TypeError, "takes torch.distributed.fsdp.OffloadPolicy(), got str"):
         fc.shard(Net(), offload_policy="cpu")
     assert fc.is_sharded(fc.shard(Net(), offload_policy=OffloadPolicy()))
+    assert fc.is_sharded(fc.shard(Net(), offload_policy=CPUOffloadPolicy()))
 
 
 def test_a_process_group_is_not_a_mesh(fake_pg):
