@@ -57,13 +57,18 @@ PROFILES: dict[str, HardwareProfile] = {
     p.name: p
     for p in (
         HardwareProfile(
-            "cpu-gloo-loopback", 500e-6, 1 / 0.38e9, 50e9, 4e9,
-            "measured by measure_profile on the 2-core CI machine, 2 ranks on gloo over loopback (2026-11-29: "
-            "alpha 0.46-0.58 ms, 0.36-0.40 GB/s, 52-95 GFLOP/s fp32 matmul, 3.6-5.3 GB/s copy), rounded",
+            "cpu-gloo-loopback", 500e-6, 1 / 0.38e9, 97e9, 19e9,
+            "measured on the 2-core CI machine, 2 ranks on gloo over loopback: alpha and link by measure_profile "
+            "(2026-11-29: alpha 0.46-0.58 ms, 0.36-0.40 GB/s), rounded; compute on one thread as each rank has by "
+            "benchmarks/cpu_figures.py (2026-11-30, best of 40 runs: fp32 matmul 97 GFLOP/s at a GPT Linear's "
+            "shapes, 19 GB/s read + written by a transformer's elementwise ops)",
         ),
         HardwareProfile(
-            "cpu-gloo-1gbit", 500e-6, 1 / 118e6, 50e9, 4e9,
-            "derived, not measured: the loopback profile with beta set by a 1 Gbit/s tc-tbf link (~118 MB/s payload)",
+            "cpu-gloo-1gbit", 400e-6, 1 / 58e6, 97e9, 19e9,
+            "the benchmark's 1 Gbit/s link (benchmarks/run.py: tc tbf rate 1gbit on the loopback of a network "
+            "namespace, which both ranks' traffic crosses, so each rank gets half while both send), measured by "
+            "benchmarks/link_figures.py (2026-11-30, 2 ranks: all-gathers of 1 KiB 0.41 ms, of 16 MiB per rank "
+            "0.288 s = 58 MB/s sent per rank); compute as cpu-gloo-loopback",
         ),
         HardwareProfile(
             "h100-nvlink", 15e-6, 1 / 360e9, 700e12, 2.8e12,

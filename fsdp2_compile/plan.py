@@ -458,7 +458,7 @@ def make_plan(
             return prof.alpha_s + factor * (group - 1) / group * nbytes * prof.beta_s_per_byte if group > 1 else 0.0
 
         def reduce_s(b: str) -> float:
-            t = coll(numel[b] * _itemsize(reduce_dtype), shard_size)
+            t = coll(numel[b] * _itemsize(reduce_dtype), shard_size, dev.reduce_scatter_factor)
             return t + coll(numel[b] // shard_size * _itemsize(reduce_dtype), replicate, 2.0)
 
         n_blocks = layers if reduce else 0

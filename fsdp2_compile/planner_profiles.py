@@ -19,7 +19,8 @@ class DeviceFigures:
     mem_bytes_per_s: float
     """Memory bandwidth of one rank."""
     efficiency: dict[str, float]
-    """Fraction of peak reached by op class: "matmul", "attention" (of peak_flops), "memory" (of bandwidth)."""
+    """Fraction of peak reached by op class: "matmul", "attention" (of peak_flops), "memory" (of bandwidth:
+    elementwise ops) and optionally "optimizer" (of bandwidth: the AdamW step; "memory" where absent)."""
     launch_s: float
     """Fixed time per op (kernel launch / eager dispatch)."""
     comm_overlaps_compute: bool
@@ -33,6 +34,8 @@ class DeviceFigures:
     run on it: TP inside a node, FSDP across)."""
     intra_node_alpha_s: float = 0.0
     """Fixed cost of one collective on the intra-node link."""
+    reduce_scatter_factor: float = 1.0
+    """A reduce-scatter's link time over a ring's (N-1)/N of its full buffer (a ring: 1; an all-reduce: 2)."""
     sources: dict[str, str] = field(default_factory=dict)
 
 
@@ -60,16 +63,20 @@ _H100 = DeviceFigures(
         "efficiency.memory": "assumed 0.8 of the HBM bandwidth (elementwise kernels)",
         "launch_s": "assumed: ~5 us per CUDA kernel launch in eager mode",
         "comm_overlaps_compute": "NCCL runs on its own CUDA stream",
+        "reduce_scatter_factor": "NCCL's ring reduce-scatter sends (N-1)/N of the buffer (assumed 1)",
         "allocator_factor": "calibrated: torchtitan Table 1 'FSDP' row: 82.4 GiB reserved peak",
         "runtime_bytes": "assumed: ~0.5 GiB of CUDA context and NCCL buffers",
     },
 )
 
+_CPU_BENCH = ("measured by benchmarks/cpu_figures.py --repeat 40 on the 2-core CI machine, one thread as each rank "
+              "has, 2026-11-30: best of 40 runs, highest of 3 invocations (the machine was shared; the medians were "
+              "0.5-0.9x the best)")
 _CPU = DeviceFigures(
-    peak_flops=50e9,
-    mem_bytes_per_s=4e9,
-    efficiency={"matmul": 1.0, "attention": 1.0, "memory": 1.0},
-    launch_s=6e-6,
+    peak_flops=97e9,
+    mem_bytes_per_s=19e9,
+    efficiency={"matmul": 1.0, "attention": 0.36, "memory": 1.0, "optimizer": 0.66},
+    launch_s=2.7e-6,
     comm_overlaps_compute=False,
     allocator_factor=1.0,
     runtime_bytes=401 * 2**20,
@@ -79,11 +86,17 @@ _CPU = DeviceFigures(
         "intra_node_bytes_per_s": "cost_model cpu-gloo-loopback: measured gloo bandwidth over loopback between "
                                   "ranks on this machine (0.36-0.40 GB/s)",
         "intra_node_alpha_s": "cost_model cpu-gloo-loopback: measured 0.46-0.58 ms per collective",
-        "peak_flops": "cost_model cpu-gloo-loopback: measured fp32 matmul rate on this 2-core machine (sustained, "
-                      "so efficiency 1.0)",
-        "mem_bytes_per_s": "cost_model cpu-gloo-loopback: measured copy bandwidth (efficiency 1.0)",
-        "efficiency.attention": "assumed: the CPU flash kernel at the matmul rate",
-        "launch_s": "measured here 2026-11-30: ~6 us per small eager op (20,000 x `x + 1`)",
+        "peak_flops": f"{_CPU_BENCH}: fp32 matmul 97 GFLOP/s at a GPT Linear's shapes (1024 tokens, d 512 -> "
+                      "2048 and 512 -> 512: forward, input and weight gradients); sustained, so efficiency 1.0",
+        "mem_bytes_per_s": f"{_CPU_BENCH}: 19 GB/s read + written by a transformer's elementwise ops (add, GELU and "
+                           "backward, LayerNorm and backward, transposed copy, log-softmax and backward)",
+        "efficiency.attention": f"{_CPU_BENCH}: causal SDPA (CPU flash kernel) forward + backward at 4 x 8 heads x "
+                                "256 x 64, 35 GFLOP/s counting causal FLOPs = 0.36 of the matmul rate",
+        "efficiency.optimizer": f"{_CPU_BENCH}: torch's AdamW step on a 4M-element parameter, 12.5 GB/s of the "
+                                "planner's count (read parameter, gradient, 2 states; write parameter, 2 states) = "
+                                "0.66 of the elementwise rate (runs ranged 4.7-12.5 GB/s: it is the figure the other "
+                                "processes disturb most)",
+        "launch_s": f"{_CPU_BENCH}: 2.7 us per small eager op (2,000 x `x + 1` on 16 elements)",
         "comm_overlaps_compute": "measured here (README, overlap benchmark): on loopback gloo's copies use the same "
                                  "2 cores as compute, an all-gather then matmuls takes the sum of both times",
         "allocator_factor": "glibc malloc returns freed blocks; peak RSS counts what was touched (assumed 1.0)",
@@ -96,9 +109,12 @@ _CPU = DeviceFigures(
 DEVICES: dict[str, DeviceFigures] = {
     "cpu-gloo-loopback": _CPU,
     "cpu-gloo-1gbit": DeviceFigures(
-        **{**_CPU.__dict__, "comm_overlaps_compute": True,
+        **{**_CPU.__dict__, "comm_overlaps_compute": True, "reduce_scatter_factor": 2.0,
            "sources": {**_CPU.sources, "comm_overlaps_compute": "measured here (benchmarks/gloo_overlap_probe.py): "
-                       "on the 1 Gbit/s link a started all-gather progresses while the rank computes"}}),
+                       "on the 1 Gbit/s link a started all-gather progresses while the rank computes",
+                       "reduce_scatter_factor": "measured by benchmarks/link_figures.py on the benchmark's 1 Gbit/s "
+                       "link, 2 ranks, 2026-11-30: gloo's reduce-scatter of a 32 MiB buffer takes 1.94-1.99x the "
+                       "all-gather of it (an all-reduce: 1.79-1.84x), so 2"}}),
     "h100-nvlink": _H100,
     "h100-infiniband": _H100,
 }

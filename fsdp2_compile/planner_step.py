@@ -48,8 +48,10 @@ def phase_times(trace: StepTrace, dev: DeviceFigures, fused: bool | str) -> Phas
 
 
 def optimizer_time(params: int, grads: int, states: int, dev: DeviceFigures) -> float:
-    """AdamW (foreach): read params, grads, states; write params and states."""
-    return (2 * params + grads + 2 * states) / (dev.mem_bytes_per_s * dev.efficiency["memory"]) + 20 * dev.launch_s
+    """AdamW: read params, grads, states; write params and states, at the device's optimizer efficiency of its
+    bandwidth (the elementwise "memory" one where none was measured)."""
+    efficiency = dev.efficiency.get("optimizer", dev.efficiency["memory"])
+    return (2 * params + grads + 2 * states) / (dev.mem_bytes_per_s * efficiency) + 20 * dev.launch_s
 
 
 @dataclass

@@ -144,7 +144,9 @@ class _Recorder(TorchDispatchMode):
         name = func.overloadpacket.__name__
         ins = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-        self.keep.extend(outs)  # a storage id must not be reused by a later tensor
+        # a storage id must not be reused by a later tensor: hold the storages, not the tensors (a held tensor
+        # would make AccumulateGrad copy each gradient instead of taking it, as no real step does)
+        self.keep.extend(t.untyped_storage() for t in outs)
         creates = []
         for t in outs:
             sid = _sid(t)
