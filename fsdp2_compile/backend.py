@@ -39,6 +39,7 @@ from .pipeline import PassContext, run_pipeline
 from .post_forward import gather_backward_from_post_forward_shards
 from .report import GraphRecord, collectives, dump_requested, record_graph
 from .shard import is_known_param
+from .unsharded_after_backward import keep_unsharded_after_backward
 
 __all__ = ["check_input_devices", "fsdp2_backend", "make_backend"]
 
@@ -149,6 +150,7 @@ def _partition(joint: fx.GraphModule, joint_inputs: Any, *, config: CompileConfi
     fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
     _rng_states_before_opaques(fw, bw)
     gather_backward_from_post_forward_shards(fw, bw, kwargs["num_fwd_outputs"])
+    keep_unsharded_after_backward(fw, bw)
     return fw, bw
 
 

@@ -49,15 +49,12 @@ class FSDPModule:
             info.post_forward_size, info.post_forward_group_name = 0, ""
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
-        """Only True (FSDP2's default): each compiled forward gathers its parameters inside its own graph, so
-        nothing gathered outlives a backward."""
+        """False: parameters stay gathered after backward and the next forward gathers nothing (gradient
+        accumulation: more memory, less communication); True (the default) frees them. Kept parameters are
+        dropped before any optimizer step and by `reshard()`; a change recompiles."""
         _check_bool("set_reshard_after_backward", "reshard_after_backward", reshard_after_backward)
-        if not reshard_after_backward:
-            raise NotImplementedError(
-                f"{type(self).__name__}.set_reshard_after_backward(False) is not supported by fsdp2_compile: every "
-                "compiled forward gathers its parameters inside its graph, so keeping them after backward saves "
-                "nothing. Leave it True; for gradient accumulation use set_requires_gradient_sync(False)"
-            )
+        for info in self._param_infos(recurse):
+            info.set_reshard_after_backward(reshard_after_backward)
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Accepted for FSDP2 compatibility with FSDP2-equal results: every compiled backward waits for its own
@@ -117,4 +114,7 @@ class FSDPModule:
         return UnshardHandle() if async_op else None
 
     def reshard(self) -> None:
-        """Nothing stays gathered between steps (see `unshard`), so there is nothing to free."""
+        """Free what `set_reshard_after_backward(False)` kept gathered for this module's group (nothing else
+        stays gathered between steps, see `unshard`)."""
+        for info in self._param_infos(recurse=False):
+            info.drop_kept()

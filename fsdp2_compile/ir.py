@@ -37,9 +37,11 @@ __all__ = [
     "BUCKET",
     "COLLECTIVE_KINDS",
     "KEEP_ALIVE",
+    "KEEP_UNSHARDED",
     "PARAMS",
     "PREFETCH",
     "REDUCE_GRAD",
+    "RELEASE_UNSHARDED",
     "ROLE",
     "STASH_GRAD",
     "UNSHARD",
@@ -50,9 +52,11 @@ __all__ = [
     "Collective",
     "CollectiveArgs",
     "KeepAliveArgs",
+    "KeepUnshardedArgs",
     "OpArgs",
     "ReduceGradArgs",
     "ReduceScatterArgs",
+    "ReleaseUnshardedArgs",
     "Role",
     "StashGradArgs",
     "Tags",
@@ -76,6 +80,8 @@ REDUCE_GRAD = ops.REDUCE_GRAD
 STASH_GRAD = ops.STASH_GRAD
 ADD_PENDING_GRAD = ops.ADD_PENDING_GRAD
 KEEP_ALIVE = ops.KEEP_ALIVE
+KEEP_UNSHARDED = ops.KEEP_UNSHARDED
+RELEASE_UNSHARDED = ops.RELEASE_UNSHARDED
 WAIT = _funcol.wait_tensor.default
 
 
@@ -262,15 +268,22 @@ AddPendingGradArgs = _view(
     "AddPendingGradArgs", ADD_PENDING_GRAD, "Arguments of `fsdp2::add_pending_grad` (synced backward after unsynced ones)."
 )
 KeepAliveArgs = _view("KeepAliveArgs", KEEP_ALIVE, "Arguments of `fsdp2::keep_alive`: a wait and its collective's inputs.")
+KeepUnshardedArgs = _view(
+    "KeepUnshardedArgs", KEEP_UNSHARDED, "Arguments of `fsdp2::keep_unsharded` (backward, reshard_after_backward off)."
+)
+ReleaseUnshardedArgs = _view(
+    "ReleaseUnshardedArgs", RELEASE_UNSHARDED, "Arguments of `fsdp2::release_unsharded` (a forward took a kept parameter)."
+)
 WaitArgs = _view("WaitArgs", WAIT, "Arguments of `_c10d_functional::wait_tensor`.")
 
 _FSDP_VIEWS: dict[Any, type] = {
-    v.op: v for v in (UnshardArgs, ReduceGradArgs, StashGradArgs, AddPendingGradArgs, KeepAliveArgs)
+    v.op: v for v in (UnshardArgs, ReduceGradArgs, StashGradArgs, AddPendingGradArgs, KeepAliveArgs,
+                      KeepUnshardedArgs, ReleaseUnshardedArgs)
 }
 
 
 def fsdp_op_name(node: fx.Node) -> str | None:
-    """"unshard", "reduce_grad", "stash_grad", "add_pending_grad" or "keep_alive" for a call to that fsdp2 op."""
+    """The op name ("unshard", "reduce_grad", "stash_grad", "keep_alive", ...) of a call to an fsdp2 op."""
     if node.op == "call_function" and node.target in _FSDP_VIEWS:
         return node.target._opname
     return None

@@ -24,11 +24,16 @@ from torch import Tensor
 __all__ = [
     "ADD_PENDING_GRAD",
     "KEEP_ALIVE",
+    "KEEP_UNSHARDED",
+    "RELEASE_UNSHARDED",
     "REDUCE_GRAD",
     "STASH_GRAD",
     "UNSHARD",
     "add_pending_grad",
     "keep_alive",
+    "keep_unsharded",
+    "release_all_unsharded",
+    "release_unsharded",
     "pad_rows",
     "padded_rows",
     "reduce_grad",
@@ -75,6 +80,9 @@ def unshard(
     post_forward_size: int = 0,
     post_forward_group_name: str = "",
     compute_device: torch.device | None = None,
+    reshard_after_backward: bool = True,
+    kept_key: str = "",
+    gathered: Tensor | None = None,
 ) -> Tensor:
     """All-gather a dim-0 shard into the full parameter of `dim0` rows, cast to `param_dtype` first.
     Only the backward uses the rest: `replicate_*` name the HSDP replicate group (`1` / `""` without one);
@@ -85,7 +93,11 @@ def unshard(
     HSDP: `requires_all_reduce=False` keeps the reduce-scattered shard under `partial_key` instead of all-reducing
     it; a backward with the all-reduce adds what was kept first. `post_forward_*` (`reshard_after_forward=int`):
     the smaller group compiled backwards gather from (`post_forward.py`); eager runs gather from the whole group.
-    `compute_device` (`CPUOffloadPolicy` on an accelerator mesh): where the CPU shard is copied before all else."""
+    `compute_device` (`CPUOffloadPolicy` on an accelerator mesh): where the CPU shard is copied before all else.
+    `reshard_after_backward=False`: backward keeps the gathered parameter under `kept_key`; the next forward
+    passes it as `gathered` and gathers nothing (`unsharded_after_backward.py`)."""
+    if gathered is not None:
+        return gathered.clone()
     x = shard if compute_device is None else shard.to(compute_device, non_blocking=True)
     x = x if param_dtype is None else x.to(param_dtype)
     x = pad_rows(x, padded_rows(dim0, world_size)).contiguous()
@@ -214,6 +226,38 @@ def _unshard_backward(ctx, grad: Tensor):
 unshard.register_autograd(_unshard_backward, setup_context=_unshard_setup_context)
 
 
+_KEPT: dict[str, Tensor] = {}
+"""Gathered parameters kept after backward (`set_reshard_after_backward(False)`), by `kept_key`."""
+
+
+@torch.library.custom_op("fsdp2::keep_unsharded", mutates_args=())
+def keep_unsharded(full: Tensor, kept_key: str) -> None:
+    """Keep a copy of the gathered parameter `full` under `kept_key` for the next forward (a copy: the compiled
+    graph may reuse `full`'s memory once this op has run). Side effect: writes `_KEPT`."""
+    _KEPT[kept_key] = full.detach().clone()
+
+
+@keep_unsharded.register_fake
+def _(full, kept_key):
+    return None
+
+
+@torch.library.custom_op("fsdp2::release_unsharded", mutates_args=())
+def release_unsharded(kept_key: str) -> None:
+    """Drop the gathered parameter kept under `kept_key` (its forward has taken it). Side effect: writes `_KEPT`."""
+    _KEPT.pop(kept_key, None)
+
+
+@release_unsharded.register_fake
+def _(kept_key):
+    return None
+
+
+def release_all_unsharded() -> None:
+    """Drop every kept gathered parameter (they are stale once an optimizer steps)."""
+    _KEPT.clear()
+
+
 @torch.library.custom_op("fsdp2::keep_alive", mutates_args=())
 def keep_alive(tensors: list[Tensor]) -> None:
     """Does nothing: a use of `tensors` placed right after a collective's wait, so the generated code keeps the
@@ -231,3 +275,5 @@ STASH_GRAD = torch.fx.node.has_side_effect(torch.ops.fsdp2.stash_grad.default)
 """Writes `_PENDING_GRADS`: marked side-effecting, so no pass or DCE drops or treats it as pure."""
 ADD_PENDING_GRAD = torch.fx.node.has_side_effect(torch.ops.fsdp2.add_pending_grad.default)
 """Reads and clears `_PENDING_GRADS`: marked side-effecting like `STASH_GRAD`."""
+KEEP_UNSHARDED = torch.fx.node.has_side_effect(torch.ops.fsdp2.keep_unsharded.default)
+RELEASE_UNSHARDED = torch.fx.node.has_side_effect(torch.ops.fsdp2.release_unsharded.default)

@@ -17,7 +17,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .config import MixedPrecisionPolicy
 from .eager_reshard import note_gathered
-from .ops import unshard
+from .ops import _KEPT, unshard
 
 __all__ = [
     "IGNORED_ATTR",
@@ -88,6 +88,10 @@ class ParamInfo:
     gathers it from this many ranks (`post_forward_group_name`); 0: from the whole shard group."""
     post_forward_group_name: str = ""
     compute_device: torch.device | None = None
+    reshard_after_backward: bool = True
+    """False (`set_reshard_after_backward`): backward keeps the gathered parameter for the next forward."""
+    kept_key: str = ""
+    """Where it is kept (`ops._KEPT`); set the first time resharding after backward is turned off."""
     """`CPUOffloadPolicy` on an accelerator mesh: the shard lives on the CPU and is copied here before gathering
     (its gradient back after reducing); None: the shard is on the mesh's device already."""
 
@@ -99,12 +103,15 @@ class ParamInfo:
                 f"parameter '{self.fqn}' was replaced by a {type(param).__name__} after shard(); "
                 "assign parameters before calling fsdp2_compile.shard, or load values with load_state_dict"
             )
-        full = self._unshard(param)
+        kept = _KEPT.get(self.kept_key) if self.kept_key else None
+        if kept is not None and not torch.compiler.is_compiling():
+            _KEPT.pop(self.kept_key)  # an eager forward takes it (compiled ones: `fsdp2::release_unsharded`)
+        full = self._unshard(param, kept)
         if self.reshard_after_forward and not torch.compiler.is_compiling():
             note_gathered(full, functools.partial(self._unshard, param))
         return full if self.tp is None else self.tp.wrap(full)
 
-    def _unshard(self, param: DTensor) -> torch.Tensor:
+    def _unshard(self, param: DTensor, kept: torch.Tensor | None = None) -> torch.Tensor:
         return unshard(
             param.to_local(),
             self.dim0,
@@ -127,7 +134,19 @@ class ParamInfo:
             self.post_forward_size,
             self.post_forward_group_name,
             self.compute_device,
+            self.reshard_after_backward,
+            self.kept_key,
+            kept,
         )
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool) -> None:
+        self.reshard_after_backward = reshard_after_backward
+        if not reshard_after_backward and not self.kept_key:
+            self.kept_key = f"{self.fqn}@{id(self):x}/gathered"
+
+    def drop_kept(self) -> None:
+        if self.kept_key:
+            _KEPT.pop(self.kept_key, None)
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
         self.requires_gradient_sync = requires_gradient_sync

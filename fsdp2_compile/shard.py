@@ -35,6 +35,7 @@ from .config import MixedPrecisionPolicy
 from .cost_model import measure_profile
 from .eager_reshard import register_reshard_hooks
 from .post_forward import resolve_reshard
+from .unsharded_after_backward import drop_kept_on_optimizer_step
 from .fsdp_module import FSDPModule
 from .param_state import (
     IGNORED_ATTR,
@@ -209,6 +210,7 @@ def shard(
     for p in ignored.values():
         setattr(p, IGNORED_ATTR, True)
     install_optimizer_check()
+    drop_kept_on_optimizer_step()
 
     taken: list[ParamInfo] = []
     for member in members:

@@ -1,4 +1,6 @@
-"""Lower every `fsdp2::unshard` into `[copy to the compute device] → [cast to param_dtype] → [pad] → all_gather_into_tensor → wait_tensor → [unpad]`,
+"""Lower every `fsdp2::unshard` into `[copy to the compute device] → [cast to param_dtype] → [pad] →
+all_gather_into_tensor → wait_tensor → [unpad]` — or, for a parameter the last backward kept gathered
+(`set_reshard_after_backward(False)`), into that tensor and `fsdp2::release_unsharded` (the forward has taken it) —
 after folding repeated unshards of one parameter (tied weights, a weight read twice) into the first: training
 graphs get that from the partitioner's CSE, inference graphs do not.
 
@@ -14,7 +16,7 @@ import torch
 from torch import fx
 
 from fsdp2_compile.graph import insert_call, insert_contiguous, insert_op, nodes_calling, val
-from fsdp2_compile.ir import PREFETCH, UNSHARD, AllGatherArgs, Role, Tags, UnshardArgs, WaitArgs
+from fsdp2_compile.ir import PREFETCH, UNSHARD, AllGatherArgs, ReleaseUnshardedArgs, Role, Tags, UnshardArgs, WaitArgs
 from fsdp2_compile.ops import padded_rows
 from fsdp2_compile.pass_api import Fact, PassContext, contract
 
@@ -44,6 +46,12 @@ def lower_unshard(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     for node in nodes_calling(graph, UNSHARD):
         a = UnshardArgs.of(node)
         tag = Tags((a.fqn,), a.bucket).meta
+        if a.gathered is not None:  # kept by the last backward (reshard_after_backward off): nothing to gather
+            with graph.inserting_before(node):
+                insert_op(graph, ReleaseUnshardedArgs(a.kept_key), tag())
+            node.replace_all_uses_with(a.gathered)
+            graph.erase_node(node)
+            continue
         rows = padded_rows(a.dim0, a.world_size)
         with graph.inserting_before(node):
             x = a.shard

@@ -87,6 +87,34 @@ def reshard_to_smaller_group(rank: int, world_size: int, size: int) -> dict:
     return out
 
 
+def reshard_after_backward(rank: int, world_size: int) -> dict:
+    """Gradient accumulation, two micro-batches a step: the first with `set_requires_gradient_sync(False)` and
+    `set_reshard_after_backward(False)`, the second with both True; on fully_shard, on ours, and on ours with
+    parameters resharded after every backward ("ours_resharding"): the losses of each micro-batch, the
+    parameters' full values after the steps, and our compiled graphs' collectives."""
+    out = {}
+    for system in ("fsdp2", "ours_resharding", "ours"):
+        clear_compiled_graphs()
+        model = _build("fsdp2" if system == "fsdp2" else "ours", group_head=False)
+        opt = make_optimizer(model)
+        losses = []
+        for i in range(STEPS):
+            x, y = batch("gpt", i)
+            x, y = local_slice(x, rank, world_size), local_slice(y, rank, world_size)
+            for micro in (0, 1):
+                model.set_reshard_after_backward(micro == 1 or system == "ours_resharding")
+                model.set_requires_gradient_sync(micro == 1)
+                loss = loss_fn("gpt", model(x[micro::2]), y[micro::2]) / 2
+                loss.backward()
+                losses.append(loss.item())
+            opt.step()
+            opt.zero_grad()
+        out[system] = losses
+        out[f"{system}_params"] = {k: p.full_tensor() for k, p in model.named_parameters()}
+    out["graphs"] = [(r.kind, _collectives_with_group_sizes(r.gm)) for r in compiled_graphs()]
+    return out
+
+
 def cpu_offload(rank: int, world_size: int) -> dict:
     """Every group sharded with `CPUOffloadPolicy` on the CPU mesh: both systems' losses (fully_shard with
     pin_memory=False: pinning needs an accelerator; ours with the default, which skips it without one)."""

@@ -99,8 +99,8 @@ def test_setters_take_bools_only(fake_pg):
         model.set_requires_gradient_sync("no")
     with raises(TypeError, "set_reshard_after_forward(reshard_after_forward=1)"):
         model.set_reshard_after_forward(1)
-    with raises(NotImplementedError, "set_reshard_after_backward(False)", "set_requires_gradient_sync(False)"):
-        model.set_reshard_after_backward(False)
+    with raises(TypeError, "set_reshard_after_backward(reshard_after_backward=0)", "True or False"):
+        model.set_reshard_after_backward(0)
 
 
 def test_mp_policy_on_the_root_only_warns_naming_the_blocks(fake_pg):
