@@ -10,7 +10,8 @@ Method:
   blocks; per-block figures (2 blocks minus 1) are scaled to the full block count.
 - collectives: the real pipeline compiles each copy and the final graphs' collectives give the bytes sent. A ring
   over a collective's group of G ranks sends (G-1)/G of an all-gather's or reduce-scatter's full buffer and
-  2(G-1)/G of an all-reduce's (HSDP: G = R for the all-reduces).
+  2(G-1)/G of an all-reduce's (HSDP: G = R for the all-reduces). Timed on the profile's link, a reduce-scatter
+  times the device's `reduce_scatter_factor` (gloo's takes as long as an all-reduce: 2, measured).
 - activations and compute: one step of each copy played op by op on the meta device (`planner_trace`), with the
   attention (`planner_attention`) and activation checkpointing (`planner_ac`) asked for; time, schedule and the
   allocator's peak from `planner_step`, device figures from `planner_profiles`.

@@ -78,7 +78,7 @@ _CPU = DeviceFigures(
     efficiency={"matmul": 1.0, "attention": 0.36, "memory": 1.0, "optimizer": 0.66},
     launch_s=2.7e-6,
     comm_overlaps_compute=False,
-    allocator_factor=1.0,
+    allocator_factor=1.45,
     runtime_bytes=401 * 2**20,
     intra_node_bytes_per_s=0.38e9,
     intra_node_alpha_s=500e-6,
@@ -97,12 +97,22 @@ _CPU = DeviceFigures(
                                 "0.66 of the elementwise rate (runs ranged 4.7-12.5 GB/s: it is the figure the other "
                                 "processes disturb most)",
         "launch_s": f"{_CPU_BENCH}: 2.7 us per small eager op (2,000 x `x + 1` on 16 elements)",
+        "reduce_scatter_factor": "not resolved on loopback, where link time is CPU copies: benchmarks/"
+                                 "link_figures.py gave a reduce-scatter 1.08-2.12x an all-gather (an all-reduce "
+                                 "0.73-0.83x) with the machine loaded; left at a ring's 1",
         "comm_overlaps_compute": "measured here (README, overlap benchmark): on loopback gloo's copies use the same "
                                  "2 cores as compute, an all-gather then matmuls takes the sum of both times",
-        "allocator_factor": "glibc malloc returns freed blocks; peak RSS counts what was touched (assumed 1.0)",
+        "allocator_factor": "measured by benchmarks/rss_figures.py (2 ranks, full pipeline, one thread each, "
+                            "2026-11-30) on the 4-layer d 384 GPT: (peak RSS with glibc's default - the runtime) / "
+                            "the live tensor peak (c10 allocator, torch.profiler) = 1.45-1.46 (2-layer d 256: "
+                            "1.30-1.52; the 8-layer d 512 of the benchmark: 1.57-1.61). What glibc keeps: its mmap "
+                            "threshold rises to the largest block freed (up to 32 MiB), after which freed tensors stay "
+                            "in the heap, fragmented; with MALLOC_MMAP_THRESHOLD_=131072 the factor is 0.84-0.98",
         "runtime_bytes": "measured here 2026-11-30: peak RSS of a 1-rank gloo process that trains a 2-layer d=64 GPT "
                          "(tensors < 1 MiB) for 3 AdamW steps with shard_compile: 401 MiB (fully_shard eager: 317 "
-                         "MiB; after import torch, gloo init and import fsdp2_compile only: 220 MiB)",
+                         "MiB); of it 220 MiB after import torch, gloo init and import fsdp2_compile, the rest "
+                         "compiled graphs and their code. benchmarks/rss_figures.py with a fixed mmap threshold "
+                         "(RSS after a step - live tensors) gives 386 / 400 / 426 MiB for 2-, 4- and 8-layer GPTs",
     },
 )
 

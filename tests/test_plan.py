@@ -173,15 +173,16 @@ def test_sizes_print_in_the_unit_that_fits():
 
 
 def test_plan_against_the_2_rank_run_measured_here():
-    """benchmarks/run.py, README table (full pipeline, loopback): 2.723 s a step, 1418 MiB peak RSS per rank; on the
-    1 Gbit/s link 4.233 s. Bounds are the README's reported ratios, loosened to the planner's stated accuracy
-    (see README, planner calibration table): not a timing assertion, the figures come from the benchmark."""
+    """benchmarks/run.py, README table (full pipeline): loopback 2.723 s a step and 1418 MiB peak RSS per rank, 1 Gbit/s
+    link 4.233 s and 1442 MiB. Bounds: the issue's target, within 15% (the README's planner table has the ratios):
+    not a timing assertion, the figures come from the benchmark and the plan is deterministic."""
     with fake_group(2):
         plan = make_plan(cli_factories.gpt_bench, 2, call=call_factory,
                          profiles=["cpu-gloo-loopback", "cpu-gloo-1gbit"])
-    loop, link = plan.step_time_s["cpu-gloo-loopback"] / 2.723, plan.step_time_s["cpu-gloo-1gbit"] / 4.233
-    rss = plan.peak_reserved_bytes["cpu-gloo-loopback"] / (1418 * 2**20)
-    assert 0.5 < loop < 2.0 and 0.5 < link < 2.0 and 0.4 < rss < 1.5, (loop, link, rss)
+    ratios = (plan.step_time_s["cpu-gloo-loopback"] / 2.723, plan.step_time_s["cpu-gloo-1gbit"] / 4.233,
+              plan.peak_reserved_bytes["cpu-gloo-loopback"] / (1418 * 2**20),
+              plan.peak_reserved_bytes["cpu-gloo-1gbit"] / (1442 * 2**20))
+    assert all(0.85 <= r <= 1.15 for r in ratios), ratios
 
 
 def test_inductor_fuses_elementwise_whole_model_or_inside_blocks_only():
