@@ -66,7 +66,7 @@ def attention(tokens: int, d: int, heads: int, seq: int, repeat: int) -> dict:
     return rate(flops / 2, [step], repeat)
 
 
-def elementwise(tokens: int, d: int, repeat: int) -> dict:
+def elementwise(tokens: int, d: int, heads: int, seq: int, repeat: int) -> dict:
     """Bytes read + written per second by the elementwise ops of a transformer block's forward and backward:
     residual add, GELU and its backward, LayerNorm and its backward, a transposed copy, log-softmax and its
     backward."""
@@ -75,7 +75,7 @@ def elementwise(tokens: int, d: int, repeat: int) -> dict:
     ln_out, mean, rstd = torch.native_layer_norm(x, (d,), w, b, 1e-5)
     logits = torch.randn(tokens, 4 * d)
     lsm = torch.log_softmax(logits, -1)
-    t = x.view(tokens // 256 if tokens >= 256 else 1, -1, 8, d // 8).transpose(1, 2)
+    t = x.view(tokens // seq, seq, heads, d // heads).transpose(1, 2)  # heads-major, as attention's output
     ops = [
         (lambda: x + y, nbytes(x, y, x)),
         (lambda: F.gelu(h), nbytes(h, h)),
@@ -124,7 +124,7 @@ def main() -> None:
     figures = {
         "matmul_flops_per_s": matmul(args.tokens, args.d_model, args.repeat),
         "attention_flops_per_s": attention(args.tokens, args.d_model, args.heads, args.seq, args.repeat),
-        "elementwise_bytes_per_s": elementwise(args.tokens, args.d_model, args.repeat),
+        "elementwise_bytes_per_s": elementwise(args.tokens, args.d_model, args.heads, args.seq, args.repeat),
         "launch_s": launch(args.repeat),
         "adamw_bytes_per_s": adamw(1 << 22, args.repeat),
     }
