@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 from torch import fx
-from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
+from torch._functorch.aot_autograd import aot_module_simplified
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._guards import detect_fake_mode
 from torch._library.fake_class_registry import FakeScriptObject
@@ -17,6 +17,7 @@ __all__ = [
     "CheckpointPolicy",
     "FakeScriptObject",
     "aot_module_simplified",
+    "boxed_call",
     "current_compile_id",
     "default_store",
     "detect_fake_mode",
@@ -26,7 +27,6 @@ __all__ = [
     "group_timeout",
     "inductor_compile",
     "inductor_decompositions",
-    "make_boxed_func",
     "min_cut_rematerialization_partition",
     "one_thread_gloo_backend",
     "resolve_group",
@@ -85,6 +85,24 @@ def current_compile_id() -> tuple[int, int] | None:
     if cid is None or cid.frame_id is None:
         return None
     return cid.frame_id, cid.frame_compile_id
+
+
+def boxed_call(gm: fx.GraphModule):
+    """`gm` as AOTAutograd's boxed callable, as torch's aot_eager makes it: the generated code takes the list of
+    inputs and clears it, so each input (a backward graph's saved activations above all) is freed after its last use
+    in the graph instead of living until the graph returns. Changes `gm`'s code in place (`gm.forward` then takes one
+    list); `invariants.check_collectives_safe` has already made every collective's inputs outlive its wait."""
+    from torch.fx.graph import _BoxedCodeGen
+
+    gm.graph.set_codegen(_BoxedCodeGen())
+    gm.recompile()
+    forward = gm.forward
+
+    def run(args: list):
+        return forward(args)
+
+    run._boxed_call = True
+    return run
 
 
 def inductor_compile(gm, example_inputs, *, is_backward: bool, is_inference: bool):

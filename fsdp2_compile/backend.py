@@ -7,6 +7,7 @@ or MUST_SAVE (`False`: gathered once, kept until backward).
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import logging
 import operator
@@ -23,10 +24,10 @@ from ._torch_private import (
     CheckpointPolicy,
     FakeScriptObject,
     aot_module_simplified,
+    boxed_call,
     current_compile_id,
     inductor_compile,
     inductor_decompositions,
-    make_boxed_func,
     min_cut_rematerialization_partition,
 )
 from .config import CompileConfig
@@ -187,7 +188,7 @@ def _compiler(kind: str, config: CompileConfig) -> Callable[[fx.GraphModule, Any
             compiled = inductor_compile(gm, example_inputs, is_backward=kind == "backward",
                                         is_inference=kind == "inference")
         else:
-            compiled = make_boxed_func(gm)
+            compiled = boxed_call(gm)
         counts = Counter(c.kind for c in collectives(gm))
         log.info("compiled %s graph in %.1f s: %d nodes, %d all_gather, %d reduce_scatter, %d all_reduce (%s)", kind,
                  time.perf_counter() - start, len(gm.graph.nodes), counts["all_gather"], counts["reduce_scatter"],
@@ -197,9 +198,29 @@ def _compiler(kind: str, config: CompileConfig) -> Callable[[fx.GraphModule, Any
     return compile_graph
 
 
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's `malloc_trim`, or None where the C library has none."""
+    try:
+        return getattr(ctypes.CDLL(None), "malloc_trim", None)
+    except OSError:
+        return None
+
+
+def _release_freed_heap() -> None:
+    """Hand the C heap's free pages back to the OS before compiling. `shard`'s measurement of the link and compute
+    (`cost_model.measure_profile`: 4 MiB all-gathers, a 16 MiB copy) frees buffers that glibc keeps in its heap
+    once its mmap threshold has risen to their size: ~45 MiB per rank measured on a tiny model, more than the
+    compilation adds at its peak. A no-op without glibc."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
 def fsdp2_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], config: CompileConfig | None = None):
     """torch.compile backend: lowers the fsdp2 ops of a captured graph of a sharded module into collectives."""
     config = config or CompileConfig()
+    _release_freed_heap()
     _check_sharded(gm, example_inputs)
     _check_graph_inputs(gm, example_inputs)
     return aot_module_simplified(
