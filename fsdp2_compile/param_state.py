@@ -17,6 +17,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .config import MixedPrecisionPolicy
 from .eager_reshard import note_gathered
+from .gathered_copy import gathered_copy
 from .ops import _KEPT, unshard
 
 __all__ = [
@@ -107,9 +108,11 @@ class ParamInfo:
         if kept is not None and not torch.compiler.is_compiling():
             _KEPT.pop(self.kept_key)  # an eager forward takes it (compiled ones: `fsdp2::release_unsharded`)
         full = self._unshard(param, kept)
-        if self.reshard_after_forward and not torch.compiler.is_compiling():
+        if torch.compiler.is_compiling():
+            return full if self.tp is None else self.tp.wrap(full)
+        if self.reshard_after_forward:
             note_gathered(full, functools.partial(self._unshard, param))
-        return full if self.tp is None else self.tp.wrap(full)
+        return gathered_copy(full, self.fqn) if self.tp is None else self.tp.wrap(full)
 
     def _unshard(self, param: DTensor, kept: torch.Tensor | None = None) -> torch.Tensor:
         return unshard(

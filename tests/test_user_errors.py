@@ -224,6 +224,25 @@ def test_parameter_replaced_after_shard(fake_pg):
         model(torch.randn(2, 8))
 
 
+@pytest.mark.parametrize("write, text", [
+    (lambda m: setattr(m.head.weight, "data", torch.zeros(3, 8)), "setting .data"),
+    (lambda m: m.head.weight.data.normal_(), ".normal_()"),
+    (lambda m: nn.init.zeros_(m.head.weight), ".zero_()"),
+    (lambda m: m.head.weight.copy_(torch.ones(3, 8)), ".copy_()"),
+    (lambda m: m.head.weight.__setitem__(0, 1.0), "item assignment"),
+    (lambda m: setattr(m.head.weight, "requires_grad", False), "setting .requires_grad"),
+])
+def test_writing_a_gathered_parameter_is_refused(fake_pg, write, text):
+    """`module.weight` of a sharded module is a gathered copy: a write would be lost silently."""
+    model = fc.shard(Net())
+    with raises(RuntimeError, "parameter 'head.weight' of a sharded module is read as a gathered copy", text,
+                "fsdp2_compile.sharded_parameters()"):
+        write(model)
+    with fc.sharded_parameters():  # what works: the shards, in place
+        nn.init.zeros_(model.head.weight)
+        assert float(model.head.weight.to_local().abs().sum()) == 0.0
+
+
 def test_zero_dim_parameter(fake_pg):
     model = Net()
     model.scale = nn.Parameter(torch.tensor(1.0))
