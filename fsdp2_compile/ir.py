@@ -49,6 +49,7 @@ __all__ = [
     "AddPendingGradArgs",
     "AllGatherArgs",
     "AllReduceArgs",
+    "AllToAllArgs",
     "Collective",
     "CollectiveArgs",
     "KeepAliveArgs",
@@ -107,6 +108,10 @@ class Role(StrEnum):
     REDUCE_SCATTER = "reduce_scatter"
     ALL_REDUCE = "all_reduce"
     """HSDP: the reduced shard averaged over the replicate group."""
+    ALL_TO_ALL = "all_to_all"
+    """A functional all-to-all (one that carries out a reduce-scatter is tagged `REDUCE_SCATTER`)."""
+    LOCAL_REDUCE = "local_reduce"
+    """The sum, on this rank, of the parts an all-to-all brought: the second half of a reduce-scatter."""
     WAIT = "wait"
     COPY_OUT = "copy_out"
     """Slicing a bucket's result back into its members."""
@@ -322,17 +327,25 @@ ReduceScatterArgs = _view(
     "ReduceScatterArgs", _funcol.reduce_scatter_tensor.default, "Arguments of a reduce-scatter.", base=CollectiveArgs
 )
 AllReduceArgs = _view("AllReduceArgs", _funcol.all_reduce.default, "Arguments of an all-reduce.", base=CollectiveArgs)
+AllToAllArgs = _view(
+    "AllToAllArgs", _funcol.all_to_all_single.default, "Arguments of an all-to-all.", base=CollectiveArgs
+)
 AllGatherArgs.kind, ReduceScatterArgs.kind, AllReduceArgs.kind = Role.ALL_GATHER, Role.REDUCE_SCATTER, Role.ALL_REDUCE
+AllToAllArgs.kind = Role.ALL_TO_ALL
 
-_COLLECTIVE_VIEWS: dict[Any, type] = {v.op: v for v in (AllGatherArgs, ReduceScatterArgs, AllReduceArgs)}
+_COLLECTIVE_VIEWS: dict[Any, type] = {v.op: v for v in (AllGatherArgs, ReduceScatterArgs, AllReduceArgs, AllToAllArgs)}
 
 COLLECTIVE_KINDS: dict[torch._ops.OpOverload, Role] = {v.op: v.kind for v in _COLLECTIVE_VIEWS.values()}
 """The collective kind of each functional collective op: the one table of them."""
 
 
 def collective_kind(node: fx.Node) -> Role | None:
-    """"all_gather", "reduce_scatter" or "all_reduce" for a functional collective node, else None."""
-    return COLLECTIVE_KINDS.get(node.target) if node.op == "call_function" else None
+    """"all_gather", "reduce_scatter", "all_reduce" or "all_to_all" for a functional collective node, else None.
+    An all-to-all that carries out a reduce-scatter (`passes/reduce_scatter_by_all_to_all.py`) is one."""
+    kind = COLLECTIVE_KINDS.get(node.target) if node.op == "call_function" else None
+    if kind == Role.ALL_TO_ALL and node.meta.get(ROLE) == Role.REDUCE_SCATTER:
+        return Role.REDUCE_SCATTER
+    return kind
 
 
 def fsdp_collective_kind(node: fx.Node) -> Role | None:

@@ -18,6 +18,7 @@ from .passes import (
     keep_inputs_until_wait,
     lower_reduce_grad,
     lower_unshard,
+    reduce_scatter_by_all_to_all,
     reorder_for_overlap,
     schedule,
     tag_tp_collectives,
@@ -34,6 +35,7 @@ PASSES: list[Pass] = [
     bucket_collectives,
     reorder_for_overlap,
     schedule,
+    reduce_scatter_by_all_to_all,
     keep_inputs_until_wait,
 ]
 

@@ -82,7 +82,7 @@ def reshard_to_smaller_group(rank: int, world_size: int, size: int) -> dict:
     out["saved_rows_bytes"] = sum(nbytes(val(n)) for n in backward.graph.find_nodes(op="placeholder")
                                   if n.name.startswith("post_forward"))
     regathered = {p for n in backward.graph.nodes if fsdp_collective_kind(n) == "all_gather"
-                  and CollectiveArgs.of(n).group_size == size for p in n.meta[PARAMS]}
+                  and CollectiveArgs.of(n).ranks() == size for p in n.meta[PARAMS]}
     out["regathered_bytes"] = sum(p.numel() * p.element_size() for k, p in model.named_parameters() if k in regathered)
     return out
 
@@ -138,7 +138,7 @@ def _collectives_with_group_sizes(gm) -> list[tuple[str, int, tuple[str, ...]]]:
         kind = fsdp_collective_kind(node)
         if kind is not None:
             groups = sorted({".".join(p.split(".")[:2]) if p.startswith("blocks.") else "root" for p in node.meta[PARAMS]})
-            out.append((str(kind), CollectiveArgs.of(node).group_size, tuple(groups)))
+            out.append((str(kind), CollectiveArgs.of(node).ranks(), tuple(groups)))
     return out
 
 

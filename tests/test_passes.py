@@ -128,6 +128,31 @@ def test_lower_reduce_grad_casts_pads_reduce_scatters_and_unpads(fake_pg):
     assert (c.kind, c.params, c.dtype, c.nbytes) == ("reduce_scatter", ("fc.weight",), fp32, 36 * 5 * 4)
 
 
+@pytest.mark.parametrize("op", ["avg", "sum"])
+def test_a_two_rank_reduce_scatter_on_gloo_becomes_an_all_to_all_and_a_local_sum(fake_pg, monkeypatch, op):
+    """gloo all-reduces a reduce-scatter's whole buffer; an all-to-all moves half. The all-to-all keeps the
+    reduce-scatter's tags and counts as one; the two halves are added (and halved for "avg") after the wait."""
+    import sys
+
+    module = sys.modules["fsdp2_compile.passes.reduce_scatter_by_all_to_all"]
+    monkeypatch.setattr(module, "_on_gloo", lambda group_name: True)  # the fake group stands in for gloo
+
+    def f(grad):
+        return REDUCE_GRAD(grad, 3, 2, fake_pg, fp32, fp32, "w", "", 1, "", 0.0 if op == "avg" else 2.0) + 1
+
+    ctx = PassContext("backward")
+    gm = lower_reduce_grad(make_fx(f, tracing_mode="fake")(torch.randn(6, 5)), ctx)
+    before = collectives(gm)
+    gm = module.reduce_scatter_by_all_to_all(gm, ctx)
+    assert collectives(gm) == before  # the same reduce-scatter, counted alike
+    expected = [funcol.all_to_all_single.default, funcol.wait_tensor.default, aten.slice.Tensor, aten.slice.Tensor,
+                aten.add.Tensor] + ([aten.div.Tensor] if op == "avg" else [])
+    assert targets(gm)[-len(expected) - 1:-1] == expected
+    a2a = next(n for n in calls(gm) if n.target is funcol.all_to_all_single.default)
+    assert a2a.args[1:3] == ([3, 3], [3, 3]) and a2a.meta[ROLE] == Role.REDUCE_SCATTER
+    assert tuple(calls(gm)[-1].meta["val"].shape) == (3, 5)
+
+
 def test_lower_reduce_grad_makes_a_transposed_gradient_contiguous(fake_pg):
     def f(g):
         return REDUCE_GRAD(g.t(), 2, 4, fake_pg, fp32, fp32, "w", "", 1, "")
