@@ -1,7 +1,8 @@
 """Seconds per all-gather between the ranks of this job, small and large, and the alpha-beta figures they give
 (alpha: the small one; beta: seconds per byte each rank sends), and the time of a reduce-scatter and of an
 all-reduce of the large all-gather's full buffer over that all-gather's (a ring moves as much in a reduce-scatter
-as in an all-gather, twice that in an all-reduce); for the planner's link profiles. Run under torchrun,
+as in an all-gather, twice that in an all-reduce), and of an all-to-all of that buffer (what a two-rank
+reduce-scatter runs as, `passes/reduce_scatter_by_all_to_all.py`); for the planner's link profiles. Run under torchrun,
 inside the benchmark's shaped network namespace for the shaped link (benchmarks/run.py creates it):
 
     ip netns exec fsdp2bench .venv/bin/torchrun --nproc-per-node 2 benchmarks/link_figures.py   # 1 Gbit/s tbf
@@ -53,12 +54,15 @@ def main() -> None:
     full, shard = torch.zeros(large * world), torch.empty(large)
     t_rs = seconds(lambda: dist.reduce_scatter_tensor(shard, full), args.repeat)
     t_ar = seconds(lambda: dist.all_reduce(full), args.repeat)
+    received = torch.empty(large * world)  # what passes/reduce_scatter_by_all_to_all.py sends instead on two ranks
+    t_a2a = seconds(lambda: dist.all_to_all_single(received, full), args.repeat)
     sent = (world - 1) * (large - small) * 4  # bytes each rank sends in a ring all-gather, beyond the small one
     if dist.get_rank() == 0:
         print(json.dumps({"world": world, "small_s": t_small, "large_s": t_large, "alpha_s": t_small,
                           "bytes_per_s_per_rank": sent / (t_large - t_small), "reduce_scatter_s": t_rs,
-                          "all_reduce_s": t_ar, "reduce_scatter_over_all_gather": t_rs / t_large,
-                          "all_reduce_over_all_gather": t_ar / t_large}))
+                          "all_reduce_s": t_ar, "all_to_all_s": t_a2a,
+                          "reduce_scatter_over_all_gather": t_rs / t_large,
+                          "all_reduce_over_all_gather": t_ar / t_large, "all_to_all_over_all_gather": t_a2a / t_large}))
     dist.destroy_process_group()
 
 

@@ -11,7 +11,8 @@ Method:
 - collectives: the real pipeline compiles each copy and the final graphs' collectives give the bytes sent. A ring
   over a collective's group of G ranks sends (G-1)/G of an all-gather's or reduce-scatter's full buffer and
   2(G-1)/G of an all-reduce's (HSDP: G = R for the all-reduces). Timed on the profile's link, a reduce-scatter
-  times the device's `reduce_scatter_factor` (gloo's takes as long as an all-reduce: 2, measured).
+  times the device's `reduce_scatter_factor` (gloo's takes as long as an all-reduce: 2, measured) unless its group
+  has two ranks (the pipeline then runs it as an all-to-all: 1).
 - activations and compute: one step of each copy played op by op on the meta device (`planner_trace`), with the
   attention (`planner_attention`) and activation checkpointing (`planner_ac`) asked for; time, schedule and the
   allocator's peak from `planner_step`, device figures from `planner_profiles`.
@@ -458,8 +459,12 @@ def make_plan(
         def coll(nbytes: float, group: int, factor: float = 1.0) -> float:
             return prof.alpha_s + factor * (group - 1) / group * nbytes * prof.beta_s_per_byte if group > 1 else 0.0
 
+        # gloo's reduce-scatter is an all-reduce (the device's factor), except over two ranks, where the pipeline
+        # runs it as an all-to-all (passes/reduce_scatter_by_all_to_all.py): a ring's bytes
+        rs_factor = 1.0 if shard_size == 2 else dev.reduce_scatter_factor
+
         def reduce_s(b: str) -> float:
-            t = coll(numel[b] * _itemsize(reduce_dtype), shard_size, dev.reduce_scatter_factor)
+            t = coll(numel[b] * _itemsize(reduce_dtype), shard_size, rs_factor)
             return t + coll(numel[b] // shard_size * _itemsize(reduce_dtype), replicate, 2.0)
 
         n_blocks = layers if reduce else 0
