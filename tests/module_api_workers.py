@@ -96,20 +96,12 @@ def reshard_after_backward(rank: int, world_size: int) -> dict:
     for system in ("fsdp2", "ours_resharding", "ours"):
         clear_compiled_graphs()
         model = _build("fsdp2" if system == "fsdp2" else "ours", group_head=False)
-        opt = make_optimizer(model)
-        losses = []
-        for i in range(STEPS):
-            x, y = batch("gpt", i)
-            x, y = local_slice(x, rank, world_size), local_slice(y, rank, world_size)
-            for micro in (0, 1):
-                model.set_reshard_after_backward(micro == 1 or system == "ours_resharding")
-                model.set_requires_gradient_sync(micro == 1)
-                loss = loss_fn("gpt", model(x[micro::2]), y[micro::2]) / 2
-                loss.backward()
-                losses.append(loss.item())
-            opt.step()
-            opt.zero_grad()
-        out[system] = losses
+
+        def before(micro: int, model=model, system=system) -> None:
+            model.set_reshard_after_backward(micro == 1 or system == "ours_resharding")
+            model.set_requires_gradient_sync(micro == 1)
+
+        out[system] = _micro_batch_steps(model, rank, world_size, before)
         out[f"{system}_params"] = {k: p.full_tensor() for k, p in model.named_parameters()}
     out["graphs"] = [(r.kind, _collectives_with_group_sizes(r.gm)) for r in compiled_graphs()]
     return out
@@ -129,6 +121,26 @@ def cpu_offload(rank: int, world_size: int) -> dict:
         (fully_shard if system == "fsdp2" else fc.shard_compile)(model, offload_policy=policy)
         out[system] = _gpt_steps(model, make_optimizer(model), rank, world_size, range(STEPS))
     return out
+
+
+def _micro_batch_steps(model, rank: int, world_size: int, before) -> list[float]:
+    """`STEPS` AdamW steps on the GPT, each of two micro-batches (half the rank's batch, the loss halved), with
+    `before(micro)` called before each; the losses of every micro-batch, summed over the ranks."""
+    opt = make_optimizer(model)
+    losses = []
+    for i in range(STEPS):
+        x, y = batch("gpt", i)
+        x, y = local_slice(x, rank, world_size), local_slice(y, rank, world_size)
+        for micro in (0, 1):
+            before(micro)
+            loss = loss_fn("gpt", model(x[micro::2]), y[micro::2]) / 2
+            loss.backward()
+            loss = loss.detach().clone()
+            dist.all_reduce(loss)
+            losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    return losses
 
 
 def _collectives_with_group_sizes(gm) -> list[tuple[str, int, tuple[str, ...]]]:
@@ -163,7 +175,7 @@ def divide_factor(rank: int, world_size: int) -> dict:
 
 def hsdp_accumulation(rank: int, world_size: int) -> dict:
     """HSDP on (replicate=2, shard=2): two micro-batches a step, the first with `set_requires_all_reduce(False)`
-    (reduce-scatter only), the second with it; `fully_shard` and ours, the losses (averaged over ranks) of each
+    (reduce-scatter only), the second with it; `fully_shard` and ours, the losses (summed over ranks) of each
     micro-batch and the parameters' full values after the steps."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -180,21 +192,9 @@ def hsdp_accumulation(rank: int, world_size: int) -> dict:
             fully_shard(model, mesh=mesh)
         else:
             fc.shard_compile(model, mesh)
-        opt = make_optimizer(model)
-        losses = []
-        for i in range(STEPS):
-            x, y = batch("gpt", i)
-            x, y = local_slice(x, rank, world_size), local_slice(y, rank, world_size)
-            for micro in (0, 1):
-                model.set_requires_all_reduce(micro == 1)
-                loss = loss_fn("gpt", model(x[micro::2]), y[micro::2]) / 2
-                loss.backward()
-                loss = loss.detach().clone()
-                dist.all_reduce(loss)
-                losses.append(loss.item())
-            opt.step()
-            opt.zero_grad()
-        out[system] = losses
+        out[system] = _micro_batch_steps(
+            model, rank, world_size, lambda micro, m=model: m.set_requires_all_reduce(micro == 1)
+        )
         out[f"{system}_params"] = {k: p.full_tensor() for k, p in model.named_parameters()}
         if system == "ours":
             out["graphs"] = [(r.kind, [c.kind for c in collectives(r.gm)]) for r in compiled_graphs()]

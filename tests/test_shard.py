@@ -10,6 +10,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import fsdp2_compile as fc
+from fsdp2_compile.gathered_copy import GatheredCopy
 
 
 def test_parameters_become_dim0_sharded_dtensors_with_original_names(fake_pg):
@@ -40,7 +41,8 @@ def test_reading_a_parameter_attribute_gathers_it(fake_pg):
     model = nn.Linear(5, 7)
     fc.shard(model)
     w = model.weight
-    assert type(w) is torch.Tensor and w.shape == (7, 5)  # the gathered parameter (fake group: data undefined)
+    assert isinstance(w, GatheredCopy) and w.shape == (7, 5)  # the gathered parameter (fake group: data undefined)
+    assert type(w * 2) is torch.Tensor  # computes as a plain tensor
 
 
 def test_blocks_then_root_and_tied_parameters(fake_pg):
