@@ -1,5 +1,6 @@
-"""The custom ops the capture sees: `fsdp2::unshard` and its autograd twin `fsdp2::reduce_grad`, and the two that
-gradient accumulation without sync uses, `fsdp2::stash_grad` / `fsdp2::add_pending_grad`.
+"""The custom ops the capture sees: `fsdp2::unshard` and its autograd twin `fsdp2::reduce_grad`, the two that
+gradient accumulation without sync uses, `fsdp2::stash_grad` / `fsdp2::add_pending_grad`, the two that keep
+parameters gathered after backward, `fsdp2::keep_unsharded` / `fsdp2::release_unsharded`, and `fsdp2::keep_alive`.
 
 `unshard(shard)` returns the full parameter (all ranks' shards, cast to `param_dtype`); its backward is
 `reduce_grad(grad)`, which returns this rank's shard of the averaged gradient in the parameter's dtype.

@@ -26,14 +26,14 @@ _HOOK: list = []
 def keep_unsharded_after_backward(fw: fx.GraphModule, bw: fx.GraphModule) -> None:
     """Insert `fsdp2::keep_unsharded` after the last gather of each parameter whose module set
     `reshard_after_backward` off (and that the next forward will not be given already kept)."""
-    in_backward = set()
-    for graph, gm in ((bw.graph, bw), (fw.graph, fw)):
+    kept: set[str] = set()
+    for graph, gm in ((bw.graph, bw), (fw.graph, fw)):  # backward first: its gather is the last one
         changed = False
         for node in nodes_calling(graph, UNSHARD):
             call = UnshardArgs.of(node)
-            if call.reshard_after_backward or call.fqn in in_backward:
+            if call.reshard_after_backward or call.fqn in kept:
                 continue
-            in_backward.add(call.fqn)
+            kept.add(call.fqn)
             with graph.inserting_after(node):
                 insert_op(graph, KeepUnshardedArgs(node, call.kept_key), Tags((call.fqn,), call.bucket).meta())
             changed = True
