@@ -26,6 +26,7 @@ __all__ = [
     "ADD_PENDING_GRAD",
     "KEEP_ALIVE",
     "KEEP_UNSHARDED",
+    "KEPT_UNSHARDED",
     "RELEASE_UNSHARDED",
     "REDUCE_GRAD",
     "STASH_GRAD",
@@ -227,15 +228,15 @@ def _unshard_backward(ctx, grad: Tensor):
 unshard.register_autograd(_unshard_backward, setup_context=_unshard_setup_context)
 
 
-_KEPT: dict[str, Tensor] = {}
+KEPT_UNSHARDED: dict[str, Tensor] = {}
 """Gathered parameters kept after backward (`set_reshard_after_backward(False)`), by `kept_key`."""
 
 
 @torch.library.custom_op("fsdp2::keep_unsharded", mutates_args=())
 def keep_unsharded(full: Tensor, kept_key: str) -> None:
     """Keep a copy of the gathered parameter `full` under `kept_key` for the next forward (a copy: the compiled
-    graph may reuse `full`'s memory once this op has run). Side effect: writes `_KEPT`."""
-    _KEPT[kept_key] = full.detach().clone()
+    graph may reuse `full`'s memory once this op has run). Side effect: writes `KEPT_UNSHARDED`."""
+    KEPT_UNSHARDED[kept_key] = full.detach().clone()
 
 
 @keep_unsharded.register_fake
@@ -245,8 +246,9 @@ def _(full, kept_key):
 
 @torch.library.custom_op("fsdp2::release_unsharded", mutates_args=())
 def release_unsharded(kept_key: str) -> None:
-    """Drop the gathered parameter kept under `kept_key` (its forward has taken it). Side effect: writes `_KEPT`."""
-    _KEPT.pop(kept_key, None)
+    """Drop the gathered parameter kept under `kept_key` (its forward has taken it). Side effect: writes
+    `KEPT_UNSHARDED`."""
+    KEPT_UNSHARDED.pop(kept_key, None)
 
 
 @release_unsharded.register_fake
@@ -256,7 +258,7 @@ def _(kept_key):
 
 def release_all_unsharded() -> None:
     """Drop every kept gathered parameter (they are stale once an optimizer steps)."""
-    _KEPT.clear()
+    KEPT_UNSHARDED.clear()
 
 
 @torch.library.custom_op("fsdp2::keep_alive", mutates_args=())

@@ -18,7 +18,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .config import MixedPrecisionPolicy
 from .eager_reshard import note_gathered
 from .gathered_copy import gathered_copy
-from .ops import _KEPT, unshard
+from .ops import KEPT_UNSHARDED, release_unsharded, unshard
 
 __all__ = [
     "IGNORED_ATTR",
@@ -89,12 +89,12 @@ class ParamInfo:
     gathers it from this many ranks (`post_forward_group_name`); 0: from the whole shard group."""
     post_forward_group_name: str = ""
     compute_device: torch.device | None = None
+    """`CPUOffloadPolicy` on an accelerator mesh: the shard lives on the CPU and is copied here before gathering
+    (its gradient back after reducing); None: the shard is on the mesh's device already."""
     reshard_after_backward: bool = True
     """False (`set_reshard_after_backward`): backward keeps the gathered parameter for the next forward."""
     kept_key: str = ""
-    """Where it is kept (`ops._KEPT`); set the first time resharding after backward is turned off."""
-    """`CPUOffloadPolicy` on an accelerator mesh: the shard lives on the CPU and is copied here before gathering
-    (its gradient back after reducing); None: the shard is on the mesh's device already."""
+    """Where it is kept (`ops.KEPT_UNSHARDED`); set the first time resharding after backward is turned off."""
 
     def gather(self, param: nn.Parameter) -> torch.Tensor:
         if _SHARDED_ACCESS.active:
@@ -104,9 +104,9 @@ class ParamInfo:
                 f"parameter '{self.fqn}' was replaced by a {type(param).__name__} after shard(); "
                 "assign parameters before calling fsdp2_compile.shard, or load values with load_state_dict"
             )
-        kept = _KEPT.get(self.kept_key) if self.kept_key else None
+        kept = KEPT_UNSHARDED.get(self.kept_key) if self.kept_key else None
         if kept is not None and not torch.compiler.is_compiling():
-            _KEPT.pop(self.kept_key)  # an eager forward takes it (compiled ones: `fsdp2::release_unsharded`)
+            release_unsharded(self.kept_key)  # an eager forward takes it (compiled ones release it in their graph)
         full = self._unshard(param, kept)
         if torch.compiler.is_compiling():
             return full if self.tp is None else self.tp.wrap(full)
@@ -149,7 +149,7 @@ class ParamInfo:
 
     def drop_kept(self) -> None:
         if self.kept_key:
-            _KEPT.pop(self.kept_key, None)
+            release_unsharded(self.kept_key)
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
         self.requires_gradient_sync = requires_gradient_sync

@@ -34,8 +34,6 @@ from .comm_groups import fsdp_group
 from .config import MixedPrecisionPolicy
 from .cost_model import measure_profile
 from .eager_reshard import register_reshard_hooks
-from .post_forward import resolve_reshard
-from .unsharded_after_backward import drop_kept_on_optimizer_step
 from .fsdp_module import FSDPModule
 from .param_state import (
     IGNORED_ATTR,
@@ -51,6 +49,7 @@ from .param_state import (
     sharded_parameters,
     state_of,
 )
+from .post_forward import resolve_reshard
 from .shard_checks import (
     check_ignored,
     check_modules,
@@ -61,6 +60,7 @@ from .shard_checks import (
     resolve_mesh,
     warn_on_mixed_param_dtypes,
 )
+from .unsharded_after_backward import drop_kept_on_optimizer_step
 
 __all__ = [
     "FSDPModule",
