@@ -1,5 +1,5 @@
 """Run the step-time benchmark for every mode on plain loopback and on a loopback shaped to 1 Gbit/s (a network
-namespace with `tc ... tbf`, needs root and iproute2), then compile times at 4, 8 and 16 layers, and print a
+namespace with `tc ... tbf`, needs root and iproute2), then compile times at 4, 8, 16 and 32 layers, and print a
 Markdown table with ratios against FSDP2 eager measured in the same run, and against the floor: max(compute alone
 — one rank's share of the batch on one process, no communication — and the bytes a step moves over the shaped
 link; on loopback the floor is the compute alone).
@@ -74,7 +74,7 @@ def main() -> None:
                   f"RSS {max(r['peak_rss_mib']):.0f} MiB", file=sys.stderr, flush=True)
     compile_s = {}
     if not args.quick:
-        for layers in (4, 8, 16):
+        for layers in (4, 8, 16, 32):
             port += 1
             r = job([], "full", ["--layers", str(layers), "--steps", "1", "--warmup", "1"], port)
             compile_s[layers] = r["first_step_s"] - r["median_s"]

@@ -30,6 +30,7 @@ from ._torch_private import (
     inductor_decompositions,
     min_cut_rematerialization_partition,
 )
+from .compiled_once import gather_again_in_backward, gather_outside_blocks
 from .config import CompileConfig
 from .consistency import rank_check
 from .cost_model import PROFILES, HardwareProfile, measured_profile
@@ -147,6 +148,7 @@ def _rng_states_before_opaques(fw: fx.GraphModule, bw: fx.GraphModule) -> None:
 
 
 def _partition(joint: fx.GraphModule, joint_inputs: Any, *, config: CompileConfig, **kwargs: Any):
+    gather_again_in_backward(joint)
     _tag_unshards(joint, config)
     fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
     _rng_states_before_opaques(fw, bw)
@@ -224,6 +226,7 @@ def fsdp2_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Com
     _release_freed_heap()
     _check_sharded(gm, example_inputs)
     _check_graph_inputs(gm, example_inputs)
+    gather_outside_blocks(gm, example_inputs)
     return aot_module_simplified(
         gm,
         example_inputs,

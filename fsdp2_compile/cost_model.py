@@ -16,7 +16,7 @@ import torch
 from torch import fx
 from torch.utils.flop_counter import flop_registry
 
-from .ir import KEEP_ALIVE, WAIT, CollectiveArgs, Role, WaitArgs, collective_kind, concrete, nbytes
+from .ir import KEEP_ALIVE, WAIT, CollectiveArgs, Role, SubgraphCall, WaitArgs, collective_kind, concrete, nbytes
 
 __all__ = [
     "PROFILES",
@@ -99,6 +99,9 @@ def collective_time(node: fx.Node, profile: HardwareProfile) -> float:
 
 
 def compute_time(node: fx.Node, profile: HardwareProfile) -> float:
+    call = SubgraphCall.of(node)
+    if call is not None:
+        return _body_time(call.module(), profile)
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
         return 0.0
     if node.target.overloadpacket.__name__ in _VIEWS or node.target is KEEP_ALIVE:
@@ -114,6 +117,14 @@ def compute_time(node: fx.Node, profile: HardwareProfile) -> float:
         except Exception:  # a formula that does not fit this overload: count bytes only
             flops = 0
     return flops / profile.flops_per_s + moved / profile.mem_bytes_per_s
+
+
+def _body_time(body: fx.GraphModule, profile: HardwareProfile) -> float:
+    """The compute time of a block's subgraph (`compiled_once.py`), once per subgraph and profile."""
+    times = body.meta.setdefault("fsdp2.compute_time", {})
+    if profile not in times:
+        times[profile] = sum(compute_time(n, profile) for n in body.graph.nodes)
+    return times[profile]
 
 
 def node_time(node: fx.Node, profile: HardwareProfile) -> float:

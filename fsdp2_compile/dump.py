@@ -4,6 +4,7 @@
                                   parameters and bucket (provenance)
     forward/graph.dot, .svg       the final graph's compact view (graph_view.py): one row per collective, wait,
                                   cast run and compute region, parameter names on inputs
+    forward/subgraphs/<name>.txt  the subgraph of each kind of identical block traced once (compiled_once.py)
     trace.json                    the simulated schedule (cost_model.simulate) as a Perfetto / Chrome trace
     memory.csv, memory.png        estimated live bytes over the step (the plot needs matplotlib, the `plots` extra)
     summary.txt                   the table `summarize` returns (also printed by `fsdp2-compile dump`)
@@ -25,7 +26,7 @@ import torch
 
 from .cost_model import PROFILES, HardwareProfile, Timeline, simulate
 from .graph_view import write_dot, write_svg
-from .ir import BUCKET, COLLECTIVE_KINDS, Role
+from .ir import BUCKET, COLLECTIVE_KINDS, Role, SubgraphCall
 from .report import (
     DUMP_ENV,
     UNWRITABLE_DUMP_FOLDERS,
@@ -297,6 +298,13 @@ def write_graph(record: GraphRecord, folder: str, title: str) -> None:
     for i, snap in enumerate(record.snapshots):
         with open(os.path.join(folder, f"{i:02d}_{snap.name}.txt"), "w") as f:
             f.write(f"# {title} graph after pass {i}: {snap.name}\n{annotate(snap)}")
+    calls: dict[str, list[SubgraphCall]] = {}
+    for call in filter(None, map(SubgraphCall.of, record.gm.graph.nodes)):
+        calls.setdefault(call.identifier, []).append(call)
+    for name, same in calls.items():
+        os.makedirs(os.path.join(folder, "subgraphs"), exist_ok=True)
+        with open(os.path.join(folder, "subgraphs", f"{name}.txt"), "w") as f:
+            f.write(f"# {title} graph: subgraph {name}, called {len(same)} time(s)\n{same[0].module().graph}")
     dot = os.path.join(folder, "graph.dot")
     write_dot(record.gm, dot, f"{title} graph")
     write_svg(record.gm, os.path.join(folder, "graph.svg"), f"{title} graph", dot)

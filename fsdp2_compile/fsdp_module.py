@@ -79,7 +79,7 @@ class FSDPModule:
             raise ValueError(f"{type(self).__name__}.set_gradient_divide_factor({factor!r}): use a positive number")
         for info in self._param_infos(recurse=False):
             default = info.replicate_size == 1 and factor == info.world_size
-            info.grad_divide_factor = 0.0 if default else float(factor)
+            info.grad_divide_factor = "" if default else repr(float(factor))
 
     set_reduce_scatter_divide_factor = set_gradient_divide_factor
 

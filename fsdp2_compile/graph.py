@@ -90,9 +90,9 @@ def ancestors_after(node: fx.Node, position: int, pos: dict[fx.Node, int]) -> li
 
 
 def stable_topological_sort(gm: fx.GraphModule, key: Callable[[fx.Node], tuple] | None = None) -> None:
-    """Rebuild `gm.graph` in a topological order that, among the nodes ready at each point, takes the one with the
-    smallest `key` (a tuple; default: its current position), ties by current position. Placeholders stay first,
-    in order. Deterministic. Node objects are replaced (meta is kept): look nodes up again afterwards."""
+    """Reorder `gm.graph` in place into a topological order that, among the nodes ready at each point, takes the one
+    with the smallest `key` (a tuple; default: its current position), ties by current position. Placeholders stay
+    first, in order. Deterministic. Nodes are moved, not copied."""
     pos = positions(gm.graph)
 
     def sort_key(node: fx.Node) -> tuple[bool, tuple, int]:
@@ -100,9 +100,12 @@ def stable_topological_sort(gm: fx.GraphModule, key: Callable[[fx.Node], tuple] 
             return (False, (), pos[node])
         return (True, key(node) if key is not None else (pos[node],), pos[node])
 
-    new = fx.Graph(owning_module=gm, tracer_cls=gm.graph._tracer_cls)
-    env: dict[fx.Node, fx.Node] = {}
+    previous = None
     for node in nx.lexicographical_topological_sort(dependency_graph(gm.graph), key=sort_key):
-        env[node] = new.node_copy(node, env.__getitem__)
-    new.node_copy(gm.graph.output_node(), env.__getitem__)
-    gm.graph = new
+        if previous is None:
+            first = next(iter(gm.graph.nodes))
+            if first is not node:
+                first.prepend(node)
+        elif previous.next is not node:
+            previous.append(node)
+        previous = node

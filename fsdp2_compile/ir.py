@@ -21,6 +21,7 @@ Nothing here rewrites graphs; passes (`passes/`) do, reading and writing through
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
@@ -44,6 +45,7 @@ __all__ = [
     "RELEASE_UNSHARDED",
     "ROLE",
     "STASH_GRAD",
+    "SubgraphCall",
     "UNSHARD",
     "WAIT",
     "AddPendingGradArgs",
@@ -69,6 +71,7 @@ __all__ = [
     "fsdp_collective_kind",
     "fsdp_op_name",
     "nbytes",
+    "output_of",
     "schema_args",
     "val",
 ]
@@ -364,6 +367,52 @@ class Collective:
     params: tuple[str, ...]
     dtype: torch.dtype
     nbytes: int
+
+
+INVOKE_SUBGRAPH = torch.ops.higher_order.invoke_subgraph
+TAG_ACTIVATION_CHECKPOINT = torch.ops.higher_order.tag_activation_checkpoint
+
+
+@dataclass(frozen=True)
+class SubgraphCall:
+    """A call of a subgraph of the graph's module: `invoke_subgraph(body, identifier, *operands)` (a block traced
+    once, `compiled_once.py`) or `tag_activation_checkpoint(body, *operands)` (activation checkpointing); the
+    body's placeholders take the operands in order."""
+
+    node: fx.Node
+    body: fx.Node
+    """The `get_attr` node of the body."""
+    identifier: str
+    """invoke_subgraph's identifier ("" for activation checkpointing)."""
+    operands: tuple
+
+    @classmethod
+    def of(cls, node: fx.Node) -> SubgraphCall | None:
+        if node.op != "call_function":
+            return None
+        if node.target is INVOKE_SUBGRAPH:
+            body, identifier, *operands = node.args
+            return cls(node, body, identifier, tuple(operands))
+        if node.target is TAG_ACTIVATION_CHECKPOINT:
+            body, *operands = node.args
+            return cls(node, body, "", tuple(operands))
+        return None
+
+    def module(self) -> fx.GraphModule:
+        return getattr(self.node.graph.owning_module, self.body.target)
+
+    def set_operands(self, operands: Sequence[Any]) -> None:
+        """Pass `operands` instead (the body's placeholders must match them)."""
+        head = (self.body, self.identifier) if self.node.target is INVOKE_SUBGRAPH else (self.body,)
+        self.node.args = (*head, *operands)
+
+
+def output_of(node: fx.Node) -> tuple[fx.Node, int] | None:
+    """(the multi-output node, index) when `node` is `getitem(that node, index)`, else None."""
+    if node.op != "call_function" or node.target is not operator.getitem:
+        return None
+    source, index = node.args
+    return source, index
 
 
 def collective(node: fx.Node) -> Collective | None:

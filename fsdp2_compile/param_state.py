@@ -22,7 +22,9 @@ from .ops import KEPT_UNSHARDED, release_unsharded, unshard
 
 __all__ = [
     "IGNORED_ATTR",
+    "INFOS_ATTR",
     "REPLACED",
+    "SHARDED_MODULES",
     "STATE_ATTR",
     "ParamInfo",
     "ShardState",
@@ -36,6 +38,7 @@ __all__ = [
 ]
 
 STATE_ATTR = "_fsdp2_state"
+INFOS_ATTR = "_fsdp2_infos"
 
 
 @dataclass(frozen=True)
@@ -78,8 +81,9 @@ class ParamInfo:
     """One parameter of each group to prefetch when this one's group is used in forward (`set_modules_to_forward_
     prefetch`); their buckets are read when the graph is traced, after every `shard` call has named them."""
     prefetch_backward: tuple[ParamInfo, ...] = field(default=(), repr=False, compare=False)
-    grad_divide_factor: float = 0.0
-    """`set_gradient_divide_factor`: gradients are multiplied by 1 / it on each rank and summed (0: averaged)."""
+    grad_divide_factor: str = ""
+    """`set_gradient_divide_factor`: gradients are multiplied by 1 / it on each rank and summed ("": averaged).
+    Kept as text: Dynamo guards a text's value, where a float read inside a block traced once becomes an input."""
     requires_all_reduce: bool = True
     """HSDP: False keeps the reduce-scattered gradient on this rank instead of all-reducing it over the replicas."""
     partial_key: str = ""
@@ -95,6 +99,9 @@ class ParamInfo:
     """False (`set_reshard_after_backward`): backward keeps the gathered parameter for the next forward."""
     kept_key: str = ""
     """Where it is kept (`ops.KEPT_UNSHARDED`); set the first time resharding after backward is turned off."""
+    compiled_once: bool = False
+    """Its module is one of several identical blocks traced once (`compiled_once.py`): in a compiled graph its
+    `fsdp2::unshard` leaves out what names it (`static_args(anonymous=True)`); the backend names it again."""
 
     def gather(self, param: nn.Parameter) -> torch.Tensor:
         if _SHARDED_ACCESS.active:
@@ -115,31 +122,37 @@ class ParamInfo:
         return gathered_copy(full, self.fqn) if self.tp is None else self.tp.wrap(full)
 
     def _unshard(self, param: DTensor, kept: torch.Tensor | None = None) -> torch.Tensor:
-        return unshard(
-            param.to_local(),
+        anonymous = self.compiled_once and torch.compiler.is_compiling()
+        return unshard(param.to_local(), *self.static_args(anonymous), kept)
+
+    def static_args(self, anonymous: bool = False) -> tuple:
+        """The arguments of `fsdp2::unshard` after the shard and before `gathered`. `anonymous`: without what
+        differs between identical blocks — the parameter's and its group's names, the keys of its kept state, the
+        groups it prefetches — so Dynamo's guards do not read them and one trace serves every block. (Written as
+        conditionals: Dynamo guards every attribute it reads.)"""
+        return (
             self.dim0,
             self.world_size,
             self.group_name,
             self.param_dtype,
             self.reduce_dtype,
-            self.fqn,
-            self.bucket,
+            "" if anonymous else self.fqn,
+            "" if anonymous else self.bucket,
             self.reshard_after_forward,
             self.replicate_size,
             self.replicate_group_name,
             self.requires_gradient_sync,
-            self.pending_key,
-            ",".join(i.bucket for i in self.prefetch_forward),
-            ",".join(i.bucket for i in self.prefetch_backward),
-            self.grad_divide_factor,
+            "" if anonymous else self.pending_key,
+            "" if anonymous else ",".join(i.bucket for i in self.prefetch_forward),
+            "" if anonymous else ",".join(i.bucket for i in self.prefetch_backward),
+            float(self.grad_divide_factor or 0),
             self.requires_all_reduce,
-            self.partial_key,
+            "" if anonymous else self.partial_key,
             self.post_forward_size,
             self.post_forward_group_name,
             self.compute_device,
             self.reshard_after_backward,
-            self.kept_key,
-            kept,
+            "" if anonymous else self.kept_key,
         )
 
     def set_reshard_after_backward(self, reshard_after_backward: bool) -> None:
@@ -196,6 +209,9 @@ REPLACED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 IGNORED_ATTR = "_fsdp2_ignored"
 
+SHARDED_MODULES: weakref.WeakSet = weakref.WeakSet()
+"""Every module `shard` was called on (the backend finds a graph's parameters' `ParamInfo` through them)."""
+
 
 def is_sharded(module: nn.Module) -> bool:
     """True when `shard` was called on exactly this module."""
@@ -203,7 +219,8 @@ def is_sharded(module: nn.Module) -> bool:
 
 
 def infos_of(module: nn.Module) -> dict[str, ParamInfo]:
-    return getattr(type(module), "_fsdp2_infos", {})
+    """The managed parameters held directly by `module`, by attribute name."""
+    return module.__dict__.get(INFOS_ATTR, {})
 
 
 def managed_params(module: nn.Module) -> Iterator[tuple[str, nn.Parameter, ParamInfo]]:

@@ -20,6 +20,7 @@ get in `fsdp_module.py`.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Iterable
 
@@ -32,12 +33,15 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from ._torch_private import concatenate_meshes, root_mesh_groups, strided_shard
 from .comm_groups import fsdp_group
 from .config import MixedPrecisionPolicy
+from .compiled_once import traced_once
 from .cost_model import measure_profile
 from .eager_reshard import register_reshard_hooks
 from .fsdp_module import FSDPModule
 from .param_state import (
     IGNORED_ATTR,
+    INFOS_ATTR,
     REPLACED,
+    SHARDED_MODULES,
     STATE_ATTR,
     ParamInfo,
     ShardState,
@@ -116,21 +120,33 @@ def _tp_layout(param: nn.Parameter) -> TPLayout | None:
     return TPLayout(param.device_mesh, tuple(param.placements), param.shape, param.stride())
 
 
-def _install_properties(module: nn.Module, infos: dict[str, ParamInfo], fsdp_module: bool = False) -> None:
-    """Swap `module`'s class for a subclass of it whose `name` attributes return the gathered parameters; with
-    `fsdp_module` (a module `shard` was called on) the subclass also derives from `FSDPModule`."""
+def _install_properties(module: nn.Module, infos: dict[str, ParamInfo], fsdp_module: bool = False,
+                        compiled_once: bool = False) -> None:
+    """Give `module` the `ParamInfo`s of `infos` (added to those it has) and swap its class for a subclass of its
+    own whose attributes of those names return the gathered parameters; with `fsdp_module` (a module `shard` was
+    called on) the subclass also derives from `FSDPModule`, with `compiled_once` its forward is traced once for all
+    identical blocks (`compiled_once.py`). Modules of one class with the same managed names share the subclass, so
+    that Dynamo sees identical blocks as instances of one class."""
     cls = type(module)
     base = cls.__bases__[0] if getattr(cls, "_fsdp2_generated", False) else cls
-    existing = dict(getattr(cls, "_fsdp2_infos", {}))
-    existing.update(infos)
+    existing = {**infos_of(module), **infos}
+    object.__setattr__(module, INFOS_ATTR, existing)
+    fsdp_module = fsdp_module or isinstance(module, FSDPModule)
+    compiled_once = compiled_once or getattr(cls, "_fsdp2_compiled_once", False)
+    module.__class__ = _sharded_class(base, tuple(sorted(existing)), fsdp_module, compiled_once)
 
-    def make(name: str, info: ParamInfo) -> property:
-        return property(lambda self: info.gather(self._parameters[name]))
 
-    namespace = {name: make(name, info) for name, info in existing.items()}
-    namespace.update(_fsdp2_generated=True, _fsdp2_infos=existing, __module__=base.__module__)
-    bases = (base, FSDPModule) if fsdp_module or isinstance(module, FSDPModule) else (base,)
-    module.__class__ = type(f"Sharded{base.__name__}", bases, namespace)
+@functools.cache
+def _sharded_class(base: type, names: tuple[str, ...], fsdp_module: bool, compiled_once: bool) -> type:
+    def gathered(name: str) -> property:
+        return property(lambda self: getattr(self, INFOS_ATTR)[name].gather(self._parameters[name]))
+
+    namespace = {name: gathered(name) for name in names}
+    namespace.update(_fsdp2_generated=True, _fsdp2_compiled_once=compiled_once, __module__=base.__module__)
+    if compiled_once:
+        namespace["forward"] = traced_once(base.forward)
+    bases = (base, FSDPModule) if fsdp_module else (base,)
+    return type(f"Sharded{base.__name__}", bases, namespace)
 
 
 def _group_path(root: nn.Module, mod_name: str, paths: dict[int, str]) -> str:
@@ -261,7 +277,27 @@ def shard(
         _register_mp_hooks(member, mp_policy)
         register_reshard_hooks(member)  # acts only on parameters gathered with reshard_after_forward on
         object.__setattr__(member, STATE_ATTR, state)
+        SHARDED_MODULES.add(member)
+    _trace_blocks_once(members)
     return module
+
+
+def _trace_blocks_once(members: list[nn.Module]) -> None:
+    """The outermost modules sharded before, under `members`, are blocks of a larger model: Dynamo traces each
+    distinct kind of them once (`compiled_once.py`). Not with tensor parallelism: TP's collectives must stay in
+    the graph the passes see."""
+    for member in members:
+        for name, mod in member.named_modules():
+            if not name or not is_sharded(mod) or any(is_sharded(a) for a in _ancestors(member, name)[:-1]):
+                continue
+            infos = [info for _, _, info in managed_params(mod)]
+            if getattr(type(mod), "_fsdp2_compiled_once", False) or any(i.tp is not None for i in infos):
+                continue
+            if any(getattr(type(m), "_fsdp2_compiled_once", False) for m in mod.modules()):
+                continue  # already has blocks traced once inside
+            for info in infos:
+                info.compiled_once = True
+            _install_properties(mod, {}, fsdp_module=True, compiled_once=True)
 
 
 def _compute_device(mesh: DeviceMesh) -> torch.device:

@@ -199,3 +199,35 @@ def hsdp_accumulation(rank: int, world_size: int) -> dict:
         if system == "ours":
             out["graphs"] = [(r.kind, [c.kind for c in collectives(r.gm)]) for r in compiled_graphs()]
     return out
+
+
+def blocks_traced_once(rank: int, world_size: int, last_block_keeps: bool) -> dict:
+    """The test GPT with 3 blocks, sharded then the root, the last block with `reshard_after_forward=False` when
+    `last_block_keeps`, on fully_shard and on ours: both systems' losses; of ours, the block subgraphs each graph
+    calls, its all-gathers, and the gathered parameters its forward saves for backward."""
+    import dataclasses
+
+    from gpt import GPT
+    from models import GPT_CFG
+    from torch.distributed.fsdp import fully_shard
+
+    from workers import _saved_gathered_params
+
+    out = {}
+    for system in ("fsdp2", "ours"):
+        clear_compiled_graphs()
+        torch.manual_seed(0)
+        model = GPT(dataclasses.replace(GPT_CFG, n_layer=3))
+        for i, block in enumerate(model.blocks):
+            keep = last_block_keeps and i == len(model.blocks) - 1
+            (fully_shard if system == "fsdp2" else fc.shard)(block, reshard_after_forward=not keep)
+        (fully_shard if system == "fsdp2" else fc.shard_compile)(model)
+        out[system] = _gpt_steps(model, make_optimizer(model), rank, world_size, range(STEPS))
+    graphs = {r.kind: r.gm for r in compiled_graphs()}
+    out["calls"] = {
+        kind: [n.args[1] for n in gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.invoke_subgraph)]
+        for kind, gm in graphs.items()
+    }
+    out["gathers"] = {kind: sum(c.kind == "all_gather" for c in collectives(gm)) for kind, gm in graphs.items()}
+    out["saved_gathered"] = len(_saved_gathered_params(graphs["forward"]))
+    return out

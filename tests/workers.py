@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import operator
 
 import torch
 import torch.distributed as dist
@@ -41,17 +42,32 @@ def _shard(model, name: str, spec: dict) -> None:
 
 
 def _saved_gathered_params(fw: torch.fx.GraphModule) -> list[str]:
-    """Forward outputs (saved for backward) that are a gathered parameter, possibly through views/casts."""
+    """Forward outputs (saved for backward) that are a gathered parameter, possibly through views/casts and through
+    the subgraph of a block traced once (an output of its `invoke_subgraph` call that is one of its inputs)."""
     passthrough = {
         torch.ops.aten.t.default, torch.ops.aten.view.default, torch.ops.aten.slice.Tensor,
         torch.ops.aten.permute.default, torch.ops.aten.transpose.int, torch.ops.prims.convert_element_type.default,
         torch.ops.aten._to_copy.default, torch.ops.aten.alias.default, torch.ops.aten.clone.default,
     }
+
+    def origin(node):
+        while isinstance(node, torch.fx.Node) and node.op == "call_function":
+            if node.target in passthrough:
+                node = node.args[0]
+            elif node.target is operator.getitem and node.args[0].target is torch.ops.higher_order.invoke_subgraph:
+                call, index = node.args
+                body = getattr(fw, call.args[0].target)
+                inner = origin(body.graph.output_node().args[0][index])
+                if inner.op != "placeholder":
+                    return inner
+                node = call.args[2 + list(body.graph.find_nodes(op="placeholder")).index(inner)]
+            else:
+                break
+        return node
+
     found = []
     for out in fw.graph.output_node().args[0]:
-        node = out
-        while isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in passthrough:
-            node = node.args[0]
+        node = origin(out)
         if isinstance(node, torch.fx.Node) and node.target is _funcol.wait_tensor.default:
             if node.args[0].target is _funcol.all_gather_into_tensor.default:
                 found.append(out.name)
