@@ -5,6 +5,7 @@ Markdown table with ratios against FSDP2 eager measured in the same run, and aga
 link; on loopback the floor is the compute alone).
 
     .venv/bin/python benchmarks/run.py [--modes fsdp2 plain full inductor keep-quarter] [--steps 6] [--quick]
+    .venv/bin/python benchmarks/run.py --compile-only
 """
 
 from __future__ import annotations
@@ -59,7 +60,11 @@ def main() -> None:
     p.add_argument("--rate", default="1gbit", help="tc rate of the shaped link, in bits/s units tc takes (e.g. 1gbit)")
     p.add_argument("--batch", type=int, default=8, help="global batch")
     p.add_argument("--quick", action="store_true", help="a 2-layer d=256 model, to try the harness")
+    p.add_argument("--compile-only", action="store_true", help="only the compile times at 4, 8, 16 and 32 layers")
     args = p.parse_args()
+    if args.compile_only:
+        _print_compile_times(compile_times(29700))
+        return
     size = ["--layers", "2", "--d-model", "256", "--vocab", "2048", "--seq", "128"] if args.quick else []
     extra = [*size, "--steps", str(args.steps), "--batch", str(args.batch)]
     port = 29700
@@ -72,13 +77,7 @@ def main() -> None:
             results[(net, mode)] = r = job(prefix, mode, extra, port)
             print(f"# {net:9s} {mode:9s} median {r['median_s']:.3f} s  first step {r['first_step_s']:.1f} s  "
                   f"RSS {max(r['peak_rss_mib']):.0f} MiB", file=sys.stderr, flush=True)
-    compile_s = {}
-    if not args.quick:
-        for layers in (4, 8, 16, 32):
-            port += 1
-            r = job([], "full", ["--layers", str(layers), "--steps", "1", "--warmup", "1"], port)
-            compile_s[layers] = r["first_step_s"] - r["median_s"]
-            print(f"# compile {layers} layers: {compile_s[layers]:.1f} s", file=sys.stderr, flush=True)
+    compile_s = {} if args.quick else compile_times(port + 1)
 
     base = {net: results[(net, "fsdp2")] for net, _ in results if (net, "fsdp2") in results}
     link_bytes_per_s = _rate_bytes_per_s(args.rate)
@@ -103,13 +102,27 @@ def main() -> None:
           "MB / step (FSDP2 moves the same parameter and gradient bytes); MB / step counts every collective's full "
           "buffer (gathered parameters, gradients to reduce) of one step's forward and backward graphs")
     if compile_s:
-        print("\n| layers | compile time (first step - median step) |\n|---|---|")
-        for layers, s in compile_s.items():
-            print(f"| {layers} | {s:.1f} s |")
+        _print_compile_times(compile_s)
     if CRASHES:
         print(f"\njobs that died and were run again: {'; '.join(CRASHES)}")
     first = next(iter(results.values()))
     print(f"\nmodel: {first['params'] / 1e6:.1f} M parameters, {first['world']} ranks, gloo; {args.steps} timed steps")
+
+
+def compile_times(port: int) -> dict[int, float]:
+    """First step minus a median step of the full pipeline on loopback, at 4, 8, 16 and 32 layers."""
+    compile_s = {}
+    for layers in (4, 8, 16, 32):
+        r = job([], "full", ["--layers", str(layers), "--steps", "1", "--warmup", "1"], port + layers)
+        compile_s[layers] = r["first_step_s"] - r["median_s"]
+        print(f"# compile {layers} layers: {compile_s[layers]:.1f} s", file=sys.stderr, flush=True)
+    return compile_s
+
+
+def _print_compile_times(compile_s: dict[int, float]) -> None:
+    print("\n| layers | compile time (first step - median step) | vs 4 layers |\n|---|---|---|")
+    for layers, s in compile_s.items():
+        print(f"| {layers} | {s:.1f} s | {s / compile_s[4]:.2f}x |")
 
 
 def _rate_bytes_per_s(rate: str) -> float:

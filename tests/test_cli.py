@@ -64,6 +64,8 @@ def test_dump_end_to_end(tmp_path):
         final = (out / kind / passes[-1]).read_text()
         assert "bucket='blocks.0'" in final and "params=[" in final  # provenance on collective lines
         assert graph_counts(final)[3] == 0  # no all-reduce without --replicate
+        (block,) = os.listdir(out / kind / "subgraphs")  # both blocks run one subgraph, traced once
+        assert "called 2 time(s)" in (out / kind / "subgraphs" / block).read_text()
     trace = json.loads((out / "trace.json").read_text())
     lanes = {e["tid"] for e in trace["traceEvents"] if e["ph"] == "X"}
     assert lanes == {1, 2}
