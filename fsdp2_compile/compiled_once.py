@@ -50,14 +50,14 @@ def gather_outside_blocks(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> 
     parameter it passes; name the anonymous `fsdp2::unshard` calls of `gm` itself."""
     calls = [c for c in map(SubgraphCall.of, gm.graph.nodes) if c is not None and c.identifier]
     info_of = _infos_by_input(gm, example_inputs)
-    moved: dict[int, dict[int, UnshardArgs]] = {}
+    moved: dict[int, dict[int, int | None]] = {}
     for call in calls:
         body = call.module()
         if id(body) not in moved:
             moved[id(body)] = _take_unshards_out(body)
         operands = list(call.operands)
-        for index, template in moved[id(body)].items():
-            gathered = operands[template.gathered] if isinstance(template.gathered, int) else template.gathered
+        for index, kept in moved[id(body)].items():
+            gathered = None if kept is None else operands[kept]
             with gm.graph.inserting_before(call.node):
                 shard = gm.graph.call_method("to_local", (operands[index],))
                 info = info_of.get(operands[index])
@@ -88,14 +88,14 @@ def _name_in_place(gm: fx.GraphModule, info_of: Callable[[fx.Node], ParamInfo | 
     gm.recompile()
 
 
-def _take_unshards_out(body: fx.GraphModule, done: dict[int, dict] | None = None) -> dict[int, UnshardArgs]:
+def _take_unshards_out(body: fx.GraphModule, done: dict[int, dict] | None = None) -> dict[int, int | None]:
     """Rewrite `body` (and the subgraphs it calls) to take gathered parameters where it took shards: each
-    `to_local` -> `fsdp2::unshard` of a placeholder becomes that placeholder. Returns {placeholder index: the
-    unshard's arguments, with `gathered` as the index of its placeholder when it is one}."""
+    `to_local` -> `fsdp2::unshard` of a placeholder becomes that placeholder. Returns {index of such a placeholder:
+    the index of the placeholder its unshard took as `gathered` (a kept parameter), or None}."""
     done = {} if done is None else done
     placeholders = list(body.graph.find_nodes(op="placeholder"))
     index = {p: i for i, p in enumerate(placeholders)}
-    moved: dict[int, UnshardArgs] = {}
+    moved: dict[int, int | None] = {}
 
     def outer(node: Any, user: fx.Node) -> int:
         if node not in index:
@@ -111,16 +111,13 @@ def _take_unshards_out(body: fx.GraphModule, done: dict[int, dict] | None = None
             inner = nested.module()
             if id(inner) not in done:
                 done[id(inner)] = _take_unshards_out(inner, done)
-            for j, template in done[id(inner)].items():
-                gathered = template.gathered
-                if isinstance(gathered, int):
-                    gathered = outer(nested.operands[gathered], node)
-                moved.setdefault(outer(nested.operands[j], node), template.replace(gathered=gathered))
+            for j, kept in done[id(inner)].items():
+                kept = None if kept is None else outer(nested.operands[kept], node)
+                moved.setdefault(outer(nested.operands[j], node), kept)
         elif node.op == "call_function" and node.target is UNSHARD:
             call = UnshardArgs.of(node)
             param = _param_of(call.shard)
-            gathered = outer(call.gathered, node) if isinstance(call.gathered, fx.Node) else call.gathered
-            moved.setdefault(outer(param, node), call.replace(gathered=gathered))
+            moved.setdefault(outer(param, node), None if call.gathered is None else outer(call.gathered, node))
             param.meta["example_value"] = node.meta.get("example_value")
             node.replace_all_uses_with(param)
             body.graph.erase_node(node)
