@@ -30,8 +30,10 @@ from .param_state import SHARDED_MODULES, ParamInfo, managed_params
 
 __all__ = ["MAX_TRACES", "gather_again_in_backward", "gather_outside_blocks", "traced_once"]
 
-MAX_TRACES = 64
-"""Distinct traces of one block class Dynamo may keep (blocks that differ in shapes or settings)."""
+MAX_TRACES = 1024
+"""Distinct traces of one block class Dynamo may keep before it raises: blocks that differ in shapes or settings,
+and every block once parameters are kept after backward (`set_reshard_after_backward(False)`: each block reads
+its own kept tensors by key, so no trace serves another block)."""
 
 PARTITIONED_FW, PARTITIONED_BW = "partitioned_fw", "partitioned_bw"
 """How AOTAutograd (torch 2.13) names the halves of a partitioned subgraph in the joint graph's calls."""
