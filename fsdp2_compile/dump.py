@@ -183,6 +183,9 @@ def summarize(records: list[GraphRecord], profile: HardwareProfile | None = None
             total = sum(v for k, v in final.bytes_by_dtype.items() if k[0].startswith("tp "))
             out.append(f"  tensor parallel: {final.counts['tp']} collectives ({kinds}), {size_text(total)} of "
                        "buffers (not in FSDP's counts above)")
+        for name, same in _subgraph_calls(record).items():
+            out.append(f"  blocks traced once: subgraph {name} ({len(same[0].module().graph.nodes)} nodes) called "
+                       f"{len(same)} times")
         out.append(
             f"  estimate: step {tl.total_s * 1e3:.3f} ms, compute {tl.compute_s * 1e3:.3f} ms, "
             f"communication {tl.comm_s * 1e3:.3f} ms, exposed communication {tl.exposed_comm_s * 1e3:.3f} ms, "
@@ -298,16 +301,21 @@ def write_graph(record: GraphRecord, folder: str, title: str) -> None:
     for i, snap in enumerate(record.snapshots):
         with open(os.path.join(folder, f"{i:02d}_{snap.name}.txt"), "w") as f:
             f.write(f"# {title} graph after pass {i}: {snap.name}\n{annotate(snap)}")
-    calls: dict[str, list[SubgraphCall]] = {}
-    for call in filter(None, map(SubgraphCall.of, record.gm.graph.nodes)):
-        calls.setdefault(call.identifier, []).append(call)
-    for name, same in calls.items():
+    for name, same in _subgraph_calls(record).items():
         os.makedirs(os.path.join(folder, "subgraphs"), exist_ok=True)
         with open(os.path.join(folder, "subgraphs", f"{name}.txt"), "w") as f:
             f.write(f"# {title} graph: subgraph {name}, called {len(same)} time(s)\n{same[0].module().graph}")
     dot = os.path.join(folder, "graph.dot")
     write_dot(record.gm, dot, f"{title} graph")
     write_svg(record.gm, os.path.join(folder, "graph.svg"), f"{title} graph", dot)
+
+
+def _subgraph_calls(record: GraphRecord) -> dict[str, list[SubgraphCall]]:
+    """The calls of each block subgraph of a compiled graph (`compiled_once.py`), by identifier."""
+    calls: dict[str, list[SubgraphCall]] = {}
+    for call in filter(None, map(SubgraphCall.of, record.gm.graph.nodes)):
+        calls.setdefault(call.identifier, []).append(call)
+    return calls
 
 
 def write_dump(records: list[GraphRecord], out_dir: str, profile: HardwareProfile | None = None,

@@ -66,6 +66,7 @@ def test_dump_end_to_end(tmp_path):
         assert graph_counts(final)[3] == 0  # no all-reduce without --replicate
         (block,) = os.listdir(out / kind / "subgraphs")  # both blocks run one subgraph, traced once
         assert "called 2 time(s)" in (out / kind / "subgraphs" / block).read_text()
+        assert f"blocks traced once: subgraph {block[:-4]} (" in r.stdout
     trace = json.loads((out / "trace.json").read_text())
     lanes = {e["tid"] for e in trace["traceEvents"] if e["ph"] == "X"}
     assert lanes == {1, 2}
