@@ -291,10 +291,10 @@ def _trace_blocks_once(members: list[nn.Module]) -> None:
             if not name or not is_sharded(mod) or any(is_sharded(a) for a in _ancestors(member, name)[:-1]):
                 continue
             infos = [info for _, _, info in managed_params(mod)]
-            if getattr(type(mod), "_fsdp2_compiled_once", False) or any(i.tp is not None for i in infos):
+            if any(i.tp is not None for i in infos):
                 continue
             if any(getattr(type(m), "_fsdp2_compiled_once", False) for m in mod.modules()):
-                continue  # already has blocks traced once inside
+                continue  # traced once already, or has blocks traced once inside
             for info in infos:
                 info.compiled_once = True
             _install_properties(mod, {}, fsdp_module=True, compiled_once=True)
