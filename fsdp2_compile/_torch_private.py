@@ -5,6 +5,11 @@ If a torch upgrade moves one of these, this is the only file to change.
 
 from __future__ import annotations
 
+import contextlib
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
 import torch
 from torch import fx
 from torch._functorch.aot_autograd import aot_module_simplified
@@ -30,6 +35,7 @@ __all__ = [
     "min_cut_rematerialization_partition",
     "one_thread_gloo_backend",
     "resolve_group",
+    "subgraph_schemas_reused",
     "trace_graph_artifact",
 ]
 
@@ -217,3 +223,42 @@ def clear_dtensor_caches() -> None:
     cached = getattr(propagator, "_propagate_tensor_meta_cached", None)
     if cached is not None and hasattr(cached, "cache_clear"):
         cached.cache_clear()
+
+
+@contextlib.contextmanager
+def subgraph_schemas_reused() -> Iterator[None]:
+    """While active, `invoke_subgraph`'s schema (which AOTAutograd asks for at every call of a block traced once,
+    to refuse input mutation under autograd) is derived once per subgraph and operand metadata instead of at every
+    call: torch 2.13 traces the whole subgraph again each time, which made AOTAutograd's joint trace grow with the
+    number of blocks. The schema depends on the subgraph's graph and the operands' types alone."""
+    from torch._higher_order_ops.invoke_subgraph import InvokeSubgraphHOP
+    from torch._higher_order_ops.utils import FunctionalizeCtxWrapper
+
+    derive = InvokeSubgraphHOP.gen_schema
+    schemas: dict[tuple, tuple[weakref.ref, Any]] = {}
+
+    def operand_key(o: Any) -> tuple | None:
+        if isinstance(o, torch.Tensor):
+            if not all(type(n) is int for n in (*o.shape, *o.stride())):
+                return None  # symbolic sizes: not keyed
+            return (tuple(o.shape), o.stride(), o.dtype, o.device, o.requires_grad)
+        return (o,) if type(o) is int else None
+
+    def reused(self, subgraph, identifier, *operands):
+        gm = subgraph.subgraph if isinstance(subgraph, FunctionalizeCtxWrapper) else subgraph
+        keys = [operand_key(o) for o in operands]
+        if not isinstance(gm, fx.GraphModule) or None in keys:
+            return derive(self, subgraph, identifier, *operands)
+        key = (id(gm), type(subgraph), identifier, tuple(keys))
+        hit = schemas.get(key)
+        if hit is not None and hit[0]() is gm:
+            return hit[1]
+        schema = derive(self, subgraph, identifier, *operands)
+        schemas[key] = (weakref.ref(gm), schema)
+        return schema
+
+    InvokeSubgraphHOP.gen_schema = reused
+    try:
+        yield
+    finally:
+        InvokeSubgraphHOP.gen_schema = derive

@@ -29,6 +29,7 @@ from ._torch_private import (
     inductor_compile,
     inductor_decompositions,
     min_cut_rematerialization_partition,
+    subgraph_schemas_reused,
 )
 from .compiled_once import gather_again_in_backward, gather_outside_blocks
 from .config import CompileConfig
@@ -227,15 +228,16 @@ def fsdp2_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Com
     _check_sharded(gm, example_inputs)
     _check_graph_inputs(gm, example_inputs)
     gather_outside_blocks(gm, example_inputs)
-    return aot_module_simplified(
-        gm,
-        example_inputs,
-        fw_compiler=_compiler("forward", config),
-        bw_compiler=_compiler("backward", config),
-        inference_compiler=_compiler("inference", config),
-        partition_fn=functools.partial(_partition, config=config),
-        decompositions=inductor_decompositions() if config.compiler == "inductor" else None,
-    )
+    with subgraph_schemas_reused():
+        return aot_module_simplified(
+            gm,
+            example_inputs,
+            fw_compiler=_compiler("forward", config),
+            bw_compiler=_compiler("backward", config),
+            inference_compiler=_compiler("inference", config),
+            partition_fn=functools.partial(_partition, config=config),
+            decompositions=inductor_decompositions() if config.compiler == "inductor" else None,
+        )
 
 
 def make_backend(config: CompileConfig) -> Callable:

@@ -55,6 +55,11 @@ class TPLayout:
         return DTensor.from_local(local, self.mesh, self.placements, run_check=False, shape=self.shape, stride=self.stride)
 
 
+ANONYMOUS_ARGS: dict[str, tuple] = {}
+"""`ParamInfo.static_args(anonymous=True)` by their text (`ParamInfo.anonymous_key`): identical blocks' parameters
+share one entry."""
+
+
 @dataclass
 class ParamInfo:
     """What the property of a managed parameter needs to gather it (the static args of `fsdp2::unshard`)."""
@@ -121,9 +126,27 @@ class ParamInfo:
             note_gathered(full, functools.partial(self._unshard, param))
         return gathered_copy(full, self.fqn) if self.tp is None else self.tp.wrap(full)
 
+    def __setattr__(self, name: str, value) -> None:
+        object.__setattr__(self, name, value)
+        if "anonymous_key" in self.__dict__ and name != "anonymous_key":
+            self._share_anonymous_args()
+
+    def __post_init__(self) -> None:
+        self._share_anonymous_args()
+
+    def _share_anonymous_args(self) -> None:
+        """Keep `anonymous_key` naming this parameter's `static_args(anonymous=True)` in `ANONYMOUS_ARGS`."""
+        args = self.static_args(anonymous=True)
+        key = repr(args)
+        ANONYMOUS_ARGS.setdefault(key, args)
+        object.__setattr__(self, "anonymous_key", key)
+
     def _unshard(self, param: DTensor, kept: torch.Tensor | None = None) -> torch.Tensor:
-        anonymous = self.compiled_once and torch.compiler.is_compiling()
-        return unshard(param.to_local(), *self.static_args(anonymous), kept)
+        if self.compiled_once and torch.compiler.is_compiling():
+            # One guarded text per parameter; the arguments are read from a global, whose guards Dynamo does not
+            # evaluate again for each block it stamps out.
+            return unshard(param.to_local(), *ANONYMOUS_ARGS[self.anonymous_key], kept)
+        return unshard(param.to_local(), *self.static_args(), kept)
 
     def static_args(self, anonymous: bool = False) -> tuple:
         """The arguments of `fsdp2::unshard` after the shard and before `gathered`. `anonymous`: without what

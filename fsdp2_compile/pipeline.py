@@ -42,10 +42,11 @@ PASSES: list[Pass] = [
 
 def run_pipeline(gm: fx.GraphModule, ctx: PassContext, passes: Sequence[Pass] | None = None) -> fx.GraphModule:
     """Run every pass of `passes` (default `PASSES`) in order, after checking their contracts; each leaves a graph
-    that still lints and recompiles. The result must pass `invariants.check_collectives_safe`. The graph after
-    every pass is kept in `ctx.snapshots` only when asked for (`ctx.keep_snapshots`, `CompileConfig.keep_snapshots`
-    or $FSDP2_COMPILE_DUMP). With `TORCH_TRACE` set, each pass's graph is also a structured-trace artifact
-    (`fsdp2_<kind>_<NN>_<pass>`), so tlparse shows it beside Dynamo's and AOTAutograd's graphs."""
+    that still lints (its code is generated once, after the last). The result must pass
+    `invariants.check_collectives_safe`. The graph after every pass is kept in `ctx.snapshots` only when asked for
+    (`ctx.keep_snapshots`, `CompileConfig.keep_snapshots` or $FSDP2_COMPILE_DUMP). With `TORCH_TRACE` set, each
+    pass's graph is also a structured-trace artifact (`fsdp2_<kind>_<NN>_<pass>`), so tlparse shows it beside
+    Dynamo's and AOTAutograd's graphs."""
     passes = PASSES if passes is None else passes
     check_contracts(passes)
     keep = ctx.keep_snapshots or ctx.config.keep_snapshots or dump_requested()
@@ -54,9 +55,9 @@ def run_pipeline(gm: fx.GraphModule, ctx: PassContext, passes: Sequence[Pass] | 
     for i, p in enumerate(passes, start=1):
         gm = p(gm, ctx)
         gm.graph.lint()
-        gm.recompile()
         trace_graph_artifact(f"fsdp2_{ctx.kind}_{i:02d}_{p.__name__}", gm)
         if keep:
             ctx.snapshots.append(snapshot(p.__name__, gm))
+    gm.recompile()
     check_collectives_safe(gm)
     return gm
