@@ -231,3 +231,40 @@ def blocks_traced_once(rank: int, world_size: int, last_block_keeps: bool) -> di
     out["gathers"] = {kind: sum(c.kind == "all_gather" for c in collectives(gm)) for kind, gm in graphs.items()}
     out["saved_gathered"] = len(_saved_gathered_params(graphs["forward"]))
     return out
+
+
+def optimizer_in_backward(rank: int, world_size: int) -> dict:
+    """FSDP2's optimizer in backward: one AdamW per sharded parameter, stepped by a post-accumulate-grad hook on it
+    (no `opt.step()` in the loop), on fully_shard and on ours (blocks then the root): each system's losses."""
+    from torch.distributed.fsdp import fully_shard
+
+    out = {}
+    for system in ("fsdp2", "ours"):
+        clear_compiled_graphs()
+        model = make_model("gpt")
+        for block in model.blocks:
+            (fully_shard if system == "fsdp2" else fc.shard)(block)
+        (fully_shard if system == "fsdp2" else fc.shard_compile)(model)
+        optimizers = {p: torch.optim.AdamW([p], lr=1e-2) for p in model.parameters()}
+        stepped = []
+
+        def step(p, optimizers=optimizers, stepped=stepped):
+            optimizers[p].step()
+            optimizers[p].zero_grad()
+            stepped.append(p)
+
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(step)
+        losses = []
+        for i in range(STEPS):
+            x, y = batch("gpt", i)
+            loss = loss_fn("gpt", model(local_slice(x, rank, world_size)), local_slice(y, rank, world_size))
+            loss.backward()
+            total = loss.detach().clone()
+            dist.all_reduce(total)
+            losses.append(total.item() / world_size)
+        out[system] = losses
+        out[f"{system}_hooks"] = len(stepped)
+        out[f"{system}_grads_left"] = sum(p.grad is not None for p in model.parameters())
+    out["params"] = len(list(model.parameters()))
+    return out

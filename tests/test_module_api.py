@@ -11,6 +11,7 @@ from module_api_workers import (
     divide_factor,
     hsdp_accumulation,
     module_api,
+    optimizer_in_backward,
     reshard_after_backward,
     reshard_to_smaller_group,
 )
@@ -120,6 +121,16 @@ def test_explicit_prefetch_lists_steer_the_scheduler(fake_pg):
     bw = issue_order(backward)
     assert bw.index("blocks.0") < bw.index("use:blocks.3"), bw
     clear_compiled_graphs()
+
+
+def test_optimizer_in_backward_by_post_accumulate_grad_hooks_trains_as_fully_shard():
+    """FSDP2's optimizer in backward: an optimizer per sharded parameter, stepped (and its gradient cleared) by a
+    post-accumulate-grad hook on the parameter, with no optimizer step in the loop. Every hook runs once per step
+    on both systems and the losses are bitwise equal."""
+    result = run_ranks(optimizer_in_backward, 2)[0]
+    assert result["ours"] == result["fsdp2"]
+    assert result["ours_hooks"] == result["fsdp2_hooks"] == 4 * result["params"]
+    assert result["ours_grads_left"] == result["fsdp2_grads_left"] == 0
 
 
 def test_gradient_divide_factor_sums_scaled_gradients():
