@@ -19,7 +19,7 @@ import logging
 from torch import fx
 
 from fsdp2_compile.cost_model import compute_time, node_time, simulate
-from fsdp2_compile.graph import positions
+from fsdp2_compile.graph import positions, stable_topological_sort
 from fsdp2_compile.ir import Role
 from fsdp2_compile.overlap import anchors_at, emit_order, find_units, memory_budget
 from fsdp2_compile.pass_api import Fact, PassContext, contract
@@ -54,14 +54,14 @@ def schedule(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     units = find_units(gm)
     gathers = [u for u in units if u.kind == Role.ALL_GATHER]
     if ctx.config.schedule and ctx.config.prefetch and gathers:
-        structural = gm.graph
+        structural = positions(gm.graph)
         baseline = simulate(gm, profile)
         distances = cost_distances(gm, gathers, ctx.config.prefetch_depth, memory_budget(ctx.config, gathers), profile)
         emit_order(gm, units, anchors_at(gathers, distances))
         estimate = simulate(gm, profile).total_s
         slower = estimate > baseline.total_s
-        if slower:
-            gm.graph = structural
+        if slower:  # back to the structural order (emit_order moved the nodes in place)
+            stable_topological_sort(gm, key=lambda n: (structural[n],))
         log.info("%s graph: cost-model prefetch distances %s: estimated step %.3f ms vs %.3f ms structural, "
                  "keeping the %s order (profile %s)", ctx.kind, distances, estimate * 1e3, baseline.total_s * 1e3,
                  "structural" if slower else "cost-model", profile.name)

@@ -160,6 +160,34 @@ def test_scheduler_never_picks_an_order_it_estimates_slower(fake_pg):
     assert full.timeline.exposed_comm_s < plain.timeline.exposed_comm_s  # prefetching hides communication
 
 
+def test_scheduler_restores_the_structural_order_when_its_own_is_estimated_slower(fake_pg, monkeypatch):
+    """The cost model reorders the graph in place; when the simulation says the result is slower, the structural
+    order comes back exactly (node for node) and so does its estimate."""
+    import dataclasses
+    import importlib
+
+    from fsdp2_compile.cost_model import PROFILES, simulate
+
+    schedule_module = importlib.import_module("fsdp2_compile.passes.schedule")
+
+    slow_compute = dataclasses.replace(PROFILES["cpu-gloo-loopback"], name="slow-compute", flops_per_s=1e6)
+    ctx = PassContext("forward", profile=slow_compute)  # where the cost model's order differs (test below)
+    gm, _ = lowered(three_blocks(fake_pg))
+    gm = reorder_for_overlap(gm, ctx)
+    structural_order = [n.name for n in order(gm)]
+    estimates = iter([1.0, 2.0])  # the structural order, then the cost model's: slower
+
+    def rigged(gm, profile):
+        timeline = simulate(gm, profile)
+        estimate = next(estimates, None)
+        return timeline if estimate is None else dataclasses.replace(timeline, total_s=estimate)
+
+    monkeypatch.setattr(schedule_module, "simulate", rigged)
+    gm = schedule(gm, ctx)
+    gm.graph.lint()
+    assert [n.name for n in order(gm)] == structural_order
+
+
 def test_hsdp_reduce_scatter_then_all_reduce_per_bucket_overlapping_the_next_gradient(fake_pg):
     from torch.distributed.device_mesh import init_device_mesh
 
