@@ -27,3 +27,42 @@ def test_a_block_with_other_settings_gets_a_trace_of_its_own():
     assert len(forward) == 2 and len(set(forward)) == 1
     assert result["gathers"] == {"forward": 4, "backward": 3}
     assert result["saved_gathered"] > 0
+
+
+def test_aotautograd_derives_a_block_subgraphs_schema_once_not_at_every_call(fake_pg, monkeypatch):
+    """torch 2.13 traces an `invoke_subgraph`'s whole subgraph again to derive its schema at every call AOTAutograd
+    makes under autograd; the backend derives it once per subgraph and operand layout
+    (`_torch_private.subgraph_schemas_reused`). With 4 identical blocks, a schema derivation per call would be at
+    least 4 per AOTAutograd pass."""
+    import dataclasses
+
+    import torch
+    from gpt import GPT, gpt_loss
+    from models import GPT_CFG
+    from torch._higher_order_ops.invoke_subgraph import InvokeSubgraphHOP
+
+    import fsdp2_compile as fc
+    from fsdp2_compile.report import clear_compiled_graphs, compiled_graphs
+
+    derived = []
+    derive = InvokeSubgraphHOP.gen_schema
+
+    def counted(self, subgraph, identifier, *operands):
+        derived.append(identifier)
+        return derive(self, subgraph, identifier, *operands)
+
+    monkeypatch.setattr(InvokeSubgraphHOP, "gen_schema", counted)
+    clear_compiled_graphs()
+    torch.manual_seed(0)
+    cfg = dataclasses.replace(GPT_CFG, n_layer=4)
+    model = GPT(cfg)
+    for block in model.blocks:
+        fc.shard(block)
+    fc.shard_compile(model)
+    x = torch.randint(0, cfg.vocab_size, (2, cfg.block_size))
+    gpt_loss(model(x), x).backward()
+    [forward] = [r.gm for r in compiled_graphs() if r.kind == "forward"]
+    calls = forward.graph.find_nodes(op="call_function", target=torch.ops.higher_order.invoke_subgraph)
+    assert len(calls) == 4
+    assert 0 < len(derived) <= 3, derived
+    assert InvokeSubgraphHOP.gen_schema is counted  # restored after compiling
