@@ -237,12 +237,13 @@ def subgraph_schemas_reused() -> Iterator[None]:
     derive = InvokeSubgraphHOP.gen_schema
     schemas: dict[tuple, tuple[weakref.ref, Any]] = {}
 
+    def size(n: Any) -> Any:  # a symbolic size by its expression: one shape environment per compile
+        return n if type(n) is int else str(n)
+
     def operand_key(o: Any) -> tuple | None:
         if isinstance(o, torch.Tensor):
-            if not all(type(n) is int for n in (*o.shape, *o.stride())):
-                return None  # symbolic sizes: not keyed
-            return (tuple(o.shape), o.stride(), o.dtype, o.device, o.requires_grad)
-        return (o,) if type(o) is int else None
+            return (tuple(map(size, o.shape)), tuple(map(size, o.stride())), o.dtype, o.device, o.requires_grad)
+        return (size(o),) if isinstance(o, (int, torch.SymInt)) else None
 
     def reused(self, subgraph, identifier, *operands):
         gm = subgraph.subgraph if isinstance(subgraph, FunctionalizeCtxWrapper) else subgraph

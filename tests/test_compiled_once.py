@@ -1,5 +1,6 @@
 """Identical blocks traced once (`fsdp2_compile/compiled_once.py`), on 2 gloo ranks against `fully_shard`."""
 
+import pytest
 from harness import run_ranks
 from module_api_workers import blocks_traced_once
 
@@ -29,11 +30,12 @@ def test_a_block_with_other_settings_gets_a_trace_of_its_own():
     assert result["saved_gathered"] > 0
 
 
-def test_aotautograd_derives_a_block_subgraphs_schema_once_not_at_every_call(fake_pg, monkeypatch):
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_aotautograd_derives_a_block_subgraphs_schema_once_not_at_every_call(fake_pg, monkeypatch, dynamic):
     """torch 2.13 traces an `invoke_subgraph`'s whole subgraph again to derive its schema at every call AOTAutograd
     makes under autograd; the backend derives it once per subgraph and operand layout
-    (`_torch_private.subgraph_schemas_reused`). With 4 identical blocks, a schema derivation per call would be at
-    least 4 per AOTAutograd pass."""
+    (`_torch_private.subgraph_schemas_reused`), symbolic sizes included (a dynamic sequence length). With 4
+    identical blocks, a schema derivation per call would be at least 4 per AOTAutograd pass."""
     import dataclasses
 
     import torch
@@ -60,6 +62,9 @@ def test_aotautograd_derives_a_block_subgraphs_schema_once_not_at_every_call(fak
         fc.shard(block)
     fc.shard_compile(model)
     x = torch.randint(0, cfg.vocab_size, (2, cfg.block_size))
+    torch._dynamo.reset()  # no sizes made dynamic by earlier compiles of the same code
+    if dynamic:
+        torch._dynamo.mark_dynamic(x, 1)
     gpt_loss(model(x), x).backward()
     [forward] = [r.gm for r in compiled_graphs() if r.kind == "forward"]
     calls = forward.graph.find_nodes(op="call_function", target=torch.ops.higher_order.invoke_subgraph)
