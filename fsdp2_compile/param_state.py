@@ -127,6 +127,7 @@ class ParamInfo:
         return gathered_copy(full, self.fqn) if self.tp is None else self.tp.wrap(full)
 
     def __setattr__(self, name: str, value) -> None:
+        # `anonymous_key` is stored, not a property: Dynamo would trace a property and guard every field it reads.
         object.__setattr__(self, name, value)
         if "anonymous_key" in self.__dict__ and name != "anonymous_key":
             self._share_anonymous_args()
@@ -151,8 +152,7 @@ class ParamInfo:
     def static_args(self, anonymous: bool = False) -> tuple:
         """The arguments of `fsdp2::unshard` after the shard and before `gathered`. `anonymous`: without what
         differs between identical blocks — the parameter's and its group's names, the keys of its kept state, the
-        groups it prefetches — so Dynamo's guards do not read them and one trace serves every block. (Written as
-        conditionals: Dynamo guards every attribute it reads.)"""
+        groups it prefetches — so that one trace serves every block (`ANONYMOUS_ARGS`)."""
         return (
             self.dim0,
             self.world_size,
