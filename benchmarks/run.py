@@ -4,7 +4,8 @@ Markdown table with ratios against FSDP2 eager measured in the same run, and aga
 — one rank's share of the batch on one process, no communication — and the bytes a step moves over the shaped
 link; on loopback the floor is the compute alone).
 
-    .venv/bin/python benchmarks/run.py [--modes fsdp2 plain full inductor keep-quarter] [--steps 6] [--quick]
+    .venv/bin/python benchmarks/run.py [--modes fsdp2 plain full inductor keep-quarter backend-route] [--steps 6]
+        [--quick] [--optimizer-in-backward]
     .venv/bin/python benchmarks/run.py --compile-only
 """
 
@@ -61,12 +62,15 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8, help="global batch")
     p.add_argument("--quick", action="store_true", help="a 2-layer d=256 model, to try the harness")
     p.add_argument("--compile-only", action="store_true", help="only the compile times at 4, 8, 16 and 32 layers")
+    p.add_argument("--optimizer-in-backward", action="store_true",
+                   help="every mode steps an AdamW per parameter from its post-accumulate-grad hook (FSDP2's recipe)")
     args = p.parse_args()
     if args.compile_only:
         _print_compile_times(compile_times(29700))
         return
     size = ["--layers", "2", "--d-model", "256", "--vocab", "2048", "--seq", "128"] if args.quick else []
     extra = [*size, "--steps", str(args.steps), "--batch", str(args.batch)]
+    extra += ["--optimizer-in-backward"] if args.optimizer_in_backward else []
     port = 29700
     compute = job([], "compute", [*size, "--steps", str(args.steps), "--batch", str(args.batch // 2)], port, ranks=1)
     print(f"# compute alone (one rank's share) median {compute['median_s']:.3f} s", file=sys.stderr, flush=True)

@@ -6,7 +6,11 @@ Modes: fsdp2 (FSDP2 eager: fully_shard per block + root), plain (our pipeline wi
 scheduling), full (bucketed, reordered, scheduled), inductor (full, compiled by Inductor), keep-quarter (full, with
 selective unsharding keeping a quarter of the gathered parameter bytes from forward to backward), compute (one
 process, the unsharded model in eager on one rank's share of the batch: the compute alone, no communication; run
-it with --nproc-per-node 1 and --batch set to the per-rank batch).
+it with --nproc-per-node 1 and --batch set to the per-rank batch), backend-route (full, compiled with
+`torch.compile(model, backend=...)` after `shard`: that route does not look for post-accumulate-grad hooks, so
+with --optimizer-in-backward autograd runs them after the whole compiled backward, as before the graph delivered
+gradients itself). --optimizer-in-backward: FSDP2's recipe, one AdamW per parameter stepped by a
+post-accumulate-grad hook instead of one `opt.step()` after backward.
 Prints one JSON line (rank 0): median/mean step seconds after warm-up, first-step (compile) seconds, peak RSS per
 rank, collectives and bytes per step.
 """
@@ -29,6 +33,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 from gpt import GPT, GPTConfig, gpt_loss, make_batch  # noqa: E402
 
 import fsdp2_compile as fc  # noqa: E402
+from fsdp2_compile.backend import make_backend  # noqa: E402
 from fsdp2_compile.report import collectives, compiled_graphs  # noqa: E402
 
 CONFIGS = {
@@ -36,6 +41,7 @@ CONFIGS = {
     "full": fc.CompileConfig(),
     "inductor": fc.CompileConfig(compiler="inductor"),
     "keep-quarter": fc.CompileConfig(keep_gathered=0.25),
+    "backend-route": fc.CompileConfig(),
 }
 
 
@@ -59,8 +65,28 @@ def build(args) -> torch.nn.Module:
             config = dataclasses.replace(config, prefetch_depth=args.prefetch_depth)
         if args.budget_mib is not None:
             config = dataclasses.replace(config, memory_budget_bytes=int(args.budget_mib * 2**20))
+        if args.mode == "backend-route":
+            fc.shard(model)
+            return torch.compile(model, backend=make_backend(config))
         fc.shard_compile(model, compile_config=config)
     return model
+
+
+def optimizer_step(model: torch.nn.Module, in_backward: bool):
+    """A function that steps the optimizer after backward: AdamW over all parameters, or (`in_backward`) nothing,
+    with one AdamW per parameter stepped by its post-accumulate-grad hook (FSDP2's optimizer in backward)."""
+    if not in_backward:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        return lambda: (opt.step(), opt.zero_grad())
+    optimizers = {p: torch.optim.AdamW([p], lr=1e-4) for p in model.parameters()}
+
+    def hook(p):
+        optimizers[p].step()
+        optimizers[p].zero_grad()
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(hook)
+    return lambda: None
 
 
 def main() -> None:
@@ -76,12 +102,13 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--prefetch-depth", type=int, help="override CompileConfig.prefetch_depth")
     p.add_argument("--budget-mib", type=float, help="override CompileConfig.memory_budget_bytes (MiB)")
+    p.add_argument("--optimizer-in-backward", action="store_true", help="an AdamW per parameter, stepped by its hook")
     args = p.parse_args()
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build(args)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    step_optimizer = optimizer_step(model, args.optimizer_in_backward)
     cfg = model.cfg
     local = args.batch // world
     times = []
@@ -92,8 +119,7 @@ def main() -> None:
         start = time.perf_counter()
         loss = gpt_loss(model(x), y)
         loss.backward()
-        opt.step()
-        opt.zero_grad()
+        step_optimizer()
         times.append(time.perf_counter() - start)
     rss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024], dtype=torch.int64)
     every = torch.zeros(world, dtype=torch.int64)
@@ -103,7 +129,7 @@ def main() -> None:
     colls = [c for r in graphs for c in collectives(r.gm)]
     if rank == 0:
         print(json.dumps(dict(
-            mode=args.mode, layers=args.layers, world=world,
+            mode=args.mode, layers=args.layers, world=world, optimizer_in_backward=args.optimizer_in_backward,
             params=sum(p.numel() for p in model.parameters()),
             median_s=statistics.median(timed), mean_s=statistics.mean(timed), first_step_s=times[0],
             peak_rss_mib=[int(b) / 2**20 for b in every.tolist()],

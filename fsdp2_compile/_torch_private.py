@@ -28,6 +28,7 @@ __all__ = [
     "detect_fake_mode",
     "fake_process_group",
     "group_ranks",
+    "post_accumulate_grad_hooks",
     "group_size",
     "group_timeout",
     "inductor_compile",
@@ -38,6 +39,12 @@ __all__ = [
     "subgraph_schemas_reused",
     "trace_graph_artifact",
 ]
+
+
+def post_accumulate_grad_hooks(tensor: torch.Tensor) -> list:
+    """The hooks `tensor.register_post_accumulate_grad_hook` registered, in order (FSDP2's `foreach_reduce` reads
+    the same attribute to run them after its reduce-scatter)."""
+    return list((getattr(tensor, "_post_accumulate_grad_hooks", None) or {}).values())
 
 
 def fake_process_group(rank: int, world_size: int) -> None:

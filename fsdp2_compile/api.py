@@ -11,6 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .backend import check_input_devices, make_backend
 from .config import CompileConfig, MixedPrecisionPolicy
+from .param_state import refresh_grad_delivery
 from .shard import shard
 
 __all__ = ["shard_compile"]
@@ -65,7 +66,13 @@ def compile_in_place(module: nn.Module, backend, dynamic: bool | None = None) ->
     # A code object of its own: Dynamo keeps at most `recompile_limit` (8) graphs per code object, and every
     # module compiled here would otherwise share `call`'s, so the 9th would silently run uncompiled.
     call.__code__ = call.__code__.replace()
-    module._compiled_call_impl = torch.compile(call, backend=backend, dynamic=dynamic)
+    compiled = torch.compile(call, backend=backend, dynamic=dynamic)
+
+    def refreshed_call(*args, **kwargs):
+        refresh_grad_delivery(module)  # eager: which parameters have post-accumulate-grad hooks now
+        return compiled(*args, **kwargs)
+
+    module._compiled_call_impl = refreshed_call
 
 
 def _check_bucket_names(module: nn.Module, config: CompileConfig) -> None:

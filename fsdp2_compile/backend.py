@@ -35,6 +35,7 @@ from .compiled_once import gather_again_in_backward, gather_outside_blocks
 from .config import CompileConfig
 from .consistency import rank_check
 from .cost_model import PROFILES, HardwareProfile, measured_profile
+from .grad_delivery import one_unshard_per_delivered_param
 from .graph import nodes_calling
 from .ir import REDUCE_GRAD, UNSHARD, ReduceGradArgs, UnshardArgs
 from .keep_gathered import buckets_to_keep
@@ -228,6 +229,7 @@ def fsdp2_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Com
     _check_sharded(gm, example_inputs)
     _check_graph_inputs(gm, example_inputs)
     gather_outside_blocks(gm, example_inputs)
+    one_unshard_per_delivered_param(gm)
     with subgraph_schemas_reused():
         return aot_module_simplified(
             gm,

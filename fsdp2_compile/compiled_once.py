@@ -52,20 +52,20 @@ def gather_outside_blocks(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> 
     parameter it passes; name the anonymous `fsdp2::unshard` calls of `gm` itself."""
     calls = [c for c in map(SubgraphCall.of, gm.graph.nodes) if c is not None and c.identifier]
     info_of = _infos_by_input(gm, example_inputs)
-    moved: dict[int, dict[int, int | None]] = {}
+    moved: dict[int, dict[int, tuple[int | None, int | None]]] = {}
     for call in calls:
         body = call.module()
         if id(body) not in moved:
             moved[id(body)] = _take_unshards_out(body)
         operands = list(call.operands)
-        for index, kept in moved[id(body)].items():
-            gathered = None if kept is None else operands[kept]
+        for index, tensors in moved[id(body)].items():
+            gathered, anchor = (None if i is None else operands[i] for i in tensors)
             with gm.graph.inserting_before(call.node):
                 shard = gm.graph.call_method("to_local", (operands[index],))
                 info = info_of.get(operands[index])
                 if info is None:
                     raise RuntimeError(f"fsdp2_compile: cannot tell which parameter {call.node.format_node()} passes at {index}")
-                operands[index] = gm.graph.call_function(UNSHARD, (shard, *info.static_args(), gathered))
+                operands[index] = gm.graph.call_function(UNSHARD, (shard, *info.static_args(), gathered, anchor))
         call.set_operands(operands)
     _name_in_place(gm, info_of.get)
     gm.graph.lint()
@@ -86,18 +86,21 @@ def _name_in_place(gm: fx.GraphModule, info_of: Callable[[fx.Node], ParamInfo | 
             info = info_of(_param_of(call.shard))
             if info is None:
                 raise RuntimeError(f"fsdp2_compile: cannot tell which parameter {node.format_node()} gathers")
-            node.args = (call.shard, *info.static_args(), call.gathered)
+            node.args = (call.shard, *info.static_args(), call.gathered, call.grad_anchor)
     gm.recompile()
 
 
-def _take_unshards_out(body: fx.GraphModule, done: dict[int, dict] | None = None) -> dict[int, int | None]:
+def _take_unshards_out(
+    body: fx.GraphModule, done: dict[int, dict] | None = None
+) -> dict[int, tuple[int | None, int | None]]:
     """Rewrite `body` (and the subgraphs it calls) to take gathered parameters where it took shards: each
     `to_local` -> `fsdp2::unshard` of a placeholder becomes that placeholder. Returns {index of such a placeholder:
-    the index of the placeholder its unshard took as `gathered` (a kept parameter), or None}."""
+    the indices of the placeholders its unshard took as `gathered` (a kept parameter) and as `grad_anchor`, or
+    None}."""
     done = {} if done is None else done
     placeholders = list(body.graph.find_nodes(op="placeholder"))
     index = {p: i for i, p in enumerate(placeholders)}
-    moved: dict[int, int | None] = {}
+    moved: dict[int, tuple[int | None, int | None]] = {}
 
     def outer(node: Any, user: fx.Node) -> int:
         if node not in index:
@@ -113,13 +116,14 @@ def _take_unshards_out(body: fx.GraphModule, done: dict[int, dict] | None = None
             inner = nested.module()
             if id(inner) not in done:
                 done[id(inner)] = _take_unshards_out(inner, done)
-            for j, kept in done[id(inner)].items():
-                kept = None if kept is None else outer(nested.operands[kept], node)
-                moved.setdefault(outer(nested.operands[j], node), kept)
+            for j, tensors in done[id(inner)].items():
+                tensors = tuple(None if i is None else outer(nested.operands[i], node) for i in tensors)
+                moved.setdefault(outer(nested.operands[j], node), tensors)
         elif node.op == "call_function" and node.target is UNSHARD:
             call = UnshardArgs.of(node)
             param = _param_of(call.shard)
-            moved.setdefault(outer(param, node), None if call.gathered is None else outer(call.gathered, node))
+            moved.setdefault(outer(param, node), tuple(None if t is None else outer(t, node)
+                                                       for t in (call.gathered, call.grad_anchor)))
             param.meta["example_value"] = node.meta.get("example_value")
             node.replace_all_uses_with(param)
             body.graph.erase_node(node)
@@ -142,8 +146,14 @@ def _param_of(shard: Any) -> fx.Node | None:
 
 
 def _infos_by_input(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> dict[fx.Node, ParamInfo]:
-    """The `ParamInfo` of each placeholder of `gm` that is a parameter `shard` manages."""
-    by_id = {id(p): info for module in list(SHARDED_MODULES) for _, p, info in managed_params(module)}
+    """The `ParamInfo` of each placeholder of `gm` that is a parameter `shard` manages (or what a compiled graph
+    reads of it instead: `grad_delivery.receive_grads`)."""
+    by_id = {}
+    for module in list(SHARDED_MODULES):
+        for _, p, info in managed_params(module):
+            for read in (p, info.__dict__.get("grad_source")):
+                if read is not None:
+                    by_id[id(read)] = info
     placeholders = gm.graph.find_nodes(op="placeholder")
     return {node: by_id[id(value)] for node, value in zip(placeholders, example_inputs) if id(value) in by_id}
 

@@ -1,7 +1,7 @@
 """The graph contract: how the facts of a sharded parameter travel through the graph, owned in one place.
 
 A parameter's facts start as the arguments of `fsdp2::unshard` (and, in backward, `fsdp2::reduce_grad`,
-`fsdp2::stash_grad`, `fsdp2::add_pending_grad`); the lowering passes turn each op into casts, copies and
+`fsdp2::stash_grad`, `fsdp2::add_pending_grad`, `fsdp2::deliver_grad`); the lowering passes turn each op into casts, copies and
 functional collectives and leave the facts in `node.meta`. This module names every step of that path:
 
 - **Named views of op arguments** (`UnshardArgs.of(node).fqn`, `ReduceGradArgs.of(node).reduce_dtype`,
@@ -37,6 +37,7 @@ __all__ = [
     "ADD_PENDING_GRAD",
     "BUCKET",
     "COLLECTIVE_KINDS",
+    "DELIVER_GRAD",
     "KEEP_ALIVE",
     "KEEP_UNSHARDED",
     "PARAMS",
@@ -54,6 +55,7 @@ __all__ = [
     "AllToAllArgs",
     "Collective",
     "CollectiveArgs",
+    "DeliverGradArgs",
     "KeepAliveArgs",
     "KeepUnshardedArgs",
     "OpArgs",
@@ -85,6 +87,7 @@ STASH_GRAD = ops.STASH_GRAD
 ADD_PENDING_GRAD = ops.ADD_PENDING_GRAD
 KEEP_ALIVE = ops.KEEP_ALIVE
 KEEP_UNSHARDED = ops.KEEP_UNSHARDED
+DELIVER_GRAD = ops.DELIVER_GRAD
 RELEASE_UNSHARDED = ops.RELEASE_UNSHARDED
 WAIT = _funcol.wait_tensor.default
 
@@ -279,6 +282,9 @@ KeepAliveArgs = _view("KeepAliveArgs", KEEP_ALIVE, "Arguments of `fsdp2::keep_al
 KeepUnshardedArgs = _view(
     "KeepUnshardedArgs", KEEP_UNSHARDED, "Arguments of `fsdp2::keep_unsharded` (backward, reshard_after_backward off)."
 )
+DeliverGradArgs = _view(
+    "DeliverGradArgs", DELIVER_GRAD, "Arguments of `fsdp2::deliver_grad` (backward, a parameter with hooks)."
+)
 ReleaseUnshardedArgs = _view(
     "ReleaseUnshardedArgs", RELEASE_UNSHARDED, "Arguments of `fsdp2::release_unsharded` (a forward took a kept parameter)."
 )
@@ -286,7 +292,7 @@ WaitArgs = _view("WaitArgs", WAIT, "Arguments of `_c10d_functional::wait_tensor`
 
 _FSDP_VIEWS: dict[Any, type] = {
     v.op: v for v in (UnshardArgs, ReduceGradArgs, StashGradArgs, AddPendingGradArgs, KeepAliveArgs,
-                      KeepUnshardedArgs, ReleaseUnshardedArgs)
+                      KeepUnshardedArgs, ReleaseUnshardedArgs, DeliverGradArgs)
 }
 
 

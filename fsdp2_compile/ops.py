@@ -1,6 +1,7 @@
 """The custom ops the capture sees: `fsdp2::unshard` and its autograd twin `fsdp2::reduce_grad`, the two that
 gradient accumulation without sync uses, `fsdp2::stash_grad` / `fsdp2::add_pending_grad`, the two that keep
-parameters gathered after backward, `fsdp2::keep_unsharded` / `fsdp2::release_unsharded`, and `fsdp2::keep_alive`.
+parameters gathered after backward, `fsdp2::keep_unsharded` / `fsdp2::release_unsharded`, `fsdp2::deliver_grad`,
+which hands a reduced gradient to its parameter inside backward (optimizer in backward), and `fsdp2::keep_alive`.
 
 `unshard(shard)` returns the full parameter (all ranks' shards, cast to `param_dtype`); its backward is
 `reduce_grad(grad)`, which returns this rank's shard of the averaged gradient in the parameter's dtype.
@@ -19,11 +20,15 @@ Every argument besides the tensor is static metadata, carried in the op so each 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
 __all__ = [
     "ADD_PENDING_GRAD",
+    "DELIVER_GRAD",
+    "GRAD_RECEIVERS",
     "KEEP_ALIVE",
     "KEEP_UNSHARDED",
     "KEPT_UNSHARDED",
@@ -32,6 +37,7 @@ __all__ = [
     "STASH_GRAD",
     "UNSHARD",
     "add_pending_grad",
+    "deliver_grad",
     "keep_alive",
     "keep_unsharded",
     "release_all_unsharded",
@@ -84,7 +90,9 @@ def unshard(
     compute_device: torch.device | None = None,
     reshard_after_backward: bool = True,
     kept_key: str = "",
+    grad_key: str = "",
     gathered: Tensor | None = None,
+    grad_anchor: Tensor | None = None,
 ) -> Tensor:
     """All-gather a dim-0 shard into the full parameter of `dim0` rows, cast to `param_dtype` first.
     Only the backward uses the rest: `replicate_*` name the HSDP replicate group (`1` / `""` without one);
@@ -97,7 +105,9 @@ def unshard(
     the smaller group compiled backwards gather from (`post_forward.py`); eager runs gather from the whole group.
     `compute_device` (`CPUOffloadPolicy` on an accelerator mesh): where the CPU shard is copied before all else.
     `reshard_after_backward=False`: backward keeps the gathered parameter under `kept_key`; the next forward
-    passes it as `gathered` and gathers nothing (`unsharded_after_backward.py`)."""
+    passes it as `gathered` and gathers nothing (`unsharded_after_backward.py`). `grad_key` (with `grad_anchor`,
+    a parameter with post-accumulate-grad hooks): backward hands the reduced gradient to the parameter itself and
+    runs its hooks (`deliver_grad`), as FSDP2 does after each reduce-scatter; the shard gets no gradient."""
     if gathered is not None:
         return gathered.clone()
     x = shard if compute_device is None else shard.to(compute_device, non_blocking=True)
@@ -199,11 +209,32 @@ def _(grad, pending_key, reduce_dtype, fqn):
     return grad.new_empty(grad.shape, dtype=reduce_dtype)
 
 
+GRAD_RECEIVERS: dict[str, Callable[[Tensor], None]] = {}
+"""By `grad_key`: what takes a parameter's reduced gradient shard (sets or adds to its `.grad`, runs its
+post-accumulate-grad hooks; `grad_delivery.py`)."""
+
+
+@torch.library.custom_op("fsdp2::deliver_grad", mutates_args=())
+def deliver_grad(grad: Tensor, grad_key: str, fqn: str) -> Tensor:
+    """Hand a copy of the reduced gradient shard `grad` to the parameter registered under `grad_key` (a copy: the
+    compiled graph may reuse `grad`'s memory once this op has run); returns a zero scalar, the gradient of the
+    grad anchor, which keeps this op in the backward graph. Side effect: the parameter's `.grad` and whatever its
+    hooks do (an optimizer step), so the op is marked with `torch.fx.node.has_side_effect`."""
+    GRAD_RECEIVERS[grad_key](grad.detach().clone())
+    return grad.new_zeros(())
+
+
+@deliver_grad.register_fake
+def _(grad, grad_key, fqn):
+    return grad.new_empty(())
+
+
 def _unshard_setup_context(ctx, inputs, output) -> None:
     from .ir import ReduceGradArgs, UnshardArgs
 
     a = UnshardArgs.bind(inputs)  # torch fills in the defaults
     ctx.sync, ctx.pending_key, ctx.fqn = a.requires_grad_sync, a.pending_key, a.fqn
+    ctx.grad_key = a.grad_key if a.grad_anchor is not None else ""
     ctx.reduce = ReduceGradArgs(
         grad=None, local_rows=a.shard.shape[0], world_size=a.world_size, group_name=a.group_name,
         reduce_dtype=a.reduce_dtype, out_dtype=a.shard.dtype, fqn=a.fqn, bucket=a.bucket,
@@ -222,7 +253,12 @@ def _unshard_backward(ctx, grad: Tensor):
         if ctx.pending_key:
             grad = torch.ops.fsdp2.add_pending_grad(grad, ctx.pending_key, r.reduce_dtype, ctx.fqn)
         reduced = torch.ops.fsdp2.reduce_grad(*r.replace(grad=grad).as_args())
-    return (reduced,) + (None,) * (ctx.n_inputs - 1)  # no gradient for the static arguments
+    if not ctx.grad_key:
+        return (reduced,) + (None,) * (ctx.n_inputs - 1)  # no gradient for the static arguments
+    # Delivered (FSDP2 runs the hooks only when a gradient was reduced and all-reduced), the shard gets none.
+    delivered = ctx.sync and (r.replicate_size == 1 or r.requires_all_reduce)
+    anchor = torch.ops.fsdp2.deliver_grad(reduced, ctx.grad_key, ctx.fqn) if delivered else reduced.new_zeros(())
+    return (None,) * (ctx.n_inputs - 1) + (anchor,)
 
 
 unshard.register_autograd(_unshard_backward, setup_context=_unshard_setup_context)
@@ -280,3 +316,4 @@ ADD_PENDING_GRAD = torch.fx.node.has_side_effect(torch.ops.fsdp2.add_pending_gra
 """Reads and clears `_PENDING_GRADS`: marked side-effecting like `STASH_GRAD`."""
 KEEP_UNSHARDED = torch.fx.node.has_side_effect(torch.ops.fsdp2.keep_unsharded.default)
 RELEASE_UNSHARDED = torch.fx.node.has_side_effect(torch.ops.fsdp2.release_unsharded.default)
+DELIVER_GRAD = torch.fx.node.has_side_effect(torch.ops.fsdp2.deliver_grad.default)

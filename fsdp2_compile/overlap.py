@@ -5,7 +5,9 @@ the collective itself) and `finish` (its wait and the copy-out chain). An order 
 sort: each all-gather's start goes right before its *anchor* (the node it must be issued ahead of), its finish right
 before its first use; reduce-scatters start as soon as their gradients exist and finish at the very end — except
 under HSDP, where a reduce-scatter finishes just before the next one starts and its all-reduce over the replicas
-starts right then, so both overlap the rest of the backward; all-reduces finish at the end.
+starts right then, so both overlap the rest of the backward; all-reduces finish at the end. A reduce-scatter whose
+gradients are delivered inside backward (`grad_delivery.py`) also finishes just before the next one starts; its
+deliveries (the parameters' hooks: an optimizer step) run right after that one is issued.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from enum import IntEnum
 from torch import fx
 
 from .graph import positions, stable_topological_sort
-from .ir import BUCKET, PREFETCH, ROLE, AllReduceArgs, CollectiveArgs, Role, fsdp_collective_kind, nbytes, val
+from .ir import BUCKET, DELIVER_GRAD, PREFETCH, ROLE, AllReduceArgs, CollectiveArgs, Role, fsdp_collective_kind, nbytes, val
 
 __all__ = ["Rank", "Unit", "anchors_at", "emit_order", "find_units", "memory_budget", "order_keys"]
 
@@ -100,7 +102,9 @@ class Rank(IntEnum):
     `emit_order` sorts by, smallest first. A sort key is `(slot, rank)`."""
 
     REPLICA_WAIT = 0
-    """HSDP: a reduce-scatter's wait, just before the next reduce-scatter is issued at this slot."""
+    """HSDP, or a bucket whose gradients are delivered (`fsdp2::deliver_grad`, optimizer in backward): a
+    reduce-scatter's wait, just before the next reduce-scatter is issued at this slot; the deliveries go right
+    after that issue."""
     REPLICA_START = 1
     """HSDP: the all-reduce over the replicas of that reduce-scatter's result, issued right after its wait."""
     ISSUE = 2
@@ -156,11 +160,16 @@ def order_keys(gm: fx.GraphModule, units: list[Unit], anchors: dict[fx.Node, fx.
         for n in u.start:
             key[n] = issue
     for u, later in zip(reduce_scatters, reduce_scatters[1:] + [None]):
-        replicated = any(user.target is AllReduceArgs.op for n in u.finish for user in n.users)
+        users = [user for n in u.finish for user in n.users]
+        replicated = any(user.target is AllReduceArgs.op for user in users)
+        delivered = [user for user in users if user.target is DELIVER_GRAD]
         # just before the next reduce-scatter is issued (its key ends with Rank.ISSUE, or AFTER)
-        finish = (*key[later.collective][:-1], Rank.REPLICA_WAIT) if replicated and later is not None else end
+        early = (replicated or delivered) and later is not None
+        finish = (*key[later.collective][:-1], Rank.REPLICA_WAIT) if early else end
         for n in u.finish:
             key[n] = finish
+        for n in delivered if early else ():
+            key[n] = _after(key[later.collective])  # the hooks run while the next reduce-scatter is in flight
     for u in units:
         if u.kind == Role.ALL_REDUCE:
             wait = last_input(u)  # its reduce-scatter's wait: just before the next reduce-scatter, or at the end

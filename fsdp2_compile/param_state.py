@@ -18,6 +18,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .config import MixedPrecisionPolicy
 from .eager_reshard import note_gathered
 from .gathered_copy import gathered_copy
+from ._torch_private import post_accumulate_grad_hooks
+from .grad_delivery import GRAD_ANCHORS, receive_grads
 from .ops import KEPT_UNSHARDED, release_unsharded, unshard
 
 __all__ = [
@@ -33,6 +35,7 @@ __all__ = [
     "is_known_param",
     "is_sharded",
     "managed_params",
+    "refresh_grad_delivery",
     "sharded_parameters",
     "state_of",
 ]
@@ -104,6 +107,9 @@ class ParamInfo:
     """False (`set_reshard_after_backward`): backward keeps the gathered parameter for the next forward."""
     kept_key: str = ""
     """Where it is kept (`ops.KEPT_UNSHARDED`); set the first time resharding after backward is turned off."""
+    grad_key: str = ""
+    """Set while the parameter has post-accumulate-grad hooks (`deliver_grads_to`): compiled backwards hand its
+    reduced gradient to it and run the hooks right after its reduce-scatter (`fsdp2::deliver_grad`), as FSDP2 does."""
     compiled_once: bool = False
     """Its module is one of several identical blocks traced once (`compiled_once.py`): in a compiled graph its
     `fsdp2::unshard` leaves out what names it (`static_args(anonymous=True)`); the backend names it again."""
@@ -146,8 +152,24 @@ class ParamInfo:
         if self.compiled_once and torch.compiler.is_compiling():
             # One guarded text per parameter; the arguments are read from a global, whose guards Dynamo does not
             # evaluate again for each block it stamps out.
-            return unshard(param.to_local(), *ANONYMOUS_ARGS[self.anonymous_key], kept)
-        return unshard(param.to_local(), *self.static_args(), kept)
+            args = ANONYMOUS_ARGS[self.anonymous_key]
+        else:
+            args = self.static_args()
+        # The last static argument is `grad_key`; eager backwards leave it to autograd, which runs the hooks of
+        # each parameter as soon as its gradient is reduced.
+        if args[-1] and torch.compiler.is_compiling():
+            return unshard(self.grad_source.to_local(), *args, kept, GRAD_ANCHORS[str(param.device)])
+        return unshard(param.to_local(), *args, kept)
+
+    def deliver_grads_to(self, param: DTensor) -> None:
+        """Before each compiled forward: while `param` has post-accumulate-grad hooks (FSDP2's optimizer in
+        backward), the compiled backward hands it its reduced gradient and runs them right after its reduce-scatter
+        (`grad_delivery.py`), instead of autograd once the whole backward has returned (a change recompiles)."""
+        hooked = bool(post_accumulate_grad_hooks(param))
+        if hooked != bool(self.grad_key):
+            self.grad_key = f"{self.fqn}@{id(self):x}/grad" if hooked else ""
+        # what a compiled forward gathers from (`self.__dict__`: not a field, changes no static argument)
+        self.__dict__["grad_source"] = receive_grads(self.grad_key, param) if hooked else None
 
     def static_args(self, anonymous: bool = False) -> tuple:
         """The arguments of `fsdp2::unshard` after the shard and before `gathered`. `anonymous`: without what
@@ -176,6 +198,7 @@ class ParamInfo:
             self.compute_device,
             self.reshard_after_backward,
             "" if anonymous else self.kept_key,
+            ("*" if self.grad_key else "") if anonymous else self.grad_key,
         )
 
     def set_reshard_after_backward(self, reshard_after_backward: bool) -> None:
@@ -255,6 +278,12 @@ def managed_params(module: nn.Module) -> Iterator[tuple[str, nn.Parameter, Param
             if id(param) not in seen:
                 seen.add(id(param))
                 yield (f"{mod_name}.{pname}" if mod_name else pname), param, info
+
+
+def refresh_grad_delivery(module: nn.Module) -> None:
+    """`ParamInfo.deliver_grads_to` for every parameter `shard` manages under `module` (before a compiled forward)."""
+    for _, param, info in managed_params(module):
+        info.deliver_grads_to(param)
 
 
 def is_known_param(param: nn.Parameter) -> bool:

@@ -233,10 +233,17 @@ def blocks_traced_once(rank: int, world_size: int, last_block_keeps: bool) -> di
     return out
 
 
-def optimizer_in_backward(rank: int, world_size: int) -> dict:
+def optimizer_in_backward(rank: int, world_size: int, accumulate: bool) -> dict:
     """FSDP2's optimizer in backward: one AdamW per sharded parameter, stepped by a post-accumulate-grad hook on it
-    (no `opt.step()` in the loop), on fully_shard and on ours (blocks then the root): each system's losses."""
+    (no `opt.step()` in the loop), on fully_shard and on ours (blocks then the root): each system's losses, how
+    many hooks ran (ours: how many inside the compiled backward, from `fsdp2::deliver_grad`) and, for ours, the
+    backward graph's order of reduce-scatters, their waits and the deliveries. `accumulate`: every step is two
+    micro-batches, the first with gradient sync off (FSDP2 then reduces nothing and runs no hook)."""
+    import traceback
+
     from torch.distributed.fsdp import fully_shard
+
+    from fsdp2_compile.ir import BUCKET, DELIVER_GRAD, WAIT, DeliverGradArgs, Role, WaitArgs
 
     out = {}
     for system in ("fsdp2", "ours"):
@@ -246,25 +253,38 @@ def optimizer_in_backward(rank: int, world_size: int) -> dict:
             (fully_shard if system == "fsdp2" else fc.shard)(block)
         (fully_shard if system == "fsdp2" else fc.shard_compile)(model)
         optimizers = {p: torch.optim.AdamW([p], lr=1e-2) for p in model.parameters()}
-        stepped = []
+        stepped, in_graph = [], []
 
-        def step(p, optimizers=optimizers, stepped=stepped):
+        def step(p, optimizers=optimizers, stepped=stepped, in_graph=in_graph):
             optimizers[p].step()
             optimizers[p].zero_grad()
             stepped.append(p)
+            in_graph.append(any(frame.name == "deliver_grad" for frame in traceback.extract_stack()))
 
         for p in model.parameters():
             p.register_post_accumulate_grad_hook(step)
         losses = []
         for i in range(STEPS):
-            x, y = batch("gpt", i)
-            loss = loss_fn("gpt", model(local_slice(x, rank, world_size)), local_slice(y, rank, world_size))
-            loss.backward()
+            for micro, sync in ((0, False), (1, True)) if accumulate else ((0, True),):
+                model.set_requires_gradient_sync(sync)
+                x, y = batch("gpt", 2 * i + micro)
+                loss = loss_fn("gpt", model(local_slice(x, rank, world_size)), local_slice(y, rank, world_size))
+                loss.backward()
             total = loss.detach().clone()
             dist.all_reduce(total)
             losses.append(total.item() / world_size)
         out[system] = losses
         out[f"{system}_hooks"] = len(stepped)
+        out[f"{system}_hooks_in_graph"] = sum(in_graph)
         out[f"{system}_grads_left"] = sum(p.grad is not None for p in model.parameters())
+    backward = [r.gm for r in compiled_graphs() if r.kind == "backward"][-1]
+    out["backward"] = []  # (what, bucket) in graph order: "reduce_scatter", its "wait", "deliver"
+    for n in backward.graph.nodes:
+        if n.target is DELIVER_GRAD:
+            out["backward"].append(("deliver", DeliverGradArgs.of(n).grad.meta[BUCKET]))
+        elif n.target is WAIT and fsdp_collective_kind(WaitArgs.of(n).tensor) == Role.REDUCE_SCATTER:
+            out["backward"].append(("wait", n.meta[BUCKET]))
+        elif fsdp_collective_kind(n) == Role.REDUCE_SCATTER:
+            out["backward"].append(("reduce_scatter", n.meta[BUCKET]))
     out["params"] = len(list(model.parameters()))
     return out

@@ -123,14 +123,29 @@ def test_explicit_prefetch_lists_steer_the_scheduler(fake_pg):
     clear_compiled_graphs()
 
 
-def test_optimizer_in_backward_by_post_accumulate_grad_hooks_trains_as_fully_shard():
+@pytest.mark.parametrize("accumulate", [False, True], ids=["every_step", "accumulating_unsynced"])
+def test_optimizer_in_backward_by_post_accumulate_grad_hooks_trains_as_fully_shard(accumulate):
     """FSDP2's optimizer in backward: an optimizer per sharded parameter, stepped (and its gradient cleared) by a
     post-accumulate-grad hook on the parameter, with no optimizer step in the loop. Every hook runs once per step
-    on both systems and the losses are bitwise equal."""
-    result = run_ranks(optimizer_in_backward, 2)[0]
+    on both systems (not in a backward with gradient sync off: nothing is reduced) and the losses are bitwise
+    equal. Ours runs the hooks inside the compiled backward, each bucket's right after the next bucket's
+    reduce-scatter is issued (as FSDP2 runs them after each reduce-scatter), not after the whole backward."""
+    result = run_ranks(optimizer_in_backward, 2, accumulate)[0]
     assert result["ours"] == result["fsdp2"]
     assert result["ours_hooks"] == result["fsdp2_hooks"] == 4 * result["params"]
+    assert result["ours_hooks_in_graph"] == result["ours_hooks"]
+    assert result["fsdp2_hooks_in_graph"] == 0
     assert result["ours_grads_left"] == result["fsdp2_grads_left"] == 0
+    events = result["backward"]
+    assert sum(what == "deliver" for what, _ in events) == result["params"]
+    issued = [bucket for what, bucket in events if what == "reduce_scatter"]
+    assert len(issued) == 3  # the two blocks, then the root
+    for bucket, following in zip(issued, issued[1:]):
+        # bucket k's reduce-scatter is waited for, k+1's issued, then k's deliveries run while k+1's is in flight
+        delivered = [i for i, event in enumerate(events) if event == ("deliver", bucket)]
+        assert delivered
+        assert events.index(("wait", bucket)) < events.index(("reduce_scatter", following)) < min(delivered)
+        assert max(delivered) < events.index(("wait", following))
 
 
 def test_gradient_divide_factor_sums_scaled_gradients():

@@ -269,7 +269,7 @@ def test_views_name_every_schema_argument(fake_pg):
     assert [f.name for f in dataclasses.fields(a)] == [arg.name for arg in UNSHARD._schema.arguments]
     assert (a.fqn, a.bucket, a.dim0, a.reshard_after_forward) == ("fc.weight", "blocks.0", 33, True)
     assert (a.replicate_size, a.pending_key) == (1, "")  # schema defaults filled in
-    assert a.static() == a.as_args()[1:-1] and a.replace(fqn="x").fqn == "x"  # tensors: shard, gathered
+    assert a.static() == a.as_args()[1:-2] and a.replace(fqn="x").fqn == "x"  # tensors: shard, gathered, grad_anchor
     with pytest.raises(TypeError, match="not"):
         ReduceGradArgs.of(node)
     gm = lower_unshard(gm, PassContext("forward"))

@@ -1,0 +1,84 @@
+"""Optimizer in backward, in the compiled graph: a parameter's reduced gradient handed to it right after its
+reduce-scatter, where FSDP2's `foreach_reduce` sets `.grad` and runs the post-accumulate-grad hooks.
+
+Autograd would run those hooks only once the whole compiled backward has returned all gradients. For a parameter
+with hooks (`ParamInfo.grad_key`, refreshed before every compiled forward), `fsdp2::unshard` also takes a grad
+anchor (a zero scalar that requires grad) and its backward ends in `fsdp2::deliver_grad` instead of returning the
+shard's gradient: the shard gets none (autograd runs no hook of its own), the anchor gets the zero each delivery
+returns, which keeps the deliveries in the partitioned backward graph, where the passes place each after its
+bucket's reduce-scatter like any other use of the reduced gradient.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+from torch.distributed.tensor import DTensor
+
+from ._torch_private import post_accumulate_grad_hooks
+from .ir import UNSHARD, UnshardArgs
+from .ops import GRAD_RECEIVERS
+
+__all__ = ["GRAD_ANCHORS", "one_unshard_per_delivered_param", "receive_grads"]
+
+GRAD_ANCHORS: dict[str, torch.Tensor] = {}
+"""By device (its text): the zero scalar that requires grad every delivered parameter's `fsdp2::unshard` takes."""
+
+
+def receive_grads(grad_key: str, param: DTensor) -> DTensor:
+    """Register `param` as the receiver of the gradients delivered under `grad_key` (and make its device's anchor).
+    Returns the parameter detached (sharing its storage, so it sees every optimizer update): what a compiled graph
+    reads, so that autograd does not connect the graph to the parameter (its engine would run the hooks once more,
+    with no gradient, when the compiled backward returns)."""
+    receiver = GRAD_RECEIVERS.get(grad_key)
+    if not isinstance(receiver, _GradReceiver) or receiver.param() is not param:
+        receiver = GRAD_RECEIVERS[grad_key] = _GradReceiver(weakref.ref(param), param.detach())
+    if str(param.device) not in GRAD_ANCHORS:
+        anchor = torch.zeros((), device=param.device, requires_grad=True)
+        anchor.register_post_accumulate_grad_hook(lambda t: setattr(t, "grad", None))
+        GRAD_ANCHORS[str(param.device)] = anchor
+    return receiver.detached
+
+
+@dataclass(frozen=True)
+class _GradReceiver:
+    """Takes a reduced gradient shard as FSDP2 does: set or add to `.grad` (a DTensor of the parameter's layout),
+    then run the parameter's post-accumulate-grad hooks."""
+
+    param: weakref.ref
+    detached: DTensor
+
+    def __call__(self, local: torch.Tensor) -> None:
+        param = self.param()
+        if param is None:
+            return
+        grad = DTensor.from_local(local, param.device_mesh, param.placements, run_check=False, shape=param.shape,
+                                  stride=param.stride())
+        if param.grad is None:
+            param.grad = grad
+        else:
+            param.grad.add_(grad)
+        for hook in post_accumulate_grad_hooks(param):
+            hook(param)
+
+
+def one_unshard_per_delivered_param(gm: fx.GraphModule) -> None:
+    """Before AOTAutograd: a delivered parameter read several times (tied weights) is gathered by its first
+    `fsdp2::unshard` for every read, so autograd sums its gradients before the one reduction and delivery (the
+    passes' `combine_tied_grads` would meet two deliveries it cannot merge)."""
+    first: dict[tuple, fx.Node] = {}
+    for node in list(gm.graph.find_nodes(op="call_function", target=UNSHARD)):
+        call = UnshardArgs.of(node)
+        if not call.grad_key or call.gathered is not None:
+            continue
+        if call.static() not in first:
+            first[call.static()] = node
+            continue
+        node.replace_all_uses_with(first[call.static()])
+        gm.graph.erase_node(node)
+        if isinstance(call.shard, fx.Node) and not call.shard.users:
+            gm.graph.erase_node(call.shard)
+    gm.recompile()
