@@ -29,6 +29,7 @@ __all__ = [
     "fake_process_group",
     "group_ranks",
     "post_accumulate_grad_hooks",
+    "queue_at_backward_end",
     "group_size",
     "group_timeout",
     "inductor_compile",
@@ -45,6 +46,11 @@ def post_accumulate_grad_hooks(tensor: torch.Tensor) -> list:
     """The hooks `tensor.register_post_accumulate_grad_hook` registered, in order (FSDP2's `foreach_reduce` reads
     the same attribute to run them after its reduce-scatter)."""
     return list((getattr(tensor, "_post_accumulate_grad_hooks", None) or {}).values())
+
+
+def queue_at_backward_end(callback) -> None:
+    """Run `callback` when the running backward pass ends (autograd's engine; FSDP2 queues its own the same way)."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 
 def fake_process_group(rank: int, world_size: int) -> None:

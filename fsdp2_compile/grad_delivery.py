@@ -11,18 +11,24 @@ bucket's reduce-scatter like any other use of the reduced gradient.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from dataclasses import dataclass
 
 import torch
 from torch import fx
 from torch.distributed.tensor import DTensor
+from torch.utils.weak import WeakIdKeyDictionary
 
-from ._torch_private import post_accumulate_grad_hooks
+from ._torch_private import post_accumulate_grad_hooks, queue_at_backward_end
 from .ir import UNSHARD, UnshardArgs
 from .ops import GRAD_RECEIVERS
 
-__all__ = ["GRAD_ANCHORS", "one_unshard_per_delivered_param", "receive_grads"]
+__all__ = ["GRAD_ANCHORS", "HOOKS_AFTER_BACKWARD", "one_unshard_per_delivered_param", "receive_grads"]
+
+HOOKS_AFTER_BACKWARD = "/hooks-after-backward"
+"""Appended to a `grad_key` by an eager forward: a parameter read twice there is gathered and reduced twice, so
+its hooks run once, when the backward ends."""
 
 GRAD_ANCHORS: dict[str, torch.Tensor] = {}
 """By device (its text): the zero scalar that requires grad every delivered parameter's `fsdp2::unshard` takes."""
@@ -36,6 +42,7 @@ def receive_grads(grad_key: str, param: DTensor) -> DTensor:
     receiver = GRAD_RECEIVERS.get(grad_key)
     if not isinstance(receiver, _GradReceiver) or receiver.param() is not param:
         receiver = GRAD_RECEIVERS[grad_key] = _GradReceiver(weakref.ref(param), param.detach())
+        GRAD_RECEIVERS[grad_key + HOOKS_AFTER_BACKWARD] = functools.partial(receiver, hooks_now=False)
     if str(param.device) not in GRAD_ANCHORS:
         anchor = torch.zeros((), device=param.device, requires_grad=True)
         anchor.register_post_accumulate_grad_hook(lambda t: setattr(t, "grad", None))
@@ -51,7 +58,7 @@ class _GradReceiver:
     param: weakref.ref
     detached: DTensor
 
-    def __call__(self, local: torch.Tensor) -> None:
+    def __call__(self, local: torch.Tensor, hooks_now: bool = True) -> None:
         param = self.param()
         if param is None:
             return
@@ -61,8 +68,28 @@ class _GradReceiver:
             param.grad = grad
         else:
             param.grad.add_(grad)
-        for hook in post_accumulate_grad_hooks(param):
-            hook(param)
+        if hooks_now:
+            _run_hooks(param)
+            return
+        if not _HOOKS_PENDING:
+            queue_at_backward_end(_run_pending_hooks)
+        _HOOKS_PENDING[param] = None
+
+
+_HOOKS_PENDING = WeakIdKeyDictionary()
+"""Parameters whose hooks run when the current (eager) backward ends, in the order their gradients came."""
+
+
+def _run_pending_hooks() -> None:
+    params = list(_HOOKS_PENDING)
+    _HOOKS_PENDING.clear()
+    for param in params:
+        _run_hooks(param)
+
+
+def _run_hooks(param: DTensor) -> None:
+    for hook in post_accumulate_grad_hooks(param):
+        hook(param)
 
 
 def one_unshard_per_delivered_param(gm: fx.GraphModule) -> None:

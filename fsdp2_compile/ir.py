@@ -1,8 +1,8 @@
 """The graph contract: how the facts of a sharded parameter travel through the graph, owned in one place.
 
 A parameter's facts start as the arguments of `fsdp2::unshard` (and, in backward, `fsdp2::reduce_grad`,
-`fsdp2::stash_grad`, `fsdp2::add_pending_grad`, `fsdp2::deliver_grad`); the lowering passes turn each op into casts, copies and
-functional collectives and leave the facts in `node.meta`. This module names every step of that path:
+`fsdp2::stash_grad`, `fsdp2::add_pending_grad`, `fsdp2::deliver_grad`); the lowering passes turn each op into casts,
+copies and functional collectives and leave the facts in `node.meta`. This module names every step of that path:
 
 - **Named views of op arguments** (`UnshardArgs.of(node).fqn`, `ReduceGradArgs.of(node).reduce_dtype`,
   `CollectiveArgs.of(node).group_name`, ...), one frozen dataclass per op whose fields are generated from the op's

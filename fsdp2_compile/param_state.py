@@ -19,7 +19,7 @@ from .config import MixedPrecisionPolicy
 from .eager_reshard import note_gathered
 from .gathered_copy import gathered_copy
 from ._torch_private import post_accumulate_grad_hooks
-from .grad_delivery import GRAD_ANCHORS, receive_grads
+from .grad_delivery import GRAD_ANCHORS, HOOKS_AFTER_BACKWARD, receive_grads
 from .ops import KEPT_UNSHARDED, release_unsharded, unshard
 
 __all__ = [
@@ -123,8 +123,10 @@ class ParamInfo:
                 "assign parameters before calling fsdp2_compile.shard, or load values with load_state_dict"
             )
         kept = KEPT_UNSHARDED.get(self.kept_key) if self.kept_key else None
-        if kept is not None and not torch.compiler.is_compiling():
-            release_unsharded(self.kept_key)  # an eager forward takes it (compiled ones release it in their graph)
+        if not torch.compiler.is_compiling():
+            self.deliver_grads_to(param)  # compiled forwards: `refresh_grad_delivery`, before the compiled call
+            if kept is not None:
+                release_unsharded(self.kept_key)  # an eager forward takes it (compiled ones in their graph)
         full = self._unshard(param, kept)
         if torch.compiler.is_compiling():
             return full if self.tp is None else self.tp.wrap(full)
@@ -155,16 +157,18 @@ class ParamInfo:
             args = ANONYMOUS_ARGS[self.anonymous_key]
         else:
             args = self.static_args()
-        # The last static argument is `grad_key`; eager backwards leave it to autograd, which runs the hooks of
-        # each parameter as soon as its gradient is reduced.
-        if args[-1] and torch.compiler.is_compiling():
-            return unshard(self.grad_source.to_local(), *args, kept, GRAD_ANCHORS[str(param.device)])
-        return unshard(param.to_local(), *args, kept)
+        if not args[-1]:  # the last static argument: `grad_key`
+            return unshard(param.to_local(), *args, kept)
+        if not torch.compiler.is_compiling():
+            # eager: a parameter read twice is gathered (and reduced) twice: its hooks wait for the backward's end
+            args = (*args[:-1], args[-1] + HOOKS_AFTER_BACKWARD)
+        return unshard(self.grad_source.to_local(), *args, kept, GRAD_ANCHORS[str(param.device)])
 
     def deliver_grads_to(self, param: DTensor) -> None:
-        """Before each compiled forward: while `param` has post-accumulate-grad hooks (FSDP2's optimizer in
-        backward), the compiled backward hands it its reduced gradient and runs them right after its reduce-scatter
-        (`grad_delivery.py`), instead of autograd once the whole backward has returned (a change recompiles)."""
+        """Before each forward: while `param` has post-accumulate-grad hooks (FSDP2's optimizer in backward),
+        backward hands it its reduced gradient and runs them (a compiled one right after its reduce-scatter:
+        `grad_delivery.py`), instead of autograd, which would also run them after an unsynced backward (a change
+        recompiles)."""
         hooked = bool(post_accumulate_grad_hooks(param))
         if hooked != bool(self.grad_key):
             self.grad_key = f"{self.fqn}@{id(self):x}/grad" if hooked else ""

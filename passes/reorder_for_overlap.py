@@ -3,7 +3,8 @@
 Each all-gather starts `prefetch_depth` buckets ahead of its first use — when the compute of the bucket that many
 places earlier begins (forward: block i+1's gather before block i; backward: block i-1's before block i) — fewer
 where the gathered bytes alive at once would pass the memory budget. Every wait moves right before its first use;
-reduce-scatters start as soon as their gradients exist and are waited for at the end of the graph.
+reduce-scatters start as soon as their gradients exist and are waited for at the end of the graph (HSDP, or
+gradients delivered inside backward: just before the next reduce-scatter starts; see `overlap.emit_order`).
 Contract: requires "bucketed", provides "prefetched". Skipped when `CompileConfig.prefetch` is False. Logs the
 distances (logger "fsdp2_compile").
 """

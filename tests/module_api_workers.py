@@ -236,7 +236,8 @@ def blocks_traced_once(rank: int, world_size: int, last_block_keeps: bool) -> di
 def optimizer_in_backward(rank: int, world_size: int, accumulate: bool) -> dict:
     """FSDP2's optimizer in backward: one AdamW per sharded parameter, stepped by a post-accumulate-grad hook on it
     (no `opt.step()` in the loop), on fully_shard and on ours (blocks then the root): each system's losses, how
-    many hooks ran (ours: how many inside the compiled backward, from `fsdp2::deliver_grad`) and, for ours, the
+    many hooks ran (ours: how many inside the compiled backward, from `fsdp2::deliver_grad`; eager `fc.shard`
+    runs them when the backward ends) and, for ours, the
     backward graph's order of reduce-scatters, their waits and the deliveries. `accumulate`: every step is two
     micro-batches, the first with gradient sync off (FSDP2 then reduces nothing and runs no hook)."""
     import traceback
@@ -246,12 +247,12 @@ def optimizer_in_backward(rank: int, world_size: int, accumulate: bool) -> dict:
     from fsdp2_compile.ir import BUCKET, DELIVER_GRAD, WAIT, DeliverGradArgs, Role, WaitArgs
 
     out = {}
-    for system in ("fsdp2", "ours"):
+    for system in ("fsdp2", "eager", "ours"):  # eager: fc.shard without compiling
         clear_compiled_graphs()
         model = make_model("gpt")
         for block in model.blocks:
             (fully_shard if system == "fsdp2" else fc.shard)(block)
-        (fully_shard if system == "fsdp2" else fc.shard_compile)(model)
+        {"fsdp2": fully_shard, "eager": fc.shard, "ours": fc.shard_compile}[system](model)
         optimizers = {p: torch.optim.AdamW([p], lr=1e-2) for p in model.parameters()}
         stepped, in_graph = [], []
 

@@ -128,14 +128,15 @@ def test_optimizer_in_backward_by_post_accumulate_grad_hooks_trains_as_fully_sha
     """FSDP2's optimizer in backward: an optimizer per sharded parameter, stepped (and its gradient cleared) by a
     post-accumulate-grad hook on the parameter, with no optimizer step in the loop. Every hook runs once per step
     on both systems (not in a backward with gradient sync off: nothing is reduced) and the losses are bitwise
-    equal. Ours runs the hooks inside the compiled backward, each bucket's right after the next bucket's
-    reduce-scatter is issued (as FSDP2 runs them after each reduce-scatter), not after the whole backward."""
+    equal, also with `fc.shard` alone (eager). Compiled, ours runs the hooks inside the backward, each bucket's
+    right after the next bucket's reduce-scatter is issued (as FSDP2 runs them after each reduce-scatter), not after
+    the whole backward."""
     result = run_ranks(optimizer_in_backward, 2, accumulate)[0]
-    assert result["ours"] == result["fsdp2"]
-    assert result["ours_hooks"] == result["fsdp2_hooks"] == 4 * result["params"]
+    assert result["ours"] == result["eager"] == result["fsdp2"]
+    assert result["ours_hooks"] == result["eager_hooks"] == result["fsdp2_hooks"] == 4 * result["params"]
     assert result["ours_hooks_in_graph"] == result["ours_hooks"]
-    assert result["fsdp2_hooks_in_graph"] == 0
-    assert result["ours_grads_left"] == result["fsdp2_grads_left"] == 0
+    assert result["fsdp2_hooks_in_graph"] == result["eager_hooks_in_graph"] == 0
+    assert result["ours_grads_left"] == result["eager_grads_left"] == result["fsdp2_grads_left"] == 0
     events = result["backward"]
     assert sum(what == "deliver" for what, _ in events) == result["params"]
     issued = [bucket for what, bucket in events if what == "reduce_scatter"]
