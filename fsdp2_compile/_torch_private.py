@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import fx
 from torch._functorch.aot_autograd import aot_module_simplified
+from torch._functorch import config as functorch_config
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._guards import detect_fake_mode
 from torch._library.fake_class_registry import FakeScriptObject
@@ -34,12 +35,20 @@ __all__ = [
     "group_timeout",
     "inductor_compile",
     "inductor_decompositions",
-    "min_cut_rematerialization_partition",
+    "min_cut_partition",
     "one_thread_gloo_backend",
     "resolve_group",
     "subgraph_schemas_reused",
     "trace_graph_artifact",
 ]
+
+
+def min_cut_partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """torch's min-cut partitioner without its common-subexpression pass: that pass imports Inductor's pattern
+    matcher and lowering (~20 MiB per rank) and leaves our graphs as they were (`lower_unshard` folds repeated
+    gathers itself; the GPT's and MLP's graphs came out identical but for one node's name)."""
+    with functorch_config.patch(cse=False):
+        return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
 
 
 def post_accumulate_grad_hooks(tensor: torch.Tensor) -> list:

@@ -28,7 +28,7 @@ from ._torch_private import (
     current_compile_id,
     inductor_compile,
     inductor_decompositions,
-    min_cut_rematerialization_partition,
+    min_cut_partition,
     subgraph_schemas_reused,
 )
 from .compiled_once import gather_again_in_backward, gather_outside_blocks
@@ -152,7 +152,7 @@ def _rng_states_before_opaques(fw: fx.GraphModule, bw: fx.GraphModule) -> None:
 def _partition(joint: fx.GraphModule, joint_inputs: Any, *, config: CompileConfig, **kwargs: Any):
     gather_again_in_backward(joint)
     _tag_unshards(joint, config)
-    fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+    fw, bw = min_cut_partition(joint, joint_inputs, **kwargs)
     _rng_states_before_opaques(fw, bw)
     gather_backward_from_post_forward_shards(fw, bw, kwargs["num_fwd_outputs"])
     keep_unsharded_after_backward(fw, bw)
