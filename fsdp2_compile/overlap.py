@@ -5,9 +5,10 @@ the collective itself) and `finish` (its wait and the copy-out chain). An order 
 sort: each all-gather's start goes right before its *anchor* (the node it must be issued ahead of), its finish right
 before its first use; reduce-scatters start as soon as their gradients exist and finish at the very end — except
 under HSDP, where a reduce-scatter finishes just before the next one starts and its all-reduce over the replicas
-starts right then, so both overlap the rest of the backward; all-reduces finish at the end. A reduce-scatter whose
-gradients are delivered inside backward (`grad_delivery.py`) also finishes just before the next one starts; its
-deliveries (the parameters' hooks: an optimizer step) run right after that one is issued.
+starts right then, so both overlap the rest of the backward; all-reduces finish at the end. A reduction (the
+reduce-scatter, or under HSDP the all-reduce) whose gradients are delivered inside backward (`grad_delivery.py`)
+finishes just before the next one of its kind starts; its deliveries (the parameters' hooks: an optimizer step) run
+right after that one is issued.
 """
 
 from __future__ import annotations
@@ -103,7 +104,7 @@ class Rank(IntEnum):
 
     REPLICA_WAIT = 0
     """HSDP, or a bucket whose gradients are delivered (`fsdp2::deliver_grad`, optimizer in backward): a
-    reduce-scatter's wait, just before the next reduce-scatter is issued at this slot; the deliveries go right
+    reduction's wait, just before the next reduction of its kind is issued at this slot; the deliveries go right
     after that issue."""
     REPLICA_START = 1
     """HSDP: the all-reduce over the replicas of that reduce-scatter's result, issued right after its wait."""
@@ -131,8 +132,10 @@ def emit_order(gm: fx.GraphModule, units: list[Unit], anchors: dict[fx.Node, fx.
     """Reorder `gm` by a stable topological sort whose key states the rule (`Rank`): all-gather `u` is issued
     right before `anchors[u.collective]` and waited for right before its first use; a reduce-scatter is issued
     right after its last input and waited for at the end (or, when an HSDP all-reduce follows, just before the
-    next reduce-scatter is issued, its all-reduce issued right then); all-reduces are waited for at the end. Other
-    nodes keep their order; among nodes of one slot and rank the current order decides."""
+    next reduce-scatter is issued, its all-reduce issued right then); all-reduces are waited for at the end. A
+    reduction whose gradients are delivered is waited for just before the next of its kind is issued, and its
+    deliveries run right after that issue. Other nodes keep their order; among nodes of one slot and rank the
+    current order decides."""
     stable_topological_sort(gm, key=order_keys(gm, units, anchors))
 
 
@@ -159,26 +162,36 @@ def order_keys(gm: fx.GraphModule, units: list[Unit], anchors: dict[fx.Node, fx.
         issue = _after(last_input(u))
         for n in u.start:
             key[n] = issue
-    for u, later in zip(reduce_scatters, reduce_scatters[1:] + [None]):
+    _place_finishes(reduce_scatters, key, end, replicated=True)
+    all_reduces = [u for u in units if u.kind == Role.ALL_REDUCE]
+    for u in all_reduces:
+        wait = last_input(u)  # its reduce-scatter's wait: just before the next reduce-scatter, or at the end
+        issue = (*wait[:-1], Rank.REPLICA_START) if wait[-1] == Rank.REPLICA_WAIT else (*wait, Rank.AFTER)
+        for n in u.start:
+            key[n] = issue
+    _place_finishes(all_reduces, key, end, replicated=False)
+    return current
+
+
+def _place_finishes(units: list[Unit], key: dict[fx.Node, Key], end: Key, replicated: bool) -> None:
+    """Keys of the waits (and copy-outs) of `units`, reductions of one kind in issue order: at the end, or just
+    before the next one is issued when the result is all-reduced next (`replicated`: HSDP's reduce-scatters) or
+    delivered (`fsdp2::deliver_grad`); deliveries right after that next one is issued, so the hooks run while it
+    is in flight (and before that one's wait, should it be the last and issued at the end)."""
+    deliveries: Key | None = None  # where the previous unit's deliveries went
+    for u, later in zip(units, units[1:] + [None]):
         users = [user for n in u.finish for user in n.users]
-        replicated = any(user.target is AllReduceArgs.op for user in users)
         delivered = [user for user in users if user.target is DELIVER_GRAD]
-        # just before the next reduce-scatter is issued (its key ends with Rank.ISSUE, or AFTER)
-        early = (replicated or delivered) and later is not None
+        early = later is not None and (delivered or replicated and any(
+            user.target is AllReduceArgs.op for user in users))
         finish = (*key[later.collective][:-1], Rank.REPLICA_WAIT) if early else end
+        if deliveries is not None and deliveries > finish:
+            finish = (*deliveries, Rank.AFTER)
         for n in u.finish:
             key[n] = finish
+        deliveries = _after(key[later.collective]) if early and delivered else None
         for n in delivered if early else ():
-            key[n] = _after(key[later.collective])  # the hooks run while the next reduce-scatter is in flight
-    for u in units:
-        if u.kind == Role.ALL_REDUCE:
-            wait = last_input(u)  # its reduce-scatter's wait: just before the next reduce-scatter, or at the end
-            issue = (*wait[:-1], Rank.REPLICA_START) if wait[-1] == Rank.REPLICA_WAIT else (*wait, Rank.AFTER)
-            for n in u.start:
-                key[n] = issue
-            for n in u.finish:
-                key[n] = end
-    return current
+            key[n] = deliveries
 
 
 def memory_budget(config, gathers: list[Unit]) -> int:

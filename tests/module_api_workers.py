@@ -233,27 +233,46 @@ def blocks_traced_once(rank: int, world_size: int, last_block_keeps: bool) -> di
     return out
 
 
-def optimizer_in_backward(rank: int, world_size: int, accumulate: bool) -> dict:
+def optimizer_in_backward(rank: int, world_size: int, variant: str) -> dict:
     """FSDP2's optimizer in backward: one AdamW per sharded parameter, stepped by a post-accumulate-grad hook on it
-    (no `opt.step()` in the loop), on fully_shard and on ours (blocks then the root): each system's losses, how
-    many hooks ran (ours: how many inside the compiled backward, from `fsdp2::deliver_grad`; eager `fc.shard`
-    runs them when the backward ends) and, for ours, the
-    backward graph's order of reduce-scatters, their waits and the deliveries. `accumulate`: every step is two
-    micro-batches, the first with gradient sync off (FSDP2 then reduces nothing and runs no hook)."""
+    (no `opt.step()` in the loop), on fully_shard, on `fc.shard` alone (eager) and on ours (blocks then the root):
+    each system's losses, how many hooks ran and how many of those inside ours' compiled backward (from
+    `fsdp2::deliver_grad`; eager runs them when the backward ends), and ours' backward graph's order of
+    reductions, their waits and the deliveries. `variant`: "every_step"; "accumulating_unsynced" (two
+    micro-batches a step, the first with gradient sync off: FSDP2 then reduces nothing and runs no hook);
+    "hsdp" (a (2, world/2) mesh); "hsdp_partial" (the same, the first micro-batch with
+    `set_requires_all_reduce(False)`: no hook then either); "bf16" (bf16 parameters, fp32 reduction); "blocks_hooked" (only the blocks' parameters have hooks, the
+    root's are stepped by one AdamW after backward)."""
     import traceback
 
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from fsdp2_compile.ir import BUCKET, DELIVER_GRAD, WAIT, DeliverGradArgs, Role, WaitArgs
 
+    hsdp = variant.startswith("hsdp")
+    mesh = init_device_mesh("cpu", (2, world_size // 2) if hsdp else (world_size,),
+                            mesh_dim_names=("replicate", "shard") if hsdp else None)
+    bf16 = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if variant == "bf16" else {}
+    systems = {
+        "fsdp2": lambda m: fully_shard(m, mesh=mesh, mp_policy=MixedPrecisionPolicy(**bf16)),
+        "eager": lambda m: fc.shard(m, mesh, mp_policy=fc.MixedPrecisionPolicy(**bf16)),
+        "ours": lambda m: fc.shard(m, mesh, mp_policy=fc.MixedPrecisionPolicy(**bf16)),
+    }
     out = {}
-    for system in ("fsdp2", "eager", "ours"):  # eager: fc.shard without compiling
+    for system, shard in systems.items():
         clear_compiled_graphs()
         model = make_model("gpt")
         for block in model.blocks:
-            (fully_shard if system == "fsdp2" else fc.shard)(block)
-        {"fsdp2": fully_shard, "eager": fc.shard, "ours": fc.shard_compile}[system](model)
-        optimizers = {p: torch.optim.AdamW([p], lr=1e-2) for p in model.parameters()}
+            shard(block)
+        if system == "ours":
+            fc.shard_compile(model, mesh, mp_policy=fc.MixedPrecisionPolicy(**bf16))
+        else:
+            shard(model)
+        hooked = [p for n, p in model.named_parameters() if variant != "blocks_hooked" or n.startswith("blocks.")]
+        rest = [p for p in model.parameters() if all(p is not h for h in hooked)]
+        optimizers = {p: torch.optim.AdamW([p], lr=1e-2) for p in hooked}
+        after_backward = torch.optim.AdamW(rest, lr=1e-2) if rest else None
         stepped, in_graph = [], []
 
         def step(p, optimizers=optimizers, stepped=stepped, in_graph=in_graph):
@@ -262,15 +281,21 @@ def optimizer_in_backward(rank: int, world_size: int, accumulate: bool) -> dict:
             stepped.append(p)
             in_graph.append(any(frame.name == "deliver_grad" for frame in traceback.extract_stack()))
 
-        for p in model.parameters():
+        for p in hooked:
             p.register_post_accumulate_grad_hook(step)
         losses = []
         for i in range(STEPS):
-            for micro, sync in ((0, False), (1, True)) if accumulate else ((0, True),):
-                model.set_requires_gradient_sync(sync)
+            for micro in (0, 1) if variant in ("accumulating_unsynced", "hsdp_partial") else (1,):
+                if variant == "accumulating_unsynced":
+                    model.set_requires_gradient_sync(micro == 1)
+                if variant == "hsdp_partial":
+                    model.set_requires_all_reduce(micro == 1)
                 x, y = batch("gpt", 2 * i + micro)
                 loss = loss_fn("gpt", model(local_slice(x, rank, world_size)), local_slice(y, rank, world_size))
                 loss.backward()
+            if after_backward is not None:
+                after_backward.step()
+                after_backward.zero_grad()
             total = loss.detach().clone()
             dist.all_reduce(total)
             losses.append(total.item() / world_size)
@@ -278,14 +303,16 @@ def optimizer_in_backward(rank: int, world_size: int, accumulate: bool) -> dict:
         out[f"{system}_hooks"] = len(stepped)
         out[f"{system}_hooks_in_graph"] = sum(in_graph)
         out[f"{system}_grads_left"] = sum(p.grad is not None for p in model.parameters())
+    out["hooked"] = len(hooked)
     backward = [r.gm for r in compiled_graphs() if r.kind == "backward"][-1]
-    out["backward"] = []  # (what, bucket) in graph order: "reduce_scatter", its "wait", "deliver"
+    out["backward"] = []  # (what, bucket) in graph order: "reduce_scatter", "all_reduce", their waits, "deliver"
+    reductions = (Role.REDUCE_SCATTER, Role.ALL_REDUCE)
     for n in backward.graph.nodes:
         if n.target is DELIVER_GRAD:
             out["backward"].append(("deliver", DeliverGradArgs.of(n).grad.meta[BUCKET]))
-        elif n.target is WAIT and fsdp_collective_kind(WaitArgs.of(n).tensor) == Role.REDUCE_SCATTER:
-            out["backward"].append(("wait", n.meta[BUCKET]))
-        elif fsdp_collective_kind(n) == Role.REDUCE_SCATTER:
-            out["backward"].append(("reduce_scatter", n.meta[BUCKET]))
+        elif n.target is WAIT and fsdp_collective_kind(WaitArgs.of(n).tensor) in reductions:
+            out["backward"].append((f"{fsdp_collective_kind(WaitArgs.of(n).tensor)} wait", n.meta[BUCKET]))
+        elif fsdp_collective_kind(n) in reductions:
+            out["backward"].append((str(fsdp_collective_kind(n)), n.meta[BUCKET]))
     out["params"] = len(list(model.parameters()))
     return out
