@@ -29,6 +29,7 @@ __all__ = [
     "detect_fake_mode",
     "fake_process_group",
     "group_ranks",
+    "has_post_accumulate_grad_hooks",
     "post_accumulate_grad_hooks",
     "queue_at_backward_end",
     "group_size",
@@ -49,6 +50,10 @@ def min_cut_partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -
     gathers itself; the GPT's and MLP's graphs came out identical but for one node's name)."""
     with functorch_config.patch(cse=False):
         return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+
+
+def has_post_accumulate_grad_hooks(tensor: torch.Tensor) -> bool:
+    return bool(getattr(tensor, "_post_accumulate_grad_hooks", None))
 
 
 def post_accumulate_grad_hooks(tensor: torch.Tensor) -> list:

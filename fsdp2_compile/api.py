@@ -11,7 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .backend import check_input_devices, make_backend
 from .config import CompileConfig, MixedPrecisionPolicy
-from .param_state import refresh_grad_delivery
+from .param_state import GradDeliveryRefresh
 from .shard import shard
 
 __all__ = ["shard_compile"]
@@ -67,9 +67,10 @@ def compile_in_place(module: nn.Module, backend, dynamic: bool | None = None) ->
     # module compiled here would otherwise share `call`'s, so the 9th would silently run uncompiled.
     call.__code__ = call.__code__.replace()
     compiled = torch.compile(call, backend=backend, dynamic=dynamic)
+    refresh = GradDeliveryRefresh(module)
 
     def refreshed_call(*args, **kwargs):
-        refresh_grad_delivery(module)  # eager: which parameters have post-accumulate-grad hooks now
+        refresh()  # eager: which parameters have post-accumulate-grad hooks now
         return compiled(*args, **kwargs)
 
     module._compiled_call_impl = refreshed_call

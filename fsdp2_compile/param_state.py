@@ -18,7 +18,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .config import MixedPrecisionPolicy
 from .eager_reshard import note_gathered
 from .gathered_copy import gathered_copy
-from ._torch_private import post_accumulate_grad_hooks
+from ._torch_private import has_post_accumulate_grad_hooks
 from .grad_delivery import GRAD_ANCHORS, HOOKS_AFTER_BACKWARD, receive_grads
 from .ops import KEPT_UNSHARDED, release_unsharded, unshard
 
@@ -35,7 +35,7 @@ __all__ = [
     "is_known_param",
     "is_sharded",
     "managed_params",
-    "refresh_grad_delivery",
+    "GradDeliveryRefresh",
     "sharded_parameters",
     "state_of",
 ]
@@ -124,7 +124,7 @@ class ParamInfo:
             )
         kept = KEPT_UNSHARDED.get(self.kept_key) if self.kept_key else None
         if not torch.compiler.is_compiling():
-            self.deliver_grads_to(param)  # compiled forwards: `refresh_grad_delivery`, before the compiled call
+            self.deliver_grads_to(param)  # compiled forwards: `GradDeliveryRefresh`, before the compiled call
             if kept is not None:
                 release_unsharded(self.kept_key)  # an eager forward takes it (compiled ones in their graph)
         full = self._unshard(param, kept)
@@ -169,7 +169,9 @@ class ParamInfo:
         backward hands it its reduced gradient and runs them (a compiled one right after its reduce-scatter:
         `grad_delivery.py`), instead of autograd, which would also run them after an unsynced backward (a change
         recompiles)."""
-        hooked = bool(post_accumulate_grad_hooks(param))
+        hooked = has_post_accumulate_grad_hooks(param)
+        if not hooked and not self.grad_key:
+            return
         if hooked != bool(self.grad_key):
             self.grad_key = f"{self.fqn}@{id(self):x}/grad" if hooked else ""
         # what a compiled forward gathers from (`self.__dict__`: not a field, changes no static argument)
@@ -284,10 +286,25 @@ def managed_params(module: nn.Module) -> Iterator[tuple[str, nn.Parameter, Param
                 yield (f"{mod_name}.{pname}" if mod_name else pname), param, info
 
 
-def refresh_grad_delivery(module: nn.Module) -> None:
-    """`ParamInfo.deliver_grads_to` for every parameter `shard` manages under `module` (before a compiled forward)."""
-    for _, param, info in managed_params(module):
-        info.deliver_grads_to(param)
+class GradDeliveryRefresh:
+    """Called before each compiled forward of `module`: `ParamInfo.deliver_grads_to` for every parameter `shard`
+    manages under it. Where they are is collected once (again after any later `shard` call): 356 parameters of a
+    32-layer GPT take ~0.1 ms a call, a walk over the modules ~0.6 ms."""
+
+    def __init__(self, module: nn.Module):
+        self.module = weakref.ref(module)
+        self.places: list[tuple[nn.Module, str, ParamInfo]] = []
+        self.sharded = -1
+
+    def __call__(self) -> None:
+        module = self.module()
+        if module is None:
+            return
+        if self.sharded != len(SHARDED_MODULES):
+            self.sharded = len(SHARDED_MODULES)
+            self.places = [(mod, name, info) for mod in module.modules() for name, info in infos_of(mod).items()]
+        for mod, name, info in self.places:
+            info.deliver_grads_to(mod._parameters[name])
 
 
 def is_known_param(param: nn.Parameter) -> bool:
