@@ -20,7 +20,9 @@ from enum import IntEnum
 from torch import fx
 
 from .graph import positions, stable_topological_sort
-from .ir import BUCKET, DELIVER_GRAD, PREFETCH, ROLE, AllReduceArgs, CollectiveArgs, Role, fsdp_collective_kind, nbytes, val
+from .ir import (
+    BUCKET, DELIVER_GRAD, PREFETCH, ROLE, AllReduceArgs, CollectiveArgs, Role, fsdp_collective_kind, nbytes, val,
+)
 
 __all__ = ["Rank", "Unit", "anchors_at", "emit_order", "find_units", "memory_budget", "order_keys"]
 

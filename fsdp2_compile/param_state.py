@@ -169,7 +169,7 @@ class ParamInfo:
         backward hands it its reduced gradient and runs them (a compiled one right after its reduce-scatter:
         `grad_delivery.py`), instead of autograd, which would also run them after an unsynced backward (a change
         recompiles)."""
-        hooked = has_post_accumulate_grad_hooks(param)
+        hooked = param.requires_grad and has_post_accumulate_grad_hooks(param)  # frozen since: no gradient
         if not hooked and not self.grad_key:
             return
         if hooked != bool(self.grad_key):

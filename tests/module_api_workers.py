@@ -239,12 +239,14 @@ def optimizer_in_backward(rank: int, world_size: int, variant: str) -> dict:
     each system's losses, how many hooks ran and how many of those inside ours' compiled backward (from
     `fsdp2::deliver_grad`; eager runs them when the backward ends), and ours' backward graph's order of
     reductions, their waits and the deliveries. `variant`: "every_step"; "accumulating_unsynced" (two
-    micro-batches a step, the first with gradient sync off: FSDP2 then reduces nothing and runs no hook);
-    "hsdp" (a (2, world/2) mesh); "hsdp_partial" (the same, the first micro-batch with
-    `set_requires_all_reduce(False)`: no hook then either); "bf16" (bf16 parameters, fp32 reduction); "blocks_hooked" (only the blocks' parameters have hooks, the
-    root's are stepped by one AdamW after backward)."""
+    micro-batches a step, the first with gradient sync off: FSDP2 then reduces nothing and runs no hook); "hsdp"
+    (a (2, world/2) mesh); "hsdp_partial" (the same, the first micro-batch with `set_requires_all_reduce(False)`:
+    no hook then either); "bf16" (bf16 parameters, fp32 reduction); "blocks_hooked" (only the blocks' parameters
+    have hooks, the root's are stepped by one AdamW after backward); "activation_checkpointing" (blocks in
+    `checkpoint_wrapper`)."""
     import traceback
 
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -263,6 +265,9 @@ def optimizer_in_backward(rank: int, world_size: int, variant: str) -> dict:
     for system, shard in systems.items():
         clear_compiled_graphs()
         model = make_model("gpt")
+        if variant == "activation_checkpointing":
+            for i, block in enumerate(model.blocks):
+                model.blocks[i] = checkpoint_wrapper(block)
         for block in model.blocks:
             shard(block)
         if system == "ours":
