@@ -321,3 +321,49 @@ def optimizer_in_backward(rank: int, world_size: int, variant: str) -> dict:
             out["backward"].append((str(fsdp_collective_kind(n)), n.meta[BUCKET]))
     out["params"] = len(list(model.parameters()))
     return out
+
+
+def optimizer_in_backward_changes(rank: int, world_size: int) -> dict:
+    """FSDP2's optimizer in backward on fully_shard and on ours, changed while training: 6 steps, block 0 frozen
+    (`requires_grad_(False)`) from step 2, the hooks removed from step 4 (then one AdamW steps after backward):
+    each system's losses and how many hooks had run after each step."""
+    from torch.distributed.fsdp import fully_shard
+
+    out = {}
+    for system in ("fsdp2", "ours"):
+        model = make_model("gpt")
+        for block in model.blocks:
+            (fully_shard if system == "fsdp2" else fc.shard)(block)
+        (fully_shard if system == "fsdp2" else fc.shard_compile)(model)
+        optimizers = {p: torch.optim.AdamW([p], lr=1e-2) for p in model.parameters()}
+        after_backward = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        stepped = [0]
+
+        def step(p, optimizers=optimizers, stepped=stepped):
+            stepped[0] += 1
+            optimizers[p].step()
+            optimizers[p].zero_grad()
+
+        handles = [p.register_post_accumulate_grad_hook(step) for p in model.parameters()]
+        losses, hooks = [], []
+        for i in range(6):
+            if i == 2:
+                model.blocks[0].requires_grad_(False)
+            if i == 4:
+                for handle in handles:
+                    handle.remove()
+            x, y = batch("gpt", i)
+            loss = loss_fn("gpt", model(local_slice(x, rank, world_size)), local_slice(y, rank, world_size))
+            loss.backward()
+            if i >= 4:
+                after_backward.step()
+                after_backward.zero_grad()
+            total = loss.detach().clone()
+            dist.all_reduce(total)
+            losses.append(total.item() / world_size)
+            hooks.append(stepped[0])
+        out[system] = losses
+        out[f"{system}_hooks"] = hooks
+    out["frozen"] = len(list(model.blocks[0].parameters()))
+    out["params"] = len(list(model.parameters()))
+    return out

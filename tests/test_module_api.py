@@ -12,6 +12,7 @@ from module_api_workers import (
     hsdp_accumulation,
     module_api,
     optimizer_in_backward,
+    optimizer_in_backward_changes,
     reshard_after_backward,
     reshard_to_smaller_group,
 )
@@ -161,6 +162,16 @@ def test_optimizer_in_backward_by_post_accumulate_grad_hooks_trains_as_fully_sha
         assert delivered
         assert events.index((f"{last} wait", bucket)) < events.index((last, following)) < min(delivered)
         assert max(delivered) < events.index((f"{last} wait", following))
+
+
+def test_optimizer_in_backward_follows_freezing_and_removed_hooks_as_fully_shard():
+    """Hooks on every parameter, then block 0 frozen, then the hooks removed and an optimizer stepped after backward
+    (each change recompiles ours): losses bitwise equal to fully_shard's, and the same hooks run at every step."""
+    result = run_ranks(optimizer_in_backward_changes, 2)[0]
+    assert result["ours"] == result["fsdp2"]
+    every, thawed = result["params"], result["params"] - result["frozen"]
+    expected = [every, 2 * every] + [2 * every + thawed * k for k in (1, 2, 2, 2)]  # none after step 3
+    assert result["ours_hooks"] == result["fsdp2_hooks"] == expected
 
 
 def test_gradient_divide_factor_sums_scaled_gradients():
