@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 from torch import fx
-from torch._functorch.aot_autograd import aot_module_simplified
 from torch._functorch import config as functorch_config
+from torch._functorch.aot_autograd import aot_module_simplified
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._guards import detect_fake_mode
 from torch._library.fake_class_registry import FakeScriptObject
@@ -29,15 +29,15 @@ __all__ = [
     "detect_fake_mode",
     "fake_process_group",
     "group_ranks",
-    "has_post_accumulate_grad_hooks",
-    "post_accumulate_grad_hooks",
-    "queue_at_backward_end",
     "group_size",
     "group_timeout",
+    "has_post_accumulate_grad_hooks",
     "inductor_compile",
     "inductor_decompositions",
     "min_cut_partition",
     "one_thread_gloo_backend",
+    "post_accumulate_grad_hooks",
+    "queue_at_backward_end",
     "resolve_group",
     "subgraph_schemas_reused",
     "trace_graph_artifact",
@@ -53,6 +53,7 @@ def min_cut_partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -
 
 
 def has_post_accumulate_grad_hooks(tensor: torch.Tensor) -> bool:
+    """Whether `tensor.register_post_accumulate_grad_hook` registered any hook still in place."""
     return bool(getattr(tensor, "_post_accumulate_grad_hooks", None))
 
 

@@ -15,14 +15,15 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.utils.weak import WeakIdKeyDictionary
 
+from ._torch_private import has_post_accumulate_grad_hooks
 from .config import MixedPrecisionPolicy
 from .eager_reshard import note_gathered
 from .gathered_copy import gathered_copy
-from ._torch_private import has_post_accumulate_grad_hooks
 from .grad_delivery import GRAD_ANCHORS, HOOKS_AFTER_BACKWARD, receive_grads
 from .ops import KEPT_UNSHARDED, release_unsharded, unshard
 
 __all__ = [
+    "GradDeliveryRefresh",
     "IGNORED_ATTR",
     "INFOS_ATTR",
     "REPLACED",
@@ -35,7 +36,6 @@ __all__ = [
     "is_known_param",
     "is_sharded",
     "managed_params",
-    "GradDeliveryRefresh",
     "sharded_parameters",
     "state_of",
 ]
@@ -108,8 +108,9 @@ class ParamInfo:
     kept_key: str = ""
     """Where it is kept (`ops.KEPT_UNSHARDED`); set the first time resharding after backward is turned off."""
     grad_key: str = ""
-    """Set while the parameter has post-accumulate-grad hooks (`deliver_grads_to`): compiled backwards hand its
-    reduced gradient to it and run the hooks right after its reduce-scatter (`fsdp2::deliver_grad`), as FSDP2 does."""
+    """Set while the parameter has post-accumulate-grad hooks (`deliver_grads_to`): backward hands it its reduced
+    gradient (`fsdp2::deliver_grad`) and runs the hooks, compiled right after its reduction as FSDP2 does, eager
+    when the backward ends."""
     compiled_once: bool = False
     """Its module is one of several identical blocks traced once (`compiled_once.py`): in a compiled graph its
     `fsdp2::unshard` leaves out what names it (`static_args(anonymous=True)`); the backend names it again."""
