@@ -26,6 +26,7 @@ from ._torch_private import (
     aot_module_simplified,
     boxed_call,
     current_compile_id,
+    has_post_accumulate_grad_hooks,
     inductor_compile,
     inductor_decompositions,
     min_cut_partition,
@@ -39,6 +40,7 @@ from .grad_delivery import one_unshard_per_delivered_param
 from .graph import nodes_calling
 from .ir import REDUCE_GRAD, UNSHARD, ReduceGradArgs, UnshardArgs
 from .keep_gathered import buckets_to_keep
+from .param_state import infos_of_values
 from .pipeline import PassContext, run_pipeline
 from .post_forward import gather_backward_from_post_forward_shards
 from .report import GraphRecord, collectives, dump_requested, record_graph
@@ -60,6 +62,24 @@ def _check_sharded(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:
             raise RuntimeError(
                 f"torch.compile(backend='fsdp2'): parameter {name} (shape {tuple(value.shape)}) is not sharded; "
                 "call fsdp2_compile.shard(model, mesh) (or use fsdp2_compile.shard_compile) before compiling"
+            )
+
+
+def _check_hooks_delivered(example_inputs: Sequence[Any]) -> None:
+    """Refuse what would be silently wrong: a parameter with post-accumulate-grad hooks (FSDP2's optimizer in
+    backward) compiled without delivering its gradient itself — `torch.compile(model, backend="fsdp2")` does not
+    look for hooks, `shard_compile` does — while its gradient is not reduced (sync off, or HSDP's all-reduce off):
+    autograd would run the hooks with a zero gradient, where FSDP2 runs none."""
+    for value, info in zip(example_inputs, infos_of_values(example_inputs)):
+        if info is None or info.grad_key or not value.requires_grad or not has_post_accumulate_grad_hooks(value):
+            continue
+        if not info.requires_gradient_sync or (info.replicate_size > 1 and not info.requires_all_reduce):
+            raise RuntimeError(
+                f"fsdp2_compile: parameter '{info.fqn}' has post-accumulate-grad hooks (optimizer in backward) and "
+                "its gradient is not reduced in this backward (set_requires_gradient_sync(False) or "
+                "set_requires_all_reduce(False)); torch.compile(model, backend='fsdp2') does not see hooks, so "
+                "autograd would run them with a zero gradient, where FSDP2 runs none. Compile with "
+                "fsdp2_compile.shard_compile(model), which runs them only after a reduction, as FSDP2 does"
             )
 
 
@@ -228,6 +248,7 @@ def fsdp2_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Com
     _release_freed_heap()
     _check_sharded(gm, example_inputs)
     _check_graph_inputs(gm, example_inputs)
+    _check_hooks_delivered(example_inputs)
     gather_outside_blocks(gm, example_inputs)
     one_unshard_per_delivered_param(gm)
     with subgraph_schemas_reused():

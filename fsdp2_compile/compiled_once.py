@@ -26,7 +26,7 @@ import torch
 from torch import fx
 
 from .ir import UNSHARD, SubgraphCall, UnshardArgs, output_of
-from .param_state import SHARDED_MODULES, ParamInfo, managed_params
+from .param_state import ParamInfo, infos_of_values
 
 __all__ = ["MAX_TRACES", "gather_again_in_backward", "gather_outside_blocks", "traced_once"]
 
@@ -146,16 +146,9 @@ def _param_of(shard: Any) -> fx.Node | None:
 
 
 def _infos_by_input(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> dict[fx.Node, ParamInfo]:
-    """The `ParamInfo` of each placeholder of `gm` that is a parameter `shard` manages (or what a compiled graph
-    reads of it instead: `grad_delivery.receive_grads`)."""
-    by_id = {}
-    for module in list(SHARDED_MODULES):
-        for _, p, info in managed_params(module):
-            for read in (p, info.__dict__.get("grad_source")):
-                if read is not None:
-                    by_id[id(read)] = info
+    """The `ParamInfo` of each placeholder of `gm` that is a parameter `shard` manages."""
     placeholders = gm.graph.find_nodes(op="placeholder")
-    return {node: by_id[id(value)] for node, value in zip(placeholders, example_inputs) if id(value) in by_id}
+    return {node: info for node, info in zip(placeholders, infos_of_values(example_inputs)) if info is not None}
 
 
 # ---------------------------------------------------------------------------------------------- before partitioning

@@ -6,7 +6,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from typing import Any
 from dataclasses import dataclass, field
 
 import torch
@@ -33,6 +34,7 @@ __all__ = [
     "ShardState",
     "TPLayout",
     "infos_of",
+    "infos_of_values",
     "is_known_param",
     "is_sharded",
     "managed_params",
@@ -285,6 +287,18 @@ def managed_params(module: nn.Module) -> Iterator[tuple[str, nn.Parameter, Param
             if id(param) not in seen:
                 seen.add(id(param))
                 yield (f"{mod_name}.{pname}" if mod_name else pname), param, info
+
+
+def infos_of_values(values: Sequence[Any]) -> list[ParamInfo | None]:
+    """The `ParamInfo` of each value that is a parameter `shard` manages (or what a compiled graph reads of it
+    instead: `grad_delivery.receive_grads`), else None."""
+    by_id = {}
+    for module in list(SHARDED_MODULES):
+        for _, p, info in managed_params(module):
+            for read in (p, info.__dict__.get("grad_source")):
+                if read is not None:
+                    by_id[id(read)] = info
+    return [by_id.get(id(value)) for value in values]
 
 
 class GradDeliveryRefresh:

@@ -283,3 +283,22 @@ def test_the_readme_use_block_runs_as_written(tmp_path):
     for rank in (0, 1):
         losses = [float(v) for v in re.findall(rf"rank {rank} step \d loss ([\d.]+)", proc.stdout)]
         assert len(losses) == 5 and losses[-1] < losses[0], proc.stdout
+
+
+def test_optimizer_in_backward_with_sync_off_through_the_backend_route(fake_pg):
+    """`torch.compile(model, backend="fsdp2")` does not see post-accumulate-grad hooks: autograd runs them after the
+    backward, which is FSDP2's result while gradients are reduced, but with sync off it would run them with a zero
+    gradient (FSDP2 runs none): refused, naming the parameter and `shard_compile`."""
+    model = Net()
+    for block in model.blocks:
+        fc.shard(block)
+    fc.shard(model)
+    compiled = torch.compile(model, backend="fsdp2")
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: None)
+    compiled(torch.randn(2, 8))  # synced: the hooks run after the backward, with the reduced gradient
+    model.set_requires_gradient_sync(False)
+    with raises(Exception, "parameter 'blocks.0.0.weight' has post-accumulate-grad hooks", "a zero gradient",
+                "fsdp2_compile.shard_compile(model)"):
+        compiled(torch.randn(2, 8))
+    torch._dynamo.reset()
