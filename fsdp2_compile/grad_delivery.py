@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ._torch_private import post_accumulate_grad_hooks, queue_at_backward_end
-from .ir import UNSHARD, UnshardArgs
+from .graph import fold_repeated_unshards
 from .ops import GRAD_RECEIVERS
 
 __all__ = ["GRAD_ANCHORS", "HOOKS_AFTER_BACKWARD", "one_unshard_per_delivered_param", "receive_grads"]
@@ -97,16 +97,5 @@ def one_unshard_per_delivered_param(gm: fx.GraphModule) -> None:
     """Before AOTAutograd: a delivered parameter read several times (tied weights) is gathered by its first
     `fsdp2::unshard` for every read, so autograd sums its gradients before the one reduction and delivery (the
     passes' `combine_tied_grads` would meet two deliveries it cannot merge)."""
-    first: dict[tuple, fx.Node] = {}
-    for node in list(gm.graph.find_nodes(op="call_function", target=UNSHARD)):
-        call = UnshardArgs.of(node)
-        if not call.grad_key or call.gathered is not None:
-            continue
-        if call.static() not in first:
-            first[call.static()] = node
-            continue
-        node.replace_all_uses_with(first[call.static()])
-        gm.graph.erase_node(node)
-        if isinstance(call.shard, fx.Node) and not call.shard.users:
-            gm.graph.erase_node(call.shard)
+    fold_repeated_unshards(gm.graph, lambda call: bool(call.grad_key) and call.gathered is None)
     gm.recompile()

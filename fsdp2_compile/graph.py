@@ -13,7 +13,7 @@ import torch
 from torch import fx
 
 from ._torch_private import detect_fake_mode
-from .ir import BUCKET, PARAMS, ROLE, OpArgs, val
+from .ir import BUCKET, PARAMS, ROLE, UNSHARD, OpArgs, UnshardArgs, val
 
 __all__ = [
     "BUCKET",
@@ -129,3 +129,23 @@ def stable_topological_sort(gm: fx.GraphModule, key: Callable[[fx.Node], tuple] 
         elif previous.next is not node:
             previous.append(node)
         previous = node
+
+
+def fold_repeated_unshards(graph: fx.Graph, which: Callable[[UnshardArgs], bool] = lambda call: True) -> None:
+    """One `fsdp2::unshard` per parameter (among the calls `which` accepts): a later call with the same static
+    arguments (fqn included: they identify the parameter) is replaced by the first, and the view of the shard it
+    read goes too when nothing else reads it."""
+    first: dict[tuple, fx.Node] = {}
+    for node in list(graph.find_nodes(op="call_function", target=UNSHARD)):
+        call = UnshardArgs.of(node)
+        if not which(call):
+            continue
+        key = call.static()
+        if key not in first:
+            first[key] = node
+            continue
+        node.replace_all_uses_with(first[key])
+        graph.erase_node(node)
+        shard = call.shard
+        if isinstance(shard, fx.Node) and shard.op != "placeholder" and not shard.users:
+            graph.erase_node(shard)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from fsdp2_compile.graph import insert_call, insert_contiguous, insert_op, nodes_calling, val
+from fsdp2_compile.graph import fold_repeated_unshards, insert_call, insert_contiguous, insert_op, nodes_calling, val
 from fsdp2_compile.ir import PREFETCH, UNSHARD, AllGatherArgs, ReleaseUnshardedArgs, Role, Tags, UnshardArgs, WaitArgs
 from fsdp2_compile.ops import padded_rows
 from fsdp2_compile.pass_api import Fact, PassContext, contract
@@ -23,26 +23,10 @@ from fsdp2_compile.pass_api import Fact, PassContext, contract
 aten = torch.ops.aten
 
 
-def _fold_repeated(graph: fx.Graph) -> None:
-    """One `fsdp2::unshard` per parameter: its static args (fqn included) identify the parameter."""
-    first: dict[tuple, fx.Node] = {}
-    for node in nodes_calling(graph, UNSHARD):
-        call = UnshardArgs.of(node)
-        key = call.static()
-        if key not in first:
-            first[key] = node
-            continue
-        shard = call.shard
-        node.replace_all_uses_with(first[key])
-        graph.erase_node(node)
-        if shard.op == "call_function" and not shard.users:  # a view of the shard placeholder
-            graph.erase_node(shard)
-
-
 @contract(provides=(Fact.UNSHARD_LOWERED,))
 def lower_unshard(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     graph = gm.graph
-    _fold_repeated(graph)
+    fold_repeated_unshards(graph)
     for node in nodes_calling(graph, UNSHARD):
         a = UnshardArgs.of(node)
         tag = Tags((a.fqn,), a.bucket).meta
