@@ -3,7 +3,9 @@
 Rewrites `add(reduce_grad(a, *args), reduce_grad(b, *args))` — looking through shape-preserving views of the
 reductions — into `reduce_grad(add(a, b), *args)` until no such pair is left, so a tied parameter gets one
 reduce-scatter, as in FSDP2 (where autograd accumulates before the reduction). Valid because the averaging
-reduce-scatter is linear. Contract: provides "tied_grads_combined", which `lower_reduce_grad` requires (it needs
+reduce-scatter is linear. When both reductions first add the gradient kept from unsynced micro-batches
+(`fsdp2::add_pending_grad`, same parameter), the uses are summed before that one add: `kept + (a + b)`, FSDP2's
+order (autograd sums the uses, then accumulates into the kept `.grad`), not `(kept + a) + b`. Contract: provides "tied_grads_combined", which `lower_reduce_grad` requires (it needs
 the un-lowered `fsdp2::reduce_grad` nodes).
 """
 
@@ -13,7 +15,7 @@ import torch
 from torch import fx
 
 from fsdp2_compile.graph import insert_call, insert_op, nodes_calling, val
-from fsdp2_compile.ir import REDUCE_GRAD, ReduceGradArgs, schema_args
+from fsdp2_compile.ir import ADD_PENDING_GRAD, REDUCE_GRAD, AddPendingGradArgs, ReduceGradArgs, schema_args
 from fsdp2_compile.pass_api import Fact, PassContext, contract
 
 aten = torch.ops.aten
@@ -36,6 +38,16 @@ def _reduction_chain(node: object) -> list[fx.Node] | None:
     return None
 
 
+def _pending_adds(a: object, b: object) -> tuple[AddPendingGradArgs, AddPendingGradArgs] | None:
+    """The argument views of `a` and `b` when both are single-use `fsdp2::add_pending_grad` calls for the same
+    parameter, else None."""
+    nodes = (a, b)
+    if not all(isinstance(n, fx.Node) and n.target is ADD_PENDING_GRAD and len(n.users) == 1 for n in nodes):
+        return None
+    views = tuple(AddPendingGradArgs.of(n) for n in nodes)
+    return views if views[0].static() == views[1].static() else None
+
+
 @contract(provides=(Fact.TIED_GRADS_COMBINED,))
 def combine_tied_grads(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     graph = gm.graph
@@ -51,13 +63,20 @@ def combine_tied_grads(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             first, second = ReduceGradArgs.of(chains[0][0]), ReduceGradArgs.of(chains[1][0])
             if first.static() != second.static():  # not the same parameter
                 continue
+            pending = _pending_adds(first.grad, second.grad)
+            grads = (first.grad, second.grad) if pending is None else tuple(p.grad for p in pending)
             with graph.inserting_before(add):
-                summed = insert_call(graph, aten.add.Tensor, (first.grad, second.grad))
+                summed = insert_call(graph, aten.add.Tensor, grads)
+                if pending is not None:
+                    summed = insert_op(graph, pending[0].replace(grad=summed))
                 reduced = insert_op(graph, first.replace(grad=summed))
             add.replace_all_uses_with(reduced)
             graph.erase_node(add)
             for chain in chains:
                 for n in reversed(chain):
                     graph.erase_node(n)
+            if pending is not None:
+                graph.erase_node(first.grad)
+                graph.erase_node(second.grad)
             changed = True
     return gm
