@@ -28,8 +28,8 @@ from .ops import GRAD_RECEIVERS
 __all__ = ["GRAD_ANCHORS", "HOOKS_AFTER_BACKWARD", "one_unshard_per_delivered_param", "receive_grads"]
 
 HOOKS_AFTER_BACKWARD = "/hooks-after-backward"
-"""Appended to a `grad_key` by an eager forward: a parameter read twice there is gathered and reduced twice, so
-its hooks run once, when the backward ends."""
+"""Appended to a `grad_key` by an eager forward: a parameter read outside its group's forward is gathered and
+reduced once per read (`eager_reads.py` folds the reads inside it), so its hooks run once, when the backward ends."""
 
 GRAD_ANCHORS: dict[str, torch.Tensor] = {}
 """By device (its text): the zero scalar that requires grad every delivered parameter's `fsdp2::unshard` takes."""

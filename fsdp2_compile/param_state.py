@@ -18,6 +18,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ._torch_private import has_post_accumulate_grad_hooks
 from .config import MixedPrecisionPolicy
+from .eager_reads import read_once
 from .eager_reshard import note_gathered
 from .gathered_copy import gathered_copy
 from .grad_delivery import GRAD_ANCHORS, HOOKS_AFTER_BACKWARD, receive_grads
@@ -125,6 +126,11 @@ class ParamInfo:
                 f"parameter '{self.fqn}' was replaced by a {type(param).__name__} after shard(); "
                 "assign parameters before calling fsdp2_compile.shard, or load values with load_state_dict"
             )
+        if torch.compiler.is_compiling():
+            return self._gather(param)
+        return read_once(self.bucket, param, functools.partial(self._gather, param))
+
+    def _gather(self, param: DTensor) -> torch.Tensor:
         kept = KEPT_UNSHARDED.get(self.kept_key) if self.kept_key else None
         if not torch.compiler.is_compiling():
             self.deliver_grads_to(param)  # compiled forwards: `GradDeliveryRefresh`, before the compiled call
@@ -163,7 +169,8 @@ class ParamInfo:
         if not args[-1]:  # the last static argument: `grad_key`
             return unshard(param.to_local(), *args, kept)
         if not torch.compiler.is_compiling():
-            # eager: a parameter read twice is gathered (and reduced) twice: its hooks wait for the backward's end
+            # eager: a parameter read outside its group's forward is gathered (and reduced) once per read: its
+            # hooks wait for the backward's end
             args = (*args[:-1], args[-1] + HOOKS_AFTER_BACKWARD)
         return unshard(self.grad_source.to_local(), *args, kept, GRAD_ANCHORS[str(param.device)])
 

@@ -35,6 +35,7 @@ from .comm_groups import fsdp_group
 from .config import MixedPrecisionPolicy
 from .compiled_once import traced_once
 from .cost_model import measure_profile
+from .eager_reads import register_read_scope
 from .eager_reshard import register_reshard_hooks
 from .fsdp_module import FSDPModule
 from .param_state import (
@@ -276,6 +277,8 @@ def shard(
         _install_properties(member, {}, fsdp_module=True)
         _register_mp_hooks(member, mp_policy)
         register_reshard_hooks(member)  # acts only on parameters gathered with reshard_after_forward on
+        if taken:
+            register_read_scope(member, taken[0].bucket)  # eager: a parameter read twice is gathered once
         object.__setattr__(member, STATE_ATTR, state)
         SHARDED_MODULES.add(member)
     _trace_blocks_once(members)
