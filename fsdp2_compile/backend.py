@@ -7,7 +7,6 @@ or MUST_SAVE (`False`: gathered once, kept until backward).
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import logging
 import operator
@@ -37,6 +36,7 @@ from .config import CompileConfig
 from .consistency import rank_check
 from .cost_model import PROFILES, HardwareProfile, measured_profile
 from .grad_delivery import one_unshard_per_delivered_param
+from .heap import release_freed_heap
 from .graph import nodes_calling
 from .ir import REDUCE_GRAD, UNSHARD, ReduceGradArgs, UnshardArgs
 from .keep_gathered import buckets_to_keep
@@ -222,30 +222,10 @@ def _compiler(kind: str, config: CompileConfig) -> Callable[[fx.GraphModule, Any
     return compile_graph
 
 
-@functools.cache
-def _malloc_trim() -> Callable[[int], int] | None:
-    """glibc's `malloc_trim`, or None where the C library has none."""
-    try:
-        return getattr(ctypes.CDLL(None), "malloc_trim", None)
-    except OSError:
-        return None
-
-
-def _release_freed_heap() -> None:
-    """Hand the C heap's free pages back to the OS (glibc's `malloc_trim`) before AOTAutograd runs: what `shard`'s
-    measurement of the link and compute freed (`cost_model.measure_profile`'s 4 MiB all-gathers and 16 MiB copies,
-    which glibc keeps in its heap once its mmap threshold has risen to their size) and what Dynamo's tracing freed.
-    Peak RSS per rank of the tiny 2-layer Llama in `benchmarks/rss_check.py`: 447 -> 417 MiB. A no-op without
-    glibc."""
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
-
-
 def fsdp2_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], config: CompileConfig | None = None):
     """torch.compile backend: lowers the fsdp2 ops of a captured graph of a sharded module into collectives."""
     config = config or CompileConfig()
-    _release_freed_heap()
+    release_freed_heap()  # what Dynamo's tracing freed, before AOTAutograd adds its own
     _check_sharded(gm, example_inputs)
     _check_graph_inputs(gm, example_inputs)
     _check_hooks_delivered(example_inputs)

@@ -13,9 +13,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch import fx
 from torch.utils.flop_counter import flop_registry
 
+from ._torch_private import resolve_group
+from .heap import release_freed_heap
 from .ir import KEEP_ALIVE, WAIT, CollectiveArgs, Role, SubgraphCall, WaitArgs, collective_kind, concrete, nbytes
 
 __all__ = [
@@ -226,7 +229,9 @@ def measure_profile(
         return _MEASURED[group_name]
 
     def seconds(fn, repeat: int = 3) -> float:
-        """Median wall time of `fn` after one warm-up, device work included."""
+        """Median wall time of `fn` after one warm-up, device work included. Between runs the C heap's free pages
+        go back to the OS: glibc would keep what each run freed (a gloo all-gather's own 8 MiB, the clone), and
+        the probe would set a tiny model's peak RSS (tiny 2-layer Llama: +53 MiB, now +20)."""
         samples = []
         for _ in range(repeat + 1):
             start = time.perf_counter()
@@ -234,28 +239,37 @@ def measure_profile(
             if device_type != "cpu":
                 torch.accelerator.synchronize()
             samples.append(time.perf_counter() - start)
+            release_freed_heap()
         return sorted(samples[1:])[repeat // 2]
 
-    def gather(t: torch.Tensor):
-        return lambda: _funcol.wait_tensor(_funcol.all_gather_into_tensor(t, world_size, group_name))
+    group = resolve_group(group_name)
 
-    small = torch.zeros(256, device=device_type)  # 1 KiB per rank
-    large = torch.zeros(1 << 20, device=device_type)  # 4 MiB per rank
+    def link(per_rank: int) -> float:
+        """Seconds for an all-gather of `per_rank` floats from each rank, into one output allocated once."""
+        inp = torch.zeros(per_rank, device=device_type)
+        out = torch.empty(per_rank * world_size, device=device_type)
+        return seconds(lambda: dist.all_gather_single(out, inp, group=group))
+
+    small, large = 256, min(1 << 20, (16 << 20) // world_size)  # 1 KiB; 4 MiB per rank, 64 MiB gathered at most
+    t_small, t_large = link(small), link(large)
     a = torch.randn(384, 384, device=device_type)
-    buf = torch.empty(1 << 22, device=device_type)
-    t_small, t_large = seconds(gather(small)), seconds(gather(large))
-    mm_s, copy_s = seconds(lambda: a @ a), seconds(buf.clone)
+    mm_s = seconds(lambda: a @ a)
+    buf = torch.empty(1 << 21, device=device_type)  # 8 MiB: beyond a core's L2 cache, as a graph's tensors are
+    copy_s = seconds(buf.clone)
     agreed = torch.tensor([t_small, t_large, mm_s, copy_s], dtype=torch.float64, device=device_type)
-    for group in (group_name, *agree_over):
-        agreed = _funcol.wait_tensor(_funcol.all_reduce(agreed, "max", group))
+    for group_to_agree in (group_name, *agree_over):
+        agreed = _funcol.wait_tensor(_funcol.all_reduce(agreed, "max", group_to_agree))
     t_small, t_large, mm_s, copy_s = agreed.tolist()
-    wire = (world_size - 1) / world_size * (large.nbytes - small.nbytes) * world_size
+    wire = (world_size - 1) / world_size * (large - small) * 4 * world_size
     _MEASURED[group_name] = HardwareProfile(
         name=f"measured:{group_name}",
         alpha_s=t_small,
         beta_s_per_byte=max(t_large - t_small, 1e-9) / wire,
         flops_per_s=2 * 384**3 / mm_s,
         mem_bytes_per_s=2 * buf.nbytes / copy_s,
-        source="measured on the process group (all-gather 1 KiB and 4 MiB, 384^3 matmul, 16 MiB copy; max over ranks)",
+        source=f"measured on the process group (all-gather 1 KiB and {large >> 8} KiB per rank, 384^3 matmul, "
+        "8 MiB copy; max over ranks)",
     )
+    del a, buf
+    release_freed_heap()
     return _MEASURED[group_name]
