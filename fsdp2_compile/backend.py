@@ -39,7 +39,7 @@ from .grad_delivery import one_unshard_per_delivered_param
 from .heap import release_freed_heap
 from .graph import nodes_calling
 from .ir import REDUCE_GRAD, UNSHARD, ReduceGradArgs, UnshardArgs
-from .keep_gathered import buckets_to_keep
+from .keep_gathered import KEPT_META, KeptGathered, buckets_to_keep
 from .param_state import infos_of_values
 from .pipeline import PassContext, run_pipeline
 from .post_forward import gather_backward_from_post_forward_shards
@@ -125,14 +125,16 @@ def _check_graph_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> No
     check_input_devices(named, device)
 
 
-def _tag_unshards(joint: fx.GraphModule, config: CompileConfig) -> None:
+def _tag_unshards(joint: fx.GraphModule, config: CompileConfig) -> KeptGathered | None:
     """Gathered parameters are recomputed in backward (resharded after forward) unless their module says not to
-    or selective unsharding keeps their bucket."""
-    kept = buckets_to_keep(joint.graph, config.keep_gathered)
+    or selective unsharding keeps their bucket; returns selective unsharding's decision."""
+    decision = buckets_to_keep(joint.graph, config.keep_gathered)
+    kept = decision.buckets if decision is not None else ()
     for node in nodes_calling(joint.graph, UNSHARD):
         call = UnshardArgs.of(node)
         reshard = call.reshard_after_forward and call.bucket not in kept
         node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE if reshard else CheckpointPolicy.MUST_SAVE
+    return decision
 
 
 def _is_opaque(node: Any) -> bool:
@@ -171,8 +173,10 @@ def _rng_states_before_opaques(fw: fx.GraphModule, bw: fx.GraphModule) -> None:
 
 def _partition(joint: fx.GraphModule, joint_inputs: Any, *, config: CompileConfig, **kwargs: Any):
     gather_again_in_backward(joint)
-    _tag_unshards(joint, config)
+    decision = _tag_unshards(joint, config)
     fw, bw = min_cut_partition(joint, joint_inputs, **kwargs)
+    if decision is not None:
+        fw.meta[KEPT_META] = bw.meta[KEPT_META] = decision
     _rng_states_before_opaques(fw, bw)
     gather_backward_from_post_forward_shards(fw, bw, kwargs["num_fwd_outputs"])
     keep_unsharded_after_backward(fw, bw)
@@ -202,7 +206,8 @@ def _compiler(kind: str, config: CompileConfig) -> Callable[[fx.GraphModule, Any
             log.info("%s graph: cost-model profile %s (%s)", kind, ctx.profile.name, ctx.profile.source)
             gm = run_pipeline(gm, ctx)
             check_same_schedule(gm)
-        record = GraphRecord(kind, gm, ctx.snapshots, ctx.timeline, current_compile_id(), ctx.profile)
+        record = GraphRecord(kind, gm, ctx.snapshots, ctx.timeline, current_compile_id(), ctx.profile,
+                             gm.meta.get(KEPT_META))
         record_graph(record)
         if dump_requested():
             from .dump import dump_from_env  # debug artefacts: the drawing code is imported only when asked for

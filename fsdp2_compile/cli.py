@@ -222,7 +222,8 @@ def cmd_dump(ns: argparse.Namespace) -> int:
             clear_compiled_graphs()
             shard_compile(
                 model, mesh, reshard_after_forward=reshard, mp_policy=mp,
-                compile_config=CompileConfig(hardware=hardware, check_rank_consistency=False, keep_snapshots=True),
+                compile_config=CompileConfig(hardware=hardware, check_rank_consistency=False, keep_snapshots=True,
+                                             keep_gathered=ns.keep_gathered),
             )
             try:
                 loss = loss_fn(model(*args))
@@ -298,6 +299,24 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mp", choices=["bf16"], help="mixed precision: bf16 parameters, fp32 gradient reduction")
 
 
+def keep_gathered_arg(text: str) -> int | float:
+    """`--keep-gathered`: a fraction of the gathered parameter bytes ("0.25") or a number of bytes ("16777216")."""
+    try:
+        value = float(text) if any(c in text for c in ".eE") else int(text)
+    except ValueError:
+        value = None
+    if value is None or (isinstance(value, float) and not 0.0 <= value <= 1.0) or value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: use a fraction in [0, 1] (e.g. 0.25) or a number of bytes")
+    return value
+
+
+def _add_keep_gathered(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--keep-gathered", type=keep_gathered_arg, metavar="F|BYTES",
+                        help="selective unsharding (CompileConfig.keep_gathered): keep the last buckets of the "
+                             "forward gathered for backward, within this fraction of the gathered parameter bytes "
+                             "or this many bytes")
+
+
 def build_parser() -> argparse.ArgumentParser:
     fmt = argparse.RawDescriptionHelpFormatter
     parser = _Parser(
@@ -333,6 +352,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(dump)
     dump.add_argument("--no-reshard", action="store_true", help="reshard_after_forward=False")
     dump.add_argument("--no-block-shard", action="store_true", help="shard only the root (one bucket)")
+    _add_keep_gathered(dump)
     dump.add_argument("--hardware", help="cost-model profile for the trace (default cpu-gloo-loopback)")
     dump.add_argument("--out", default="fsdp2_dump", help="output folder (default ./fsdp2_dump)")
     dump.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")

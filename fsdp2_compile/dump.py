@@ -183,6 +183,8 @@ def summarize(records: list[GraphRecord], profile: HardwareProfile | None = None
             total = sum(v for k, v in final.bytes_by_dtype.items() if k[0].startswith("tp "))
             out.append(f"  tensor parallel: {final.counts['tp']} collectives ({kinds}), {size_text(total)} of "
                        "buffers (not in FSDP's counts above)")
+        if record.kept_gathered is not None:
+            out.append(f"  {record.kept_gathered.describe(size_text)}")
         for name, same in _subgraph_calls(record).items():
             out.append(f"  blocks traced once: subgraph {name} ({len(same[0].module().graph.nodes)} nodes) called "
                        f"{len(same)} times")

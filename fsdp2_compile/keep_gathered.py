@@ -5,28 +5,66 @@ The compiler sees the whole step, so it can spend a memory budget where hooks ca
 gathered byte in backward, so buckets pay alike per byte; the last buckets of the forward go first, because
 backward needs them first, and their re-gather is the one backward cannot hide behind earlier compute. Buckets are
 taken whole, last to first, while they fit the budget. Decisions depend on the graph and the config only (the same
-on every rank). Buckets that `reshard_after_forward=False` keeps already are not counted.
+on every rank). Buckets that `reshard_after_forward=False` keeps already are not counted. The decision travels with
+the forward and backward graphs (`KEPT_META` in their `meta`, then `GraphRecord.kept_gathered`), so the dump shows
+it; the planner makes the same decision from the full model's bucket sizes (`choose_kept`).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from torch import fx
 
 from .graph import nodes_calling
 from .ir import UNSHARD, UnshardArgs, nbytes, val
 
-__all__ = ["buckets_to_keep"]
+__all__ = ["KEPT_META", "KeptGathered", "buckets_to_keep", "choose_kept"]
 
 log = logging.getLogger("fsdp2_compile")
 
+KEPT_META = "fsdp2_kept_gathered"
+"""Key of a partitioned graph's `GraphModule.meta` holding its `KeptGathered` decision."""
 
-def buckets_to_keep(joint: fx.Graph, keep: int | float | None) -> set[str]:
-    """The buckets whose gathered parameters stay alive for backward: `keep` bytes (an int), or that fraction of
-    the resharded buckets' gathered bytes (a float); none for None."""
+
+@dataclass(frozen=True)
+class KeptGathered:
+    """What selective unsharding decided: the buckets kept gathered for backward (the one backward needs first,
+    first), their gathered bytes (what backward gathers less), the gathered bytes of every resharded bucket, and
+    the budget."""
+
+    buckets: tuple[str, ...]
+    kept_bytes: int
+    resharded_bytes: int
+    budget: int
+
+    def describe(self, size: Callable[[int], str] = lambda n: f"{n:,} bytes") -> str:
+        names = ", ".join(b or "<root>" for b in self.buckets) or "nothing"
+        return (f"selective unsharding: kept gathered for backward: {names} ({size(self.kept_bytes)} of "
+                f"{size(self.resharded_bytes)} resharded, budget {size(self.budget)}): backward gathers "
+                f"{size(self.kept_bytes)} less")
+
+
+def choose_kept(sizes: dict[str, int], keep: int | float) -> KeptGathered:
+    """Buckets kept for `keep` bytes (an int) or that fraction of all `sizes` (a float): `sizes` maps each
+    resharded bucket to its gathered bytes, in the order of its last use in forward."""
+    total = sum(sizes.values())
+    budget = int(keep * total) if isinstance(keep, float) else keep
+    kept, used = [], 0
+    for bucket in reversed(sizes):  # what backward needs first goes first
+        if used + sizes[bucket] <= budget:
+            kept.append(bucket)
+            used += sizes[bucket]
+    return KeptGathered(tuple(kept), used, total, budget)
+
+
+def buckets_to_keep(joint: fx.Graph, keep: int | float | None) -> KeptGathered | None:
+    """The decision for the joint graph `joint`: `keep` bytes (an int), or that fraction of the resharded
+    buckets' gathered bytes (a float); None for None."""
     if keep is None:
-        return set()
+        return None
     sizes: dict[str, int] = {}
     last_use: dict[str, int] = {}
     seen: set[str] = set()
@@ -38,12 +76,6 @@ def buckets_to_keep(joint: fx.Graph, keep: int | float | None) -> set[str]:
         if call.fqn not in seen:
             seen.add(call.fqn)
             sizes[call.bucket] = sizes.get(call.bucket, 0) + nbytes(val(node))
-    budget = int(keep * sum(sizes.values())) if isinstance(keep, float) else keep
-    kept, used = [], 0
-    for bucket in sorted(sizes, key=last_use.__getitem__, reverse=True):  # what backward needs first goes first
-        if used + sizes[bucket] <= budget:
-            kept.append(bucket)
-            used += sizes[bucket]
-    log.info("selective unsharding: keeping %s gathered for backward (%d of %d bytes, budget %d): backward "
-             "gathers %d bytes less", kept or "nothing", used, sum(sizes.values()), budget, used)
-    return set(kept)
+    decision = choose_kept({b: sizes[b] for b in sorted(sizes, key=last_use.__getitem__)}, keep)
+    log.info("%s", decision.describe())
+    return decision

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from collections import Counter, deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import fx
@@ -31,6 +32,9 @@ from .ir import (
     fsdp_op_name,
     nbytes,
 )
+
+if TYPE_CHECKING:
+    from .keep_gathered import KeptGathered
 
 __all__ = [
     "DUMP_ENV",
@@ -175,6 +179,9 @@ class GraphRecord:
     recompile (e.g. for a new input shape) a new attempt of its frame. None when compiled outside Dynamo."""
     profile: HardwareProfile | None = None
     """The cost-model profile the scheduler used (the agreed measured one, or the configured one)."""
+    kept_gathered: KeptGathered | None = None
+    """Selective unsharding's decision for this graph's compile (`keep_gathered.KeptGathered`), or None when
+    `CompileConfig.keep_gathered` is None."""
 
 
 MAX_RECORDS = 64

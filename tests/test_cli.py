@@ -438,3 +438,32 @@ def test_plan_tp_json_keeps_its_keys_and_adds_tp_ones():
     assert out["tp"] == 2 and out["shard_size"] == 2 and out["per_rank_bytes"]["params"] == 1584 * 4
     assert out["tp_collectives_per_layer"] == {"forward": {"all_reduce": 1}, "backward": {"all_reduce": 1}}
     assert "intra_node_bytes_per_s" in out["profiles"]["h100-nvlink"]["device"]
+
+
+def test_dump_shows_which_buckets_selective_unsharding_keeps_and_the_bytes_saved(tmp_path):
+    """`--keep-gathered 0.5`: both graphs' summaries name the kept buckets and their bytes; the buckets the backward
+    graph no longer gathers are exactly those, and their forward all-gathers add up to the bytes named."""
+    out = tmp_path / "dump"
+    r = cli("dump", f"{FACTORIES}:tiny", "--world-size", "4", "--keep-gathered", "0.5", "--out", str(out), "-q")
+    assert r.returncode == 0, r.stderr
+    sections = {kind: r.stdout.split(f"== {kind} graph")[1].split("==")[0] for kind in ("forward", "backward")}
+    row = re.compile(r"^\s+(\S+)\s+all_gather\s+\S+\s+([\d.]+ \w+)\s+\d+$", re.MULTILINE)
+    gathered = {kind: dict(row.findall(text)) for kind, text in sections.items()}
+    kept = sorted(set(gathered["forward"]) - set(gathered["backward"]))
+    assert kept and set(gathered["backward"]) < set(gathered["forward"])
+    line = re.compile(r"selective unsharding: kept gathered for backward: (.+) \((.+) of .+ resharded, budget .+\): "
+                      r"backward gathers (.+) less")
+    for text in sections.values():
+        names, kept_bytes, saved = line.search(text).groups()
+        assert sorted(names.split(", ")) == kept and kept_bytes == saved
+    sizes = {"B": 1, "KiB": 2**10, "MiB": 2**20}
+    total = sum(float(v.split()[0]) * sizes[v.split()[1]] for b, v in gathered["forward"].items() if b in kept)
+    assert size_text(total) == kept_bytes
+
+
+def test_keep_gathered_usage_errors(capsys):
+    from fsdp2_compile.cli import main
+
+    for bad in ("1.5", "-3", "lots"):
+        assert main(["dump", f"{FACTORIES}:tiny", "--world-size", "2", "--keep-gathered", bad]) == 2
+        assert "--keep-gathered" in capsys.readouterr().err
