@@ -21,7 +21,7 @@ def shard_compile(
     module: nn.Module,
     mesh: DeviceMesh | None = None,
     *,
-    reshard_after_forward: bool | int | None = True,
+    reshard_after_forward: bool | int | None = None,
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     ignored_params: Iterable[nn.Parameter] | None = None,
     offload_policy: object = None,

@@ -196,7 +196,7 @@ def cmd_dump(ns: argparse.Namespace) -> int:
         factory = load_target(ns.target)
         hardware = ns.hardware or "cpu-gloo-loopback"
         mp = _mp_policy(ns.mp)
-        reshard = not ns.no_reshard
+        reshard = False if ns.no_reshard else None  # None: FSDP2's default (the root keeps its parameters)
         where = _mesh_words(ns.world_size, ns.replicate, ns.tp)
         tp_text = ""
         with fake_group(ns.world_size):
@@ -261,8 +261,9 @@ def cmd_plan(ns: argparse.Namespace) -> int:
             try:
                 plan = make_plan(factory, ns.world_size, replicate=ns.replicate, call=call_factory,
                                  profiles=profiles, mp_policy=_mp_policy(ns.mp),
-                                 reshard_after_forward=not ns.no_reshard, progress=progress.step,
-                                 attention=ns.attention, ac=ns.ac, compiler=ns.compiler, tp=ns.tp)
+                                 reshard_after_forward=False if ns.no_reshard else None, progress=progress.step,
+                                 attention=ns.attention, ac=ns.ac, compiler=ns.compiler, tp=ns.tp,
+                                 keep_gathered=ns.keep_gathered)
             except (RunError, UsageError):
                 raise
             except ValueError as e:
@@ -372,6 +373,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(plan)
     plan.add_argument("--hardware", help="only this cost-model profile (default: all of cost_model.PROFILES)")
     plan.add_argument("--no-reshard", action="store_true", help="reshard_after_forward=False")
+    _add_keep_gathered(plan)
     plan.add_argument("--attention", choices=["fused", "math"], default="fused",
                       help="scaled_dot_product_attention as flash / memory-efficient (default) or unfused math")
     plan.add_argument("--ac", choices=["none", "full", "selective"], default="none",

@@ -45,7 +45,7 @@ class FSDPModule:
         `shard` is replaced (True gathers from the whole shard group again)."""
         _check_bool("set_reshard_after_forward", "reshard_after_forward", reshard_after_forward)
         for info in self._param_infos(recurse):
-            info.reshard_after_forward = reshard_after_forward
+            info.reshard_after_forward, info.auto_reshard = reshard_after_forward, False
             info.post_forward_size, info.post_forward_group_name = 0, ""
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:

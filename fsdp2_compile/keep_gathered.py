@@ -42,9 +42,9 @@ class KeptGathered:
 
     def describe(self, size: Callable[[int], str] = lambda n: f"{n:,} bytes") -> str:
         names = ", ".join(b or "<root>" for b in self.buckets) or "nothing"
-        return (f"selective unsharding: kept gathered for backward: {names} ({size(self.kept_bytes)} of "
-                f"{size(self.resharded_bytes)} resharded, budget {size(self.budget)}): backward gathers "
-                f"{size(self.kept_bytes)} less")
+        return (f"selective unsharding: kept gathered for backward: {names} ({size(self.kept_bytes)} gathered of "
+                f"{size(self.resharded_bytes)} resharded, budget {size(self.budget)}): backward does not gather "
+                "them again")
 
 
 def choose_kept(sizes: dict[str, int], keep: int | float) -> KeptGathered:

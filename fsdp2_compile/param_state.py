@@ -79,6 +79,9 @@ class ParamInfo:
     param_dtype: torch.dtype | None
     reduce_dtype: torch.dtype
     reshard_after_forward: bool
+    auto_reshard: bool = False
+    """`shard(reshard_after_forward=None)`, FSDP2's default: resharded after forward unless its group is a root
+    (`shard.settle_root_resharding`); `set_reshard_after_forward` turns it off."""
     replicate_size: int = 1
     """HSDP: ranks in the replicate group (gradients are all-reduced over it after the reduce-scatter)."""
     replicate_group_name: str = ""

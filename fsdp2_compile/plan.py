@@ -37,7 +37,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from .cost_model import PROFILES
-from .ir import CollectiveArgs, Role, nbytes
+from .ir import BUCKET, CollectiveArgs, Role, nbytes
 from .planner_ac import has_checkpointing, unwrap_checkpointing
 from .planner_profiles import device_for
 from .planner_reduce import block_list, reduced_copy, scale
@@ -107,6 +107,9 @@ class Plan:
     tp_comm_s: dict[str, float] = field(default_factory=dict)
     """Per profile: seconds of TP's collectives per step on the intra-node link (in step_time_s and
     exposed_comm_s: they sit on the critical path)."""
+    kept_gathered: dict[str, object] = field(default_factory=dict)
+    """Selective unsharding (`keep_gathered`): the kept buckets, their gathered bytes per rank, the budget, the
+    resharded buckets' bytes and the bytes one rank sends less per step; {} without it."""
 
     @property
     def shard_size(self) -> int:
@@ -138,6 +141,7 @@ class Plan:
             "tp_collectives_per_layer": self.tp_collectives_per_layer,
             "tp_collectives_per_step": self.tp_collectives_per_step,
             "tp_comm_s": self.tp_comm_s,
+            "kept_gathered": self.kept_gathered,
             "profiles": {n: {"alpha_s": p.alpha_s, "beta_s_per_byte": p.beta_s_per_byte, "flops_per_s": p.flops_per_s,
                              "mem_bytes_per_s": p.mem_bytes_per_s, "source": p.source,
                              "device": {**{k: v for k, v in device_for(n).__dict__.items() if k != "sources"},
@@ -208,6 +212,18 @@ def sharded_bytes(model: nn.Module) -> dict[str, int]:
     }
 
 
+def _resharded_sizes(model: nn.Module, itemsize: int) -> dict[str, int]:
+    """Gathered bytes of each bucket resharded after forward (unpadded, as selective unsharding counts them), in
+    the order of last use in forward: the blocks in order, then the root (whose head comes last)."""
+    from .shard import managed_params
+
+    sizes: dict[str, int] = {}
+    for _, p, info in managed_params(model):
+        if info.reshard_after_forward:
+            sizes[info.bucket] = sizes.get(info.bucket, 0) + math.prod(p.shape) * itemsize
+    return {b: sizes[b] for b in sorted(sizes, key=lambda b: b == "")}
+
+
 def _bucket_numel(model: nn.Module) -> dict[str, int]:
     """Full padded elements each bucket (`shard` call) gathers, in bucket order (blocks, then the root)."""
     from .ops import padded_rows
@@ -229,6 +245,8 @@ class _GraphFigures:
     tp_buffers: dict[str, int] = field(default_factory=dict)
     tp_collectives: list[tuple[str, str, int, int]] = field(default_factory=list)
     """TP's collectives: (graph kind, collective kind, full buffer bytes, group size)."""
+    backward_gathers: dict[str, int] = field(default_factory=dict)
+    """Full buffer bytes backward all-gathers again, by bucket."""
 
     def tp_counts(self, graph: str, kind: str) -> int:
         return sum(1 for g, k, _, _ in self.tp_collectives if g == graph and k == kind)
@@ -267,6 +285,9 @@ def _compile_and_measure(model, args, loss_fn, mesh, compile_kwargs, tp_mesh=Non
             if c is not None and is_tp(node):
                 figures.tp_collectives.append(
                     (r.kind, str(c.kind), c.nbytes, group_size(CollectiveArgs.of(node).group_name)))
+            elif c is not None and r.kind == "backward" and c.kind == Role.ALL_GATHER:
+                bucket = node.meta.get(BUCKET, "")
+                figures.backward_gathers[bucket] = figures.backward_gathers.get(bucket, 0) + c.nbytes
     clear_compiled_graphs()
     return figures
 
@@ -311,13 +332,14 @@ def make_plan(
     call: Callable = lambda f, **kw: f(**kw),
     profiles: list[str] | None = None,
     mp_policy=None,
-    reshard_after_forward: bool = True,
+    reshard_after_forward: bool | None = None,
     progress: Callable[[str], object] | None = None,
     attention: str = "fused",
     ac: str = "none",
     compiler: str = "aot_eager",
     prefetch: int | None = None,
     tp: int = 1,
+    keep_gathered: int | float | None = None,
 ) -> Plan:
     """Plan `factory`'s model at `world_size` ranks; `replicate` > 1: HSDP on a `replicate x world_size/replicate`
     mesh (`hsdp_mesh`). Needs the default process group of `world_size` ranks (the fake one);
@@ -326,8 +348,13 @@ def make_plan(
     `compiler`: "aot_eager" (eager kernels), "inductor" (fused elementwise) or "inductor-blocks" (Inductor on each
     block only, the rest eager: torchtitan's per-block compile); `prefetch`: blocks gathered ahead
     (default: CompileConfig's prefetch_depth); `tp` > 1: tensor parallelism of degree `tp` inside FSDP on a
-    (dp, tp) mesh (`planner_tp`; the factory's `tp_plan` or the default one)."""
+    (dp, tp) mesh (`planner_tp`; the factory's `tp_plan` or the default one); `keep_gathered`: selective
+    unsharding as `CompileConfig.keep_gathered`, decided on the full model's buckets (blocks in order, then the
+    root, whose head is used last) by the compiler's own rule (`keep_gathered.choose_kept`): the kept buckets'
+    backward all-gathers leave the bytes and the schedule, their gathered parameters stay in memory from forward
+    to backward (counted in activations and the peak)."""
     from .config import CompileConfig, MixedPrecisionPolicy
+    from .keep_gathered import choose_kept
 
     if compiler not in ("aot_eager", "inductor", "inductor-blocks"):
         raise ValueError(f"compiler {compiler!r} is not one of: aot_eager, inductor, inductor-blocks")
@@ -366,6 +393,8 @@ def make_plan(
     measured = sharded_bytes(model)
     numel = _bucket_numel(model)
     buckets = {b: n * _itemsize(param_dtype) for b, n in numel.items()}
+    kept = None if keep_gathered is None else choose_kept(_resharded_sizes(model, _itemsize(param_dtype)),
+                                                           keep_gathered)
     root = buckets.get("", 0)
     others = sorted((b for name, b in buckets.items() if name), reverse=True)
     gathered_peak = root + sum(others[:2])
@@ -401,9 +430,15 @@ def make_plan(
         return scale(values[0], values[1], layers) if reduce else values[0]
 
     comm = extrapolate([g.comm_wire for g in figures])
+    # the copies were compiled without it: what their backward gathers of a kept bucket (a block's as the copy's
+    # first block's) is what stays in memory instead, and leaves the bytes on the wire
+    first_block = next((b for b in numel if b), "")
+    kept_bytes = 0 if kept is None else sum(
+        figures[-1].backward_gathers.get(b if not b or not reduce else first_block, 0) for b in kept.buckets)
+    comm -= (shard_size - 1) / shard_size * kept_bytes
     buffers = {k: int(extrapolate([g.buffers.get(k, 0) for g in figures])) for k in figures[-1].buffers}
     fused = {"aot_eager": False, "inductor": True, "inductor-blocks": "blocks"}[compiler]
-    activations = extrapolate([t.saved_bytes(fused) for t in traces])
+    activations = extrapolate([t.saved_bytes(fused) for t in traces]) + kept_bytes
     model_flops = 3 * extrapolate([t.forward_flops() for t in (full_traces or traces)]) / tp
 
     # tensor parallelism's collectives: per block (2 blocks minus 1) and per step, by graph and kind
@@ -422,7 +457,7 @@ def make_plan(
     grad_buffers = 2 * max((numel[b] for b in block_names), default=0) * (_itemsize(param_dtype)
                                                                           + _itemsize(reduce_dtype))
     static = measured["params"] + measured["optimizer"]
-    peak_alloc = extrapolate([memory_peak(
+    peak_alloc = kept_bytes + extrapolate([memory_peak(
         t, fused, static=static, grads=measured["grads"], gathered_forward=gathered_peak,
         gathered_backward=gathered_peak, grad_buffers=grad_buffers) for t in traces])
     optimizer_point = static + measured["grads"] + measured["optimizer"] // ADAMW_STATES
@@ -480,7 +515,8 @@ def make_plan(
             sc.gather_s, sc.reduce_s = [], []
         run_s, exposed_s = schedule(fw_block + tp_fw_block, fw_rest + tp_fw_rest, bw_block + tp_bw_block,
                                     bw_rest + tp_bw_rest, sc, dev.comm_overlaps_compute,
-                                    prefetch=max(prefetch, 1), reshard=reshard_after_forward)
+                                    prefetch=max(prefetch, 1), reshard=reshard_after_forward is not False,
+                                    kept={i for i, b in enumerate(per_block) if kept is not None and b in kept.buckets})
         exposed_s += tp_s[name]  # schedule counted TP's time as compute
         opt_s = optimizer_time(measured["params"], measured["grads"], measured["optimizer"], dev)
         time[name] = run_s + opt_s
@@ -510,6 +546,10 @@ def make_plan(
               f"{ac_used}, {compiler} kernels), scheduled with FSDP's prefetch of {prefetch} block(s)")
     if given_ac and ac != "none":
         method += f"; --ac {ac} ignored: the factory's model is already checkpointed"
+    if kept is not None:
+        method += ("; selective unsharding decided on the full model's buckets (blocks in order, then the root), "
+                   "its kept buckets' backward all-gathers taken out of the bytes and the schedule and their "
+                   "gathered bytes added to activations and the peak for the whole step")
     if replicate > 1:
         method += (f"; HSDP: parameters sharded over {shard_size} ranks, replicated {replicate} times, gradients "
                    f"reduce-scattered over {shard_size} ranks then all-reduced over {replicate}")
@@ -528,18 +568,23 @@ def make_plan(
                "reduce_dtype": str(reduce_dtype).removeprefix("torch.")},
         "compiler": compiler,
         "prefetch_blocks": prefetch,
-        "reshard_after_forward": reshard_after_forward,
+        "reshard_after_forward": reshard_after_forward is not False,
         "tokens_per_step_per_rank": tokens,
         "model_flops_per_step_per_rank": model_flops,
         "optimizer": "AdamW, fp32 states",
         "reduction": reduced,
         "tp": tp,
+        "keep_gathered": keep_gathered,
     }
     return Plan(world_size, n_params, layers, per_rank, analytical, int(comm), buffers, time, exposed, method, buckets,
                 replicate, tps, mfu, reserved, compute, assumptions, tp=tp, tp_plan=tp_text,
                 tp_comm_bytes_per_step=int(tp_wire), tp_collective_buffer_bytes=tp_buffers,
                 tp_collectives_per_layer=tp_per_layer, tp_collectives_per_step=tp_per_step,
-                tp_comm_s=tp_s if tp_mesh is not None else {})
+                tp_comm_s=tp_s if tp_mesh is not None else {},
+                kept_gathered={} if kept is None else {
+                    "buckets": list(kept.buckets), "bytes": kept.kept_bytes, "budget": kept.budget,
+                    "resharded_bytes": kept.resharded_bytes, "kept_for_backward_bytes": kept_bytes,
+                    "backward_gather_bytes_saved": int((shard_size - 1) / shard_size * kept_bytes)})
 
 
 def size_text(n: float) -> str:
@@ -582,6 +627,13 @@ def format_plan(plan, seconds: float, rss: int) -> str:
         f"{plan.shard_size} or {plan.replicate} ranks")
     out.append(f"communication per step: {size_text(plan.comm_bytes_per_step)} sent per rank ({ring}: {buffers})"
                + (" (FSDP's, over dp)" if plan.tp > 1 else ""))
+    if plan.kept_gathered:
+        k = plan.kept_gathered
+        names = ", ".join(b or "<root>" for b in k["buckets"]) or "nothing"
+        out.append(f"selective unsharding: kept gathered for backward: {names} ({size_text(k['bytes'])} gathered of "
+                   f"{size_text(k['resharded_bytes'])} resharded, budget {size_text(k['budget'])}): "
+                   f"{size_text(k['kept_for_backward_bytes'])} of them held from forward to backward, "
+                   f"{size_text(k['backward_gather_bytes_saved'])} less sent per rank per step")
     if plan.tp > 1:
         def kinds(d: dict) -> str:
             return ", ".join(f"{k} x{n:,}" for k, n in sorted(d.items())) or "none"

@@ -66,12 +66,14 @@ class StepComm:
 
 
 def schedule(fw_block: float, fw_rest: float, bw_block: float, bw_rest: float, comm: StepComm, overlap: bool,
-             prefetch: int = 2, reshard: bool = True) -> tuple[float, float]:
-    """(step seconds without the optimizer, exposed communication seconds) of forward then backward."""
+             prefetch: int = 2, reshard: bool = True, kept: set[int] = frozenset()) -> tuple[float, float]:
+    """(step seconds without the optimizer, exposed communication seconds) of forward then backward; backward
+    gathers the blocks again when `reshard`, except those in `kept` (selective unsharding)."""
     n = len(comm.gather_s)
     compute = n * (fw_block + bw_block) + fw_rest + bw_rest
-    comm_total = (comm.root_gather_s + comm.root_reduce_s + sum(comm.gather_s) * (2 if reshard else 1)
-                  + sum(comm.reduce_s))
+    regathered = {j for j in range(n) if reshard and j not in kept}
+    comm_total = (comm.root_gather_s + comm.root_reduce_s + sum(comm.gather_s)
+                  + sum(comm.gather_s[j] for j in regathered) + sum(comm.reduce_s))
     if not overlap:
         return compute + comm_total, comm_total
     lane = 0.0  # when the communication lane is free
@@ -90,14 +92,17 @@ def schedule(fw_block: float, fw_rest: float, bw_block: float, bw_rest: float, c
             done[i + prefetch] = issue(now, comm.gather_s[i + prefetch])
         now = max(now, done[i]) + fw_block
     now += fw_rest + bw_rest
-    if reshard:
-        order = list(range(n - 1, -1, -1))
-        done = {j: issue(now - bw_rest, comm.gather_s[j]) for j in order[:prefetch]}
-    else:
-        order, done = list(range(n - 1, -1, -1)), {j: 0.0 for j in range(n)}
+    order, done = list(range(n - 1, -1, -1)), {j: 0.0 for j in range(n)}
+
+    def gather_again(j: int, at: float) -> None:
+        if j in regathered:
+            done[j] = issue(at, comm.gather_s[j])
+
+    for j in order[:prefetch]:
+        gather_again(j, now - bw_rest)
     for k, j in enumerate(order):
-        if reshard and k + prefetch < n:
-            done[order[k + prefetch]] = issue(now, comm.gather_s[order[k + prefetch]])
+        if k + prefetch < n:
+            gather_again(order[k + prefetch], now)
         now = max(now, done[j]) + bw_block
         issue(now, comm.reduce_s[j])
     issue(now, comm.root_reduce_s)

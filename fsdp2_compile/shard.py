@@ -189,7 +189,7 @@ def shard(
     module: nn.Module | list[nn.Module],
     mesh: DeviceMesh | None = None,
     *,
-    reshard_after_forward: bool | int | None = True,
+    reshard_after_forward: bool | int | None = None,
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     ignored_params: Iterable[nn.Parameter] | None = None,
     offload_policy: object = None,
@@ -202,9 +202,11 @@ def shard(
     first call on a process group measures the link and compute speed for the scheduler, agreed across ranks).
     `mesh=None` means a 1-D mesh over the default process group. Parameters in `ignored_params` are left as they
     are (not sharded, not gathered, their gradients not reduced). Every module given becomes an `FSDPModule`.
-    `reshard_after_forward`: True (None, FSDP2's default) frees gathered parameters after forward and gathers
-    them again in backward; False keeps them until backward; an int k dividing the shard group's size keeps 1/k
-    of each on every rank and gathers backward's from k ranks (`post_forward.py`).
+    `reshard_after_forward`: True frees gathered parameters after forward and gathers them again in backward;
+    False keeps them until backward; None (FSDP2's default) is True for every group but a root's (a call on a
+    module no other call covers: the last, outermost one), which backward needs first and keeps, as FSDP2 does;
+    an int k dividing the shard group's size keeps 1/k of each on every rank and gathers backward's from k ranks
+    (`post_forward.py`).
     `offload_policy`: torch's `OffloadPolicy()` (no offload) or `CPUOffloadPolicy(pin_memory=)`: sharded parameters,
     gradients and optimizer state on the CPU, each shard copied to the mesh's device right before its all-gather
     (on a CPU mesh they are there already: pinning is skipped without an accelerator).
@@ -257,6 +259,7 @@ def shard(
                         param_dtype=mp_policy.param_dtype if mp_policy.param_dtype != param.dtype else None,
                         reduce_dtype=mp_policy.reduce_dtype or mp_policy.param_dtype or param.dtype,
                         reshard_after_forward=reshard,
+                        auto_reshard=reshard_after_forward is None,
                         replicate_size=replicate_size,
                         replicate_group_name=replicate_group_name,
                         tp=tp,
@@ -272,6 +275,7 @@ def shard(
                 _install_properties(mod, new_infos)
         _cast_buffers(member, mp_policy.buffer_dtype)
 
+    settle_root_resharding(members, taken)
     state = ShardState(tuple(taken), tuple(weakref.ref(m) for m in members), mp_policy)
     for member in members:
         _install_properties(member, {}, fsdp_module=True)
@@ -283,6 +287,21 @@ def shard(
         SHARDED_MODULES.add(member)
     _trace_blocks_once(members)
     return module
+
+
+def settle_root_resharding(members: list[nn.Module], taken: list[ParamInfo]) -> None:
+    """FSDP2's `reshard_after_forward=None`: the groups sharded before under `members` are not roots (resharded
+    after forward); this call's group is one until a later call covers it (kept for backward, which needs the
+    root's parameters first: FSDP2 leaves the root's gathered after forward)."""
+    for member in members:
+        for mod in member.modules():
+            if is_sharded(mod) and mod not in members:
+                for info in state_of(mod).infos:
+                    if info.auto_reshard:
+                        info.reshard_after_forward = True
+    for info in taken:
+        if info.auto_reshard:
+            info.reshard_after_forward = False
 
 
 def _trace_blocks_once(members: list[nn.Module]) -> None:

@@ -441,21 +441,22 @@ def test_plan_tp_json_keeps_its_keys_and_adds_tp_ones():
 
 
 def test_dump_shows_which_buckets_selective_unsharding_keeps_and_the_bytes_saved(tmp_path):
-    """`--keep-gathered 0.5`: both graphs' summaries name the kept buckets and their bytes; the buckets the backward
-    graph no longer gathers are exactly those, and their forward all-gathers add up to the bytes named."""
+    """`--keep-gathered 0.5`: both graphs' summaries name the kept buckets and their gathered bytes; the buckets the
+    backward graph no longer gathers are exactly those (and the root, which FSDP2's default keeps), and their
+    forward all-gathers add up to the bytes named."""
     out = tmp_path / "dump"
     r = cli("dump", f"{FACTORIES}:tiny", "--world-size", "4", "--keep-gathered", "0.5", "--out", str(out), "-q")
     assert r.returncode == 0, r.stderr
     sections = {kind: r.stdout.split(f"== {kind} graph")[1].split("==")[0] for kind in ("forward", "backward")}
     row = re.compile(r"^\s+(\S+)\s+all_gather\s+\S+\s+([\d.]+ \w+)\s+\d+$", re.MULTILINE)
     gathered = {kind: dict(row.findall(text)) for kind, text in sections.items()}
-    kept = sorted(set(gathered["forward"]) - set(gathered["backward"]))
+    kept = sorted(set(gathered["forward"]) - set(gathered["backward"]) - {"<root>"})  # the root: kept by default
     assert kept and set(gathered["backward"]) < set(gathered["forward"])
-    line = re.compile(r"selective unsharding: kept gathered for backward: (.+) \((.+) of .+ resharded, budget .+\): "
-                      r"backward gathers (.+) less")
+    line = re.compile(r"selective unsharding: kept gathered for backward: (.+) \((.+) gathered of .+ resharded, "
+                      r"budget .+\): backward does not gather them again")
     for text in sections.values():
-        names, kept_bytes, saved = line.search(text).groups()
-        assert sorted(names.split(", ")) == kept and kept_bytes == saved
+        names, kept_bytes = line.search(text).groups()
+        assert sorted(names.split(", ")) == kept
     sizes = {"B": 1, "KiB": 2**10, "MiB": 2**20}
     total = sum(float(v.split()[0]) * sizes[v.split()[1]] for b, v in gathered["forward"].items() if b in kept)
     assert size_text(total) == kept_bytes

@@ -36,21 +36,21 @@ def test_set_reshard_after_forward_recompiles_and_backward_gathers_nothing():
     graphs = result["graphs"]
     assert [kind for kind, _ in graphs] == ["forward", "backward", "forward", "backward"]  # a guard recompiled
     first_backward, second_backward = graphs[1][1], graphs[3][1]
-    assert sum(kind == "all_gather" for kind, _ in first_backward) == 3  # the root and both blocks re-gathered
+    assert sum(kind == "all_gather" for kind, _ in first_backward) == 2  # both blocks re-gathered (the root kept)
     assert sum(kind == "all_gather" for kind, _ in second_backward) == 0  # nothing resharded after forward
 
 
 def test_reshard_after_forward_int_gathers_backward_from_the_smaller_group():
     """4 ranks, blocks with `reshard_after_forward=2`: losses bitwise equal to fully_shard's with the same
-    setting; backward gathers each block from 2 ranks (the rows forward kept: half of each block), the root from
-    all 4 (sharded with the default), and reduce-scatters every gradient over all 4."""
+    setting; backward gathers each block from 2 ranks (the rows forward kept: half of each block), not the root
+    (sharded with the default: kept for backward, as fully_shard's), and reduce-scatters every gradient over all 4."""
     result = run_ranks(reshard_to_smaller_group, 4, 2)[0]
     assert result["ours"] == result["fsdp2"]
     graphs = dict(result["graphs"])
     assert {(kind, size) for kind, size, _ in graphs["forward"]} == {("all_gather", 4)}
     backward = {(kind, groups): size for kind, size, groups in graphs["backward"]}
     assert backward == {
-        ("all_gather", ("root",)): 4, ("all_gather", ("blocks.1",)): 2, ("all_gather", ("blocks.0",)): 2,
+        ("all_gather", ("blocks.1",)): 2, ("all_gather", ("blocks.0",)): 2,
         ("reduce_scatter", ("blocks.1",)): 4, ("reduce_scatter", ("blocks.0",)): 4, ("reduce_scatter", ("root",)): 4,
     }
     assert result["saved_rows_bytes"] == result["regathered_bytes"] // 2 > 0
@@ -68,7 +68,7 @@ def test_reshard_after_backward_false_keeps_parameters_for_the_next_forward():
         assert torch.equal(value, result["fsdp2_params"][name]), name
     kinds = [(kind, [c for c, _, _ in collectives]) for kind, collectives in result["graphs"]]
     assert kinds == [
-        ("forward", ["all_gather"] * 3), ("backward", ["all_gather"] * 3),  # first micro-batch: no reduction
+        ("forward", ["all_gather"] * 3), ("backward", ["all_gather"] * 2),  # first micro-batch: no reduction
         ("forward", []), ("backward", ["reduce_scatter"] * 3),  # second: the parameters kept, nothing gathered
     ]
 

@@ -269,3 +269,36 @@ def test_tp_sequence_parallel_plan_of_the_factory_counts_all_gathers_and_reduce_
     # 2 KiB; 2 blocks, forward + backward
     assert plan.tp_collective_buffer_bytes["all_gather"] == 2 * 2 * 2 * TP_ACT
     assert plan.tp_collective_buffer_bytes["reduce_scatter"] == 2 * 2 * 2 * TP_ACT
+
+
+def test_selective_unsharding_plans_what_the_pipeline_compiles():
+    """`keep_gathered=0.25` on 4 blocks at 8 ranks: the plan (1- and 2-block copies, scaled) keeps the bucket the
+    compiler keeps when it compiles the whole model with the same setting, and its bytes per step are that
+    compile's; the bytes it saves are the kept buckets' backward all-gathers, and the step is no slower."""
+    from fsdp2_compile.backend import make_backend
+    from fsdp2_compile.config import CompileConfig
+    from fsdp2_compile.plan import shard_for_plan, wire_bytes
+    from fsdp2_compile.report import clear_compiled_graphs, compiled_graphs
+
+    plain, kept = _plan(tiny_layers), _plan(tiny_layers, keep_gathered=0.25)
+    with fake_group(8):
+        model, args, loss_fn = tiny_layers()
+        shard_for_plan(model)
+        clear_compiled_graphs()
+        torch._dynamo.reset()
+        config = CompileConfig(hardware="h100-nvlink", check_rank_consistency=False, keep_gathered=0.25)
+        loss_fn(torch.compile(model, backend=make_backend(config))(*args)).backward()
+        records = compiled_graphs()
+        compiled_wire = sum(wire_bytes(r.gm, tp=False)[0] for r in records)
+        decision = records[0].kept_gathered
+        clear_compiled_graphs()
+    assert decision.buckets == ("blocks.3",)  # the last block: backward needs it first; the root is kept anyway
+    assert kept.kept_gathered["buckets"] == list(decision.buckets)
+    assert kept.kept_gathered["bytes"] == decision.kept_bytes
+    assert kept.comm_bytes_per_step == pytest.approx(compiled_wire, abs=1)
+    held, saved = kept.kept_gathered["kept_for_backward_bytes"], kept.kept_gathered["backward_gather_bytes_saved"]
+    assert 0 < held <= decision.kept_bytes and saved == int(7 / 8 * held)  # backward needs most of a block's bytes
+    assert plain.comm_bytes_per_step - kept.comm_bytes_per_step == pytest.approx(saved, abs=1)
+    assert kept.per_rank_bytes["activations"] == plain.per_rank_bytes["activations"] + held
+    assert kept.step_time_s["h100-nvlink"] <= plain.step_time_s["h100-nvlink"]
+    assert plain.kept_gathered == {} and "selective unsharding" in kept.method

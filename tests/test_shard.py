@@ -166,3 +166,38 @@ def test_set_requires_gradient_sync_recurses_like_fsdp2(fake_pg):
     assert not any(sync().values())
     model[0].set_requires_gradient_sync(True)
     assert sync() == {"0.weight": True, "0.bias": True, "1.weight": False, "1.bias": False}
+
+
+def _group_reshards(module: nn.Module) -> dict[str, bool]:
+    """Ours: each group (bucket) -> whether its parameters reshard after forward."""
+    from fsdp2_compile.shard import managed_params
+
+    return {info.bucket: info.reshard_after_forward for _, _, info in managed_params(module)}
+
+
+def test_default_reshard_after_forward_keeps_the_root_as_fully_shard_does(fake_pg):
+    """`reshard_after_forward=None` (both defaults): every group reshards after forward but the root's, which
+    fully_shard (torch 2.13) leaves gathered because backward needs it first (its post-forward mesh is None); an
+    explicit True reshards the root too, on both; `set_reshard_after_forward` sticks through later `shard` calls."""
+    from torch.distributed.fsdp import fully_shard
+
+    def built(shard, **root_kwargs):
+        model = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), nn.Linear(4, 2))
+        shard(model[1][0])
+        shard(model[1])
+        shard(model, **root_kwargs)
+        return model
+
+    for root_kwargs in ({}, {"reshard_after_forward": True}):
+        reference = built(fully_shard, **root_kwargs)
+        reference(torch.zeros(2, 4))  # fully_shard decides the root at its first forward
+        groups = {name: m._get_fsdp_state()._fsdp_param_group for name, m in reference.named_modules()
+                  if hasattr(m, "_get_fsdp_state")}
+        expected = {name: g.post_forward_mesh_info is not None for name, g in groups.items()}
+        assert expected == {"": bool(root_kwargs), "1": True, "1.0": True}
+        assert _group_reshards(built(fc.shard, **root_kwargs)) == expected
+    model = built(fc.shard)
+    model.set_reshard_after_forward(True, recurse=False)
+    outer = nn.ModuleList([model])
+    fc.shard(outer)  # a later root over it: the choice stays, and the new root keeps its own (none here)
+    assert _group_reshards(outer) == {"0": True, "0.1": True, "0.1.0": True}
