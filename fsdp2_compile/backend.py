@@ -36,8 +36,8 @@ from .config import CompileConfig
 from .consistency import rank_check
 from .cost_model import PROFILES, HardwareProfile, measured_profile
 from .grad_delivery import one_unshard_per_delivered_param
-from .heap import release_freed_heap
 from .graph import nodes_calling
+from .heap import release_freed_heap
 from .ir import REDUCE_GRAD, UNSHARD, ReduceGradArgs, UnshardArgs
 from .keep_gathered import KEPT_META, KeptGathered, buckets_to_keep
 from .param_state import infos_of_values

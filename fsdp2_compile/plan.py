@@ -430,11 +430,11 @@ def make_plan(
         return scale(values[0], values[1], layers) if reduce else values[0]
 
     comm = extrapolate([g.comm_wire for g in figures])
-    # the copies were compiled without it: what their backward gathers of a kept bucket (a block's as the copy's
-    # first block's) is what stays in memory instead, and leaves the bytes on the wire
-    first_block = next((b for b in numel if b), "")
-    kept_bytes = 0 if kept is None else sum(
-        figures[-1].backward_gathers.get(b if not b or not reduce else first_block, 0) for b in kept.buckets)
+    # the copies were compiled without it: what their backward gathers of a kept bucket (of a block the copies cut
+    # off, what they gather of their first block) is what stays in memory instead, and leaves the bytes on the wire
+    regathered = figures[-1].backward_gathers
+    first_block = regathered.get(next((b for b in numel if b), ""), 0)
+    kept_bytes = 0 if kept is None else sum(regathered.get(b, first_block) for b in kept.buckets)
     comm -= (shard_size - 1) / shard_size * kept_bytes
     buffers = {k: int(extrapolate([g.buffers.get(k, 0) for g in figures])) for k in figures[-1].buffers}
     fused = {"aot_eager": False, "inductor": True, "inductor-blocks": "blocks"}[compiler]
