@@ -32,8 +32,8 @@ KEPT_META = "fsdp2_kept_gathered"
 @dataclass(frozen=True)
 class KeptGathered:
     """What selective unsharding decided: the buckets kept gathered for backward (the one backward needs first,
-    first), their gathered bytes (what backward gathers less), the gathered bytes of every resharded bucket, and
-    the budget."""
+    first), their gathered bytes, the gathered bytes of every resharded bucket, and the budget. (Backward saves
+    what it would have gathered again: the parameters it reads, at most these bytes.)"""
 
     buckets: tuple[str, ...]
     kept_bytes: int

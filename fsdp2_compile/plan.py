@@ -504,6 +504,7 @@ def make_plan(
 
         n_blocks = layers if reduce else 0
         per_block = [b for b in block_names][:n_blocks] if len(block_names) >= n_blocks else block_names
+        kept_blocks = {i for i, b in enumerate(per_block) if kept is not None and b in kept.buckets}
         sc = StepComm(
             root_gather_s=coll(buckets.get("", 0), shard_size) + sum(
                 coll(buckets[b], shard_size) for b in block_names[n_blocks:]),
@@ -516,7 +517,7 @@ def make_plan(
         run_s, exposed_s = schedule(fw_block + tp_fw_block, fw_rest + tp_fw_rest, bw_block + tp_bw_block,
                                     bw_rest + tp_bw_rest, sc, dev.comm_overlaps_compute,
                                     prefetch=max(prefetch, 1), reshard=reshard_after_forward is not False,
-                                    kept={i for i, b in enumerate(per_block) if kept is not None and b in kept.buckets})
+                                    kept=kept_blocks)
         exposed_s += tp_s[name]  # schedule counted TP's time as compute
         opt_s = optimizer_time(measured["params"], measured["grads"], measured["optimizer"], dev)
         time[name] = run_s + opt_s

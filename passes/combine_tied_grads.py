@@ -5,8 +5,8 @@ reductions — into `reduce_grad(add(a, b), *args)` until no such pair is left, 
 reduce-scatter, as in FSDP2 (where autograd accumulates before the reduction). Valid because the averaging
 reduce-scatter is linear. When both reductions first add the gradient kept from unsynced micro-batches
 (`fsdp2::add_pending_grad`, same parameter), the uses are summed before that one add: `kept + (a + b)`, FSDP2's
-order (autograd sums the uses, then accumulates into the kept `.grad`), not `(kept + a) + b`. Contract: provides "tied_grads_combined", which `lower_reduce_grad` requires (it needs
-the un-lowered `fsdp2::reduce_grad` nodes).
+order (autograd sums the uses, then accumulates into the kept `.grad`), not `(kept + a) + b`. Contract: provides
+"tied_grads_combined", which `lower_reduce_grad` requires (it needs the un-lowered `fsdp2::reduce_grad` nodes).
 """
 
 from __future__ import annotations
