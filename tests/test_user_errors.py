@@ -285,6 +285,26 @@ def test_the_readme_use_block_runs_as_written(tmp_path):
         assert len(losses) == 5 and losses[-1] < losses[0], proc.stdout
 
 
+def test_the_readme_tp_and_meta_device_blocks_run_as_written():
+    """The two indented Python blocks of README's "Use" list, dedented and run on 4 ranks (workers.readme_snippets)."""
+    import textwrap
+
+    from harness import run_ranks
+    from workers import readme_snippets
+
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    use = readme.split("## Use", 1)[1].split("\n## ", 1)[0]
+    tp_block, meta_block = (textwrap.dedent(b) for b in re.findall(r"^  ```python\n(.*?)^  ```", use, re.S | re.M))
+    assert "parallelize_module" in tp_block and 'torch.device("meta")' in meta_block
+    for r in run_ranks(readme_snippets, 4, tp_block, meta_block):
+        assert r["tp_grad_error"] < 1e-5, r
+        meshes = r["tp_meshes"]  # TP'd weights on the (dp, tp) mesh, the rest (norms, embedding, head) over dp
+        assert meshes["layers.0.attn.wq.weight"] == meshes["layers.1.mlp.w2.weight"] == ("dp", "tp"), meshes
+        assert meshes["layers.0.attn_norm.weight"] == meshes["embed.weight"] == ("dp",), meshes
+        assert r["local"]["blocks.0.mlp.0.weight"] == ((256 // 4, 64), "cpu"), r["local"]
+        assert r["grads"] and r["loss"] == r["loss"], r
+
+
 def test_optimizer_in_backward_with_sync_off_through_the_backend_route(fake_pg):
     """`torch.compile(model, backend="fsdp2")` does not see post-accumulate-grad hooks: autograd runs them after the
     backward, which is FSDP2's result while gradients are reduced, but with sync off it would run them with a zero
