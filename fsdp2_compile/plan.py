@@ -363,7 +363,9 @@ def make_plan(
     step = progress or (lambda msg: None)
     mesh, tp_mesh = plan_meshes(world_size, replicate, tp)
     shard_size = world_size // (replicate * tp)
-    prefetch = CompileConfig().prefetch_depth if prefetch is None else prefetch
+    # the compiler's own checks: a bad prefetch or keep_gathered is refused before anything is built
+    config = CompileConfig(keep_gathered=keep_gathered, **({} if prefetch is None else dict(prefetch_depth=prefetch)))
+    prefetch = config.prefetch_depth
 
     step("building the full model")
     model, full_args, _ = call(factory)

@@ -302,3 +302,10 @@ def test_selective_unsharding_plans_what_the_pipeline_compiles():
     assert kept.per_rank_bytes["activations"] == plain.per_rank_bytes["activations"] + held
     assert kept.step_time_s["h100-nvlink"] <= plain.step_time_s["h100-nvlink"]
     assert plain.kept_gathered == {} and "selective unsharding" in kept.method
+
+
+@pytest.mark.parametrize("bad", [dict(keep_gathered=1.5), dict(keep_gathered=-1), dict(prefetch=-1)])
+def test_make_plan_refuses_what_the_compiler_refuses(bad):
+    """`make_plan` checks keep_gathered and prefetch as CompileConfig does, before building anything."""
+    with pytest.raises(ValueError, match="keep_gathered" if "keep_gathered" in bad else "prefetch_depth"):
+        _plan(tiny_layers, **bad)
