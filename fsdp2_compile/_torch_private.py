@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -27,6 +27,7 @@ __all__ = [
     "current_compile_id",
     "default_store",
     "detect_fake_mode",
+    "fake_output_by_meta_kernel",
     "fake_process_group",
     "group_ranks",
     "group_size",
@@ -50,6 +51,26 @@ def min_cut_partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -
     gathers itself; the GPT's and MLP's graphs came out identical but for one node's name)."""
     with functorch_config.patch(cse=False):
         return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+
+
+def fake_output_by_meta_kernel(fake_mode: Any, fn: Callable[..., torch.Tensor], args: tuple, kwargs: dict):
+    """`fn(*args, **kwargs)` (an op, or a function of a few ops) on fake inputs, computed as FakeTensorMode
+    computes a fake output: by its meta kernels on the inputs seen as meta tensors (a view shares their fake
+    storage), then wrapped as the mode's fake tensor, without the mode's per-call dispatch (a fifth of the time).
+    None (call the op under the mode instead) where that is not simply so: symbolic sizes, or inputs that are
+    not all this mode's fake tensors on one device."""
+    from torch._subclasses.fake_tensor import FakeTensor, in_kernel_invocation_manager
+
+    tensors = [a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+    if not tensors or any(
+        not isinstance(t, FakeTensor) or t.fake_mode is not fake_mode or t.device != tensors[0].device
+        or not all(isinstance(d, int) for d in (*t.shape, *t.stride()))
+        for t in tensors
+    ):
+        return None
+    with in_kernel_invocation_manager(fake_mode):
+        out = fn(*args, **kwargs)
+    return fake_mode.fake_tensor_converter.from_meta_and_device(fake_mode, out, tensors[0].device)
 
 
 def has_post_accumulate_grad_hooks(tensor: torch.Tensor) -> bool:

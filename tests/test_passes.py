@@ -278,3 +278,38 @@ def test_views_name_every_schema_argument(fake_pg):
     assert isinstance(c, AllGatherArgs) and (c.group_size, c.group_name, c.ranks()) == (4, fake_pg, 4)
     assert Tags.of(gather) == Tags(("fc.weight",), "blocks.0", Role.ALL_GATHER)
     assert nbytes(gather.meta["val"]) == 36 * 5 * 2  # 4 ranks x 9 padded rows, bf16
+
+
+def test_inserted_nodes_get_the_fake_values_the_fake_mode_would_give():
+    """`graph.insert_call` makes the fake outputs of collectives and copy-in / copy-out views on the meta kernels
+    (`_META_OUTPUTS`): the same shape, strides, offset, dtype, device and mode as the op run under the fake mode,
+    a view sharing its input's fake storage, anything else a fresh one."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fsdp2_compile._torch_private import fake_output_by_meta_kernel
+    from fsdp2_compile.graph import _META_OUTPUTS
+
+    aten, c10d = torch.ops.aten, torch.ops._c10d_functional
+    mode = FakeTensorMode()
+    with mode:
+        table, a, b = torch.empty(2, 96), torch.empty(3, 8, dtype=torch.bfloat16), torch.empty(5, 8, dtype=torch.bfloat16)
+        cols = table[:, 16:48]
+    calls = [
+        (aten.view.default, (a, [-1]), {}), (aten.slice.Tensor, (table, 1, 16, 48), {}),
+        (aten.clone.default, (cols,), {"memory_format": torch.contiguous_format}), (aten.view.default, (table, [4, 48]), {}),
+        (aten.cat.default, ([a.view(-1), b.view(-1)],), {}), (c10d.all_gather_into_tensor.default, (a, 4, "g"), {}),
+        (c10d.reduce_scatter_tensor.default, (b.view(-1), "avg", 2, "g"), {}), (c10d.wait_tensor.default, (a,), {}),
+    ]
+    assert {op for op, _, _ in calls} == set(_META_OUTPUTS)
+    for op, args, kwargs in calls:
+        fast = fake_output_by_meta_kernel(mode, _META_OUTPUTS[op], args, kwargs)
+        with mode:
+            slow = op(*args, **kwargs)
+        describe = lambda t: (type(t), t.shape, t.stride(), t.storage_offset(), t.dtype, t.device, t.fake_mode)  # noqa: E731
+        assert describe(fast) == describe(slow), op
+        first = args[0] if isinstance(args[0], torch.Tensor) else None
+        shares = lambda t: first is not None and t.untyped_storage()._cdata == first.untyped_storage()._cdata  # noqa: E731
+        assert shares(fast) == (op in (aten.view.default, aten.slice.Tensor)), op
+    with FakeTensorMode():
+        other = torch.empty(4)
+    assert fake_output_by_meta_kernel(mode, aten.view.default, (other, [-1]), {}) is None  # another mode's tensor
