@@ -83,6 +83,54 @@ class FSDPModule:
 
     set_reduce_scatter_divide_factor = set_gradient_divide_factor
 
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """This module's group, as in FSDP2: the collectives only sum, the average (or the gradient divide factor)
+        is a division after them (`ops.divide_factors`, FSDP2's rule); a change recompiles."""
+        _check_bool("set_force_sum_reduction_for_comms", "enable", enable)
+        for info in self._param_infos(recurse=False):
+            info.force_sum_reduction = enable
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """Accepted with FSDP2's results: a compiled backward gathers only the parameters its graph uses (an
+        embedding's weight is not gathered again), so False changes nothing."""
+        _check_bool("set_unshard_in_backward", "unshard_in_backward", unshard_in_backward)
+
+    def set_post_optim_event(self, event: object) -> None:
+        """Accepted with FSDP2's results: a compiled forward's all-gathers are issued in the order of the stream
+        it runs on, after the optimizer step that came before it, so there is no event to wait for."""
+
+    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
+        """False (FSDP2's default) only: a compiled graph reduces the gradients its ranks all compute; ranks that use
+        different parameters compile different graphs, which the rank-consistency check refuses, naming both."""
+        _check_bool("set_reduce_scatter_unused_params", "reduce_scatter_unused_params", reduce_scatter_unused_params)
+        if reduce_scatter_unused_params:
+            raise NotImplementedError(
+                f"{type(self).__name__}.set_reduce_scatter_unused_params(True) is not supported by fsdp2_compile: "
+                "every rank must use the same parameters in a step (make unused branches run with zero weight instead)"
+            )
+
+    def _unsupported(self, method: str, why: str) -> None:
+        raise NotImplementedError(f"{type(self).__name__}.{method} is not supported by fsdp2_compile: {why}")
+
+    def set_all_reduce_hook(self, hook: object, *, stream: object = None) -> None:
+        self._unsupported("set_all_reduce_hook", "the reductions are nodes of the compiled graph; run a "
+                          "post-accumulate-grad hook on the parameters instead (it gets the reduced shard)")
+
+    def set_custom_all_gather(self, comm: object) -> None:
+        self._unsupported("set_custom_all_gather", "the compiler inserts and buckets the all-gathers itself")
+
+    def set_custom_reduce_scatter(self, comm: object) -> None:
+        self._unsupported("set_custom_reduce_scatter", "the compiler inserts and buckets the reduce-scatters itself")
+
+    def _no_effect(self, *args: object, **kwargs: object) -> None:
+        """FSDP2's communication-buffer and stream settings (`set_reduce_scatter_max_input_buffers`,
+        `set_allocate_memory_from_process_group_for_comm`, `set_symm_mem_for_comm`,
+        `set_separate_reduce_scatter_group`): accepted; they change no result, and the compiled graph's scheduler
+        places its collectives and buffers itself."""
+
+    set_reduce_scatter_max_input_buffers = set_allocate_memory_from_process_group_for_comm = _no_effect
+    set_symm_mem_for_comm = set_separate_reduce_scatter_group = _no_effect
+
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
         """In forward, issue the all-gathers of `modules`' groups right before this module's group is used (the
         scheduler places the others itself; explicit ones take precedence and ignore the memory budget)."""

@@ -21,6 +21,7 @@ Every argument besides the tensor is static metadata, carried in the op so each 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -83,6 +84,7 @@ def unshard(
     prefetch_forward: str = "",
     prefetch_backward: str = "",
     grad_divide_factor: float = 0.0,
+    force_sum_reduction: bool = False,
     requires_all_reduce: bool = True,
     partial_key: str = "",
     post_forward_size: int = 0,
@@ -100,6 +102,7 @@ def unshard(
     synced backward with a `pending_key` adds what was kept first. `prefetch_*`: comma-separated buckets whose
     all-gathers the scheduler issues right before this parameter's bucket is used (explicit prefetching).
     `grad_divide_factor` (0: average): the gradient is summed over the ranks after each is multiplied by 1/it.
+    `force_sum_reduction` (`set_force_sum_reduction_for_comms`): sum-only collectives (`divide_factors`).
     HSDP: `requires_all_reduce=False` keeps the reduce-scattered shard under `partial_key` instead of all-reducing
     it; a backward with the all-reduce adds what was kept first. `post_forward_*` (`reshard_after_forward=int`):
     the smaller group compiled backwards gather from (`post_forward.py`); eager runs gather from the whole group.
@@ -126,6 +129,35 @@ def _(*args, **kwargs):
                              device=a.compute_device or a.shard.device)
 
 
+class DivideFactors(NamedTuple):
+    """How a gradient is reduced: times `scale`, divided by `pre`, reduced with `op` ("avg" or "sum"), the result
+    divided by `post` (None: not done)."""
+
+    scale: float | None
+    pre: float | None
+    op: str
+    post: float | None
+
+
+def divide_factors(reduce_dtype: torch.dtype, world_size: int, replicate_size: int, divide_factor: float,
+                   force_sum: bool) -> DivideFactors:
+    """FSDP2's rule (`_get_gradient_divide_factors`). fp32 / bf16 without `force_sum`: the collective averages,
+    or with a divide factor f each rank's gradient is multiplied by 1/f and summed. Otherwise only sums: in a
+    dtype other than fp32 / bf16 (fp16: overflow) each rank divides by the largest power of two p with p*p < f
+    (f: the divide factor, else the data-parallel size) first and the sum is divided by f/p; with `force_sum`
+    in fp32 / bf16 the sum is divided by f."""
+    if reduce_dtype in (torch.float32, torch.bfloat16) and not force_sum:
+        return DivideFactors(1.0 / divide_factor, None, "sum", None) if divide_factor else DivideFactors(None, None, "avg", None)
+    factor = divide_factor or float(world_size * replicate_size)
+    if reduce_dtype in (torch.float32, torch.bfloat16):
+        return DivideFactors(None, None, "sum", factor if factor != 1 else None)
+    pre = 1
+    while factor % pre == 0 and factor / pre > pre:
+        pre *= 2
+    post = factor / pre
+    return DivideFactors(None, pre if pre != 1 else None, "sum", post if post != 1 else None)
+
+
 @torch.library.custom_op("fsdp2::reduce_grad", mutates_args=())
 def reduce_grad(
     grad: Tensor,
@@ -142,26 +174,32 @@ def reduce_grad(
     requires_all_reduce: bool = True,
     partial_key: str = "",
     out_device: torch.device | None = None,
+    force_sum_reduction: bool = False,
 ) -> Tensor:
     """Average a full gradient over the group and return this rank's `local_rows`-row shard in `out_dtype`.
     With an HSDP replicate group (`replicate_size > 1`) the shard is then averaged over that group too. With a
     `divide_factor`, each rank's gradient is multiplied by 1 / divide_factor and the results are summed instead.
     HSDP without the all-reduce (`requires_all_reduce=False`): the reduced shard is kept under `partial_key` (a
     zero shard back); the next reduction with the all-reduce adds it first. `out_device`: where the result goes
-    (`CPUOffloadPolicy`: back to the CPU shard's device)."""
+    (`CPUOffloadPolicy`: back to the CPU shard's device). How each rank's part is scaled and summed:
+    `divide_factors`."""
     x = grad.to(reduce_dtype)
-    op = "avg"
-    if divide_factor:
-        x, op = x * (1.0 / divide_factor), "sum"
+    d = divide_factors(reduce_dtype, world_size, replicate_size, divide_factor, force_sum_reduction)
+    if d.scale is not None:
+        x = x * d.scale
+    if d.pre is not None:
+        x = x / d.pre
     x = pad_rows(x, padded_rows(grad.shape[0], world_size) * world_size).contiguous()
-    out = _funcol.wait_tensor(_funcol.reduce_scatter_tensor(x, op, world_size, group_name))
+    out = _funcol.wait_tensor(_funcol.reduce_scatter_tensor(x, d.op, world_size, group_name))
     if replicate_size > 1 and not requires_all_reduce:
         return torch.ops.fsdp2.stash_grad(out, partial_key, reduce_dtype, out.shape[0], reduce_dtype, fqn)[
             :local_rows].to(out_dtype).clone()
     if replicate_size > 1:
         if partial_key:
             out = torch.ops.fsdp2.add_pending_grad(out, partial_key, reduce_dtype, fqn)
-        out = _funcol.wait_tensor(_funcol.all_reduce(out, op, replicate_group_name))
+        out = _funcol.wait_tensor(_funcol.all_reduce(out, d.op, replicate_group_name))
+    if d.post is not None:
+        out = out / d.post
     return out[:local_rows].to(out_dtype).to(out_device or out.device).clone()
 
 
@@ -241,6 +279,7 @@ def _unshard_setup_context(ctx, inputs, output) -> None:
         replicate_size=a.replicate_size, replicate_group_name=a.replicate_group_name,
         divide_factor=a.grad_divide_factor, requires_all_reduce=a.requires_all_reduce, partial_key=a.partial_key,
         out_device=a.shard.device if a.compute_device is not None else None,
+        force_sum_reduction=a.force_sum_reduction,
     )
     ctx.n_inputs = len(inputs)
 

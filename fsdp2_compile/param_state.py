@@ -98,6 +98,8 @@ class ParamInfo:
     grad_divide_factor: str = ""
     """`set_gradient_divide_factor`: gradients are multiplied by 1 / it on each rank and summed ("": averaged).
     Kept as text: Dynamo guards a text's value, where a float read inside a block traced once becomes an input."""
+    force_sum_reduction: bool = False
+    """`set_force_sum_reduction_for_comms(True)`: sum-only collectives, the division done apart (`ops.divide_factors`)."""
     requires_all_reduce: bool = True
     """HSDP: False keeps the reduce-scattered gradient on this rank instead of all-reducing it over the replicas."""
     partial_key: str = ""
@@ -210,6 +212,7 @@ class ParamInfo:
             "" if anonymous else ",".join(i.bucket for i in self.prefetch_forward),
             "" if anonymous else ",".join(i.bucket for i in self.prefetch_backward),
             float(self.grad_divide_factor or 0),
+            self.force_sum_reduction,
             self.requires_all_reduce,
             "" if anonymous else self.partial_key,
             self.post_forward_size,

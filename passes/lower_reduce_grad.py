@@ -1,7 +1,8 @@
 """Lower every `fsdp2::reduce_grad` into `[cast to reduce_dtype] → [pad] → reduce_scatter_tensor(avg) →
 wait_tensor → [all_reduce(avg) over the HSDP replicate group → wait_tensor] → [unpad] → [cast to param dtype] →
 [copy to the CPU shard's device]`;
-with a gradient divide factor f, `[× 1/f]` after the cast and "sum" instead of "avg". HSDP with the all-reduce
+with a gradient divide factor f, `[× 1/f]` after the cast and "sum" instead of "avg"; in fp16 or with
+`set_force_sum_reduction_for_comms`, sums with `[÷ p]` before and `[÷ f/p]` after (`ops.divide_factors`). HSDP with the all-reduce
 off (`set_requires_all_reduce(False)`): the reduced shard goes to `fsdp2::stash_grad` (kept, a zero shard on);
 with it on after such backwards, `fsdp2::add_pending_grad` adds what was kept before the all-reduce.
 
@@ -27,7 +28,7 @@ from fsdp2_compile.ir import (
     Tags,
     WaitArgs,
 )
-from fsdp2_compile.ops import padded_rows
+from fsdp2_compile.ops import divide_factors, padded_rows
 from fsdp2_compile.pass_api import Fact, PassContext, contract
 
 aten = torch.ops.aten
@@ -45,23 +46,27 @@ def lower_reduce_grad(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             x = a.grad
             if val(x).dtype != a.reduce_dtype:
                 x = insert_call(graph, convert, (x, a.reduce_dtype), tag(Role.CAST))
-            op = "avg"
-            if a.divide_factor:
-                x, op = insert_call(graph, aten.mul.Tensor, (x, 1.0 / a.divide_factor), tag(Role.CAST)), "sum"
+            d = divide_factors(a.reduce_dtype, a.world_size, a.replicate_size, a.divide_factor, a.force_sum_reduction)
+            if d.scale is not None:
+                x = insert_call(graph, aten.mul.Tensor, (x, d.scale), tag(Role.CAST))
+            if d.pre is not None:
+                x = insert_call(graph, aten.div.Tensor, (x, d.pre), tag(Role.CAST))
             missing = rows * a.world_size - val(x).shape[0]
             if missing:
                 pad = [0, 0] * (val(x).dim() - 1) + [0, missing]
                 x = insert_call(graph, aten.constant_pad_nd.default, (x, pad), tag(Role.PAD))
             x = insert_contiguous(graph, x, tag(Role.CONTIGUOUS))
-            x = insert_op(graph, ReduceScatterArgs(x, op, a.world_size, a.group_name), tag(Role.REDUCE_SCATTER))
+            x = insert_op(graph, ReduceScatterArgs(x, d.op, a.world_size, a.group_name), tag(Role.REDUCE_SCATTER))
             x = insert_op(graph, WaitArgs(x), tag(Role.WAIT))
             if a.replicate_size > 1 and not a.requires_all_reduce:  # HSDP accumulation: keep the reduced shard
                 x = insert_op(graph, StashGradArgs(x, a.partial_key, a.reduce_dtype, rows, a.reduce_dtype, a.fqn), tag())
             elif a.replicate_size > 1:
                 if a.partial_key:
                     x = insert_op(graph, AddPendingGradArgs(x, a.partial_key, a.reduce_dtype, a.fqn), tag())
-                x = insert_op(graph, AllReduceArgs(x, op, a.replicate_group_name), tag(Role.ALL_REDUCE))
+                x = insert_op(graph, AllReduceArgs(x, d.op, a.replicate_group_name), tag(Role.ALL_REDUCE))
                 x = insert_op(graph, WaitArgs(x), tag(Role.WAIT))
+            if d.post is not None and not (a.replicate_size > 1 and not a.requires_all_reduce):
+                x = insert_call(graph, aten.div.Tensor, (x, d.post), tag(Role.CAST))
             if a.local_rows != rows:
                 x = insert_call(graph, aten.slice.Tensor, (x, 0, 0, a.local_rows), tag(Role.UNPAD))
             if a.reduce_dtype != a.out_dtype:

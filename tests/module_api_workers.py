@@ -367,3 +367,31 @@ def optimizer_in_backward_changes(rank: int, world_size: int) -> dict:
     out["frozen"] = len(list(model.blocks[0].parameters()))
     out["params"] = len(list(model.parameters()))
     return out
+
+
+def sum_only_reductions(rank: int, world_size: int, reduce_dtype: torch.dtype, force_sum: bool) -> dict:
+    """The GPT with `set_gradient_divide_factor(3.0)` on every group (3: a division that rounds) and
+    `set_force_sum_reduction_for_comms(force_sum)`, gradients reduced in `reduce_dtype` (not fp32 / bf16: FSDP2
+    divides before and after a sum): both systems' losses, the parameters' full values after the steps, and how
+    many divisions our compiled backwards hold."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    out = {}
+    for system in ("fsdp2", "ours"):
+        clear_compiled_graphs()
+        model = make_model("gpt")
+        mp = (MixedPrecisionPolicy if system == "fsdp2" else fc.MixedPrecisionPolicy)(reduce_dtype=reduce_dtype)
+        shard = fully_shard if system == "fsdp2" else fc.shard
+        for block in model.blocks:
+            shard(block, mp_policy=mp)
+        (fully_shard if system == "fsdp2" else fc.shard_compile)(model, mp_policy=mp)
+        for m in model.modules():
+            if hasattr(m, "set_force_sum_reduction_for_comms"):
+                m.set_gradient_divide_factor(3.0)
+                m.set_force_sum_reduction_for_comms(force_sum)
+        opt = make_optimizer(model)
+        out[system] = _gpt_steps(model, opt, rank, world_size, range(STEPS))
+        out[f"{system}_params"] = {k: p.full_tensor() for k, p in model.named_parameters()}
+    out["divisions"] = sum(1 for r in compiled_graphs() if r.kind == "backward" for n in r.gm.graph.nodes
+                           if n.target is torch.ops.aten.div.Tensor)
+    return out

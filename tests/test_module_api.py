@@ -9,6 +9,7 @@ from harness import run_ranks
 from module_api_workers import (
     cpu_offload,
     divide_factor,
+    sum_only_reductions,
     hsdp_accumulation,
     module_api,
     optimizer_in_backward,
@@ -180,6 +181,19 @@ def test_gradient_divide_factor_sums_scaled_gradients():
             assert torch.equal(grads[factor][k], g * scale), (factor, k)
 
 
+@pytest.mark.parametrize("reduce_dtype,force_sum", [(torch.float32, True), (torch.float64, False)])
+def test_sum_only_reductions_as_fully_shard(reduce_dtype, force_sum):
+    """FSDP2's divide rule with a divide factor of 3 on 2 ranks: `set_force_sum_reduction_for_comms(True)` sums,
+    then divides by 3; a reduce dtype other than fp32 / bf16 (fp16's overflow risk) divides by 2 before the sum and
+    by 1.5 after. Losses and parameters bitwise equal to fully_shard's (multiplying by 1/3 before the sum, as
+    without either, rounds differently)."""
+    r = run_ranks(sum_only_reductions, 2, reduce_dtype, force_sum)[0]
+    assert r["ours"] == r["fsdp2"]
+    for k, p in r["fsdp2_params"].items():
+        assert torch.equal(r["ours_params"][k], p), k
+    assert r["divisions"] > 0
+
+
 def test_buffer_dtype_casts_floating_buffers_of_the_group_only(fake_pg):
     model = nn.Sequential(nn.BatchNorm1d(4), nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)))
     fc.shard(model[1], mp_policy=fc.MixedPrecisionPolicy(buffer_dtype=torch.float64))
@@ -208,3 +222,27 @@ def test_setter_values_are_checked(fake_pg):
     model.set_requires_all_reduce(True)  # the default is accepted
     with pytest.raises(ValueError, match=r"set_gradient_divide_factor\(0\): use a positive number"):
         model.set_gradient_divide_factor(0)
+
+
+def test_every_fully_shard_method_exists_and_says_what_it_does_here(fake_pg):
+    """Each public `FSDPModule` method of torch's is on ours: FSDP2's result, accepted as changing nothing here
+    (stream and buffer settings), or refused naming the module, the method and what to do instead."""
+    from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
+
+    public = {n for n in vars(TorchFSDPModule) if not n.startswith("_")} - {"reset_iter_state"}
+    assert public <= set(dir(fc.FSDPModule)), sorted(public - set(dir(fc.FSDPModule)))
+    model = fc.shard(nn.Linear(4, 4))
+    model.set_unshard_in_backward(False)
+    model.set_post_optim_event(object())
+    model.set_reduce_scatter_unused_params(False)
+    model.set_reduce_scatter_max_input_buffers(2)
+    model.set_separate_reduce_scatter_group(True)
+    model.set_force_sum_reduction_for_comms(True)
+    assert all(info.force_sum_reduction for info in model._param_infos(recurse=False))
+    with pytest.raises(TypeError, match=r"set_force_sum_reduction_for_comms\(enable=1\): use True or False"):
+        model.set_force_sum_reduction_for_comms(1)
+    for call, what in ((lambda: model.set_all_reduce_hook(print), "post-accumulate-grad hook"),
+                       (lambda: model.set_custom_all_gather(None), "inserts and buckets the all-gathers"),
+                       (lambda: model.set_reduce_scatter_unused_params(True), "the same parameters")):
+        with pytest.raises(NotImplementedError, match=f"ShardedLinear.*not supported by fsdp2_compile.*{what}"):
+            call()
