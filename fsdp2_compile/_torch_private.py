@@ -41,6 +41,7 @@ __all__ = [
     "queue_at_backward_end",
     "resolve_group",
     "subgraph_schemas_reused",
+    "tracing_backend",
     "trace_graph_artifact",
 ]
 
@@ -71,6 +72,19 @@ def fake_output_by_meta_kernel(fake_mode: Any, fn: Callable[..., torch.Tensor], 
     with in_kernel_invocation_manager(fake_mode):
         out = fn(*args, **kwargs)
     return fake_mode.fake_tensor_converter.from_meta_and_device(fake_mode, out, tensors[0].device)
+
+
+def tracing_backend() -> Callable | None:
+    """While Dynamo traces a frame: the backend it will hand the graph to, unwrapped from Dynamo's and
+    torch.compile's wrappers (a function, or the `functools.partial` `make_backend` returns); None otherwise."""
+    from torch._dynamo import symbolic_convert
+    from torch._dynamo.eval_frame import innermost_backend
+
+    tx = getattr(symbolic_convert.tls, "current_tx", None)
+    if tx is None or getattr(tx.output, "compiler_fn", None) is None:
+        return None
+    fn = innermost_backend(tx.output.compiler_fn)
+    return innermost_backend(getattr(fn, "compiler_fn", fn))  # torch.compile's wrapper holds the backend there
 
 
 def has_post_accumulate_grad_hooks(tensor: torch.Tensor) -> bool:

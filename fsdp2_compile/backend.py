@@ -31,7 +31,7 @@ from ._torch_private import (
     min_cut_partition,
     subgraph_schemas_reused,
 )
-from .compiled_once import gather_again_in_backward, gather_outside_blocks
+from .compiled_once import TRACES_BLOCKS_ONCE, gather_again_in_backward, gather_outside_blocks
 from .config import CompileConfig
 from .consistency import rank_check
 from .cost_model import PROFILES, HardwareProfile, measured_profile
@@ -246,6 +246,9 @@ def fsdp2_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Com
             partition_fn=functools.partial(_partition, config=config),
             decompositions=inductor_decompositions() if config.compiler == "inductor" else None,
         )
+
+
+setattr(fsdp2_backend, TRACES_BLOCKS_ONCE, True)
 
 
 def make_backend(config: CompileConfig) -> Callable:

@@ -19,11 +19,15 @@ Blocks that differ (other shapes, other settings) get a subgraph each; Dynamo in
 
 from __future__ import annotations
 
+import functools
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import fx
+
+from ._torch_private import tracing_backend
 
 from .ir import UNSHARD, SubgraphCall, UnshardArgs, output_of
 from .param_state import ParamInfo, infos_of_values
@@ -40,8 +44,45 @@ PARTITIONED_FW, PARTITIONED_BW = "partitioned_fw", "partitioned_bw"
 
 
 def traced_once(forward: Callable) -> Callable:
-    """`forward` as a nested compile region (a no-op outside torch.compile)."""
-    return torch.compiler.nested_compile_region(forward, max_reuse_entries=MAX_TRACES)
+    """`forward`, as a nested compile region while the fsdp2 backend compiles it. Other backends (inductor,
+    aot_eager, eager) trace it inline: torch 2.13 cannot run a nested region whose inputs are DTensors
+    ("'FakeTensor' object has no attribute 'to_local'"), which only the fsdp2 backend works around."""
+    region = torch.compiler.nested_compile_region(forward, max_reuse_entries=MAX_TRACES)
+
+    @functools.wraps(forward)
+    def forward_traced_once(*args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling() and _fsdp2_backend_tracing():
+            return region(*args, **kwargs)
+        return forward(*args, **kwargs)
+
+    return forward_traced_once
+
+
+TRACES_BLOCKS_ONCE = "fsdp2_traces_blocks_once"
+"""The attribute that marks the fsdp2 backend function (`backend.fsdp2_backend`)."""
+_WARNED: set[str] = set()
+
+
+@torch._dynamo.assume_constant_result
+def _fsdp2_backend_tracing() -> bool:
+    """Whether the backend Dynamo traces for is fsdp2's; run (not traced) by Dynamo, its result a constant. A
+    sharded module compiled with another backend gets a warning, once per backend."""
+    backend = tracing_backend()
+    if backend is None:
+        return False
+    if getattr(getattr(backend, "func", backend), TRACES_BLOCKS_ONCE, False):
+        return True
+    name = getattr(getattr(backend, "func", backend), "__name__", repr(backend))
+    if name not in _WARNED:
+        _WARNED.add(name)
+        warnings.warn(
+            f"fsdp2_compile: a sharded module compiled with backend {name!r}: its fsdp2::unshard ops run as they are "
+            "(each parameter gathered alone, no bucketing, prefetch or overlap) and its blocks are traced one by "
+            "one; compile with fsdp2_compile.shard_compile(model) or torch.compile(model, backend=\"fsdp2\") for "
+            "the compiler's passes (Inductor: shard_compile(model, compile_config=CompileConfig(compiler=\"inductor\")))",
+            stacklevel=2,
+        )
+    return False
 
 
 # ---------------------------------------------------------------------------------------------- before AOTAutograd

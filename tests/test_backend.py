@@ -6,6 +6,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 
 def python(code: str) -> subprocess.CompletedProcess:
     return subprocess.run(
@@ -120,3 +122,22 @@ def test_inductor_keeps_the_collectives_where_the_scheduler_put_them(fake_pg):
         assert sum(k == "reduce_scatter_tensor" for k, _ in expected) == (3 if record.kind == "backward" else 0)
         assert inductor_sequence(code) == expected, record.kind
     clear_compiled_graphs()
+
+
+def test_a_sharded_model_trains_under_another_backend_with_a_warning():
+    """`torch.compile(model)` with a backend not ours (aot_eager here; inductor and eager alike), as a
+    `fully_shard` user would write it: the blocks are traced inline (torch 2.13 cannot run a nested compile region
+    whose inputs are DTensors), every unshard runs as its op; the losses and parameters match one process's, and
+    a warning names the backend and the way to the compiler's passes."""
+    import torch
+    from harness import run_ranks
+    from models import reference_train
+    from workers import other_backend
+
+    ref_losses, ref_params = reference_train("gpt", 3)
+    for r in run_ranks(other_backend, 2, "aot_eager"):
+        assert r["losses"] == pytest.approx(ref_losses, rel=1e-5)
+        for k, p in ref_params.items():
+            torch.testing.assert_close(r["params"][k], p, rtol=1e-4, atol=3e-4)
+        assert len(r["warnings"]) == 1 and "backend 'aot_eager'" in r["warnings"][0], r["warnings"]
+        assert 'backend="fsdp2"' in r["warnings"][0] and "shard_compile" in r["warnings"][0]

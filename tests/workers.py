@@ -351,6 +351,26 @@ def readme_snippets(rank: int, world_size: int, tp_block: str, meta_block: str) 
                 grads=all(p.grad is not None for p in gpt.parameters()))
 
 
+def other_backend(rank: int, world_size: int, backend: str) -> dict:
+    """The GPT sharded per block, then the root (`shard`, not `shard_compile`), compiled with
+    `torch.compile(model, backend=backend)`: 3 AdamW steps' losses and parameters, and the warnings the first
+    compile gave."""
+    import warnings
+
+    model = make_model("gpt")
+    for block in model.blocks:
+        fc.shard(block)
+    fc.shard(model)
+    compiled = torch.compile(model, backend=backend)
+    opt = make_optimizer(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        losses = _gpt_steps(compiled, opt, rank, world_size, range(3))
+    torch._dynamo.reset()
+    return dict(losses=losses, params={k: p.full_tensor() for k, p in model.named_parameters()},
+                warnings=[str(w.message) for w in caught if "fsdp2_compile" in str(w.message)])
+
+
 def checkpoint_helpers(rank: int, world_size: int, path: str) -> dict:
     """save_checkpoint after 2 steps; load_checkpoint into a fresh model and optimizer (bit-identical state); then
     load it into models of other configs, which must fail naming the first mismatching entry."""
