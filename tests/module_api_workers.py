@@ -369,13 +369,16 @@ def optimizer_in_backward_changes(rank: int, world_size: int) -> dict:
     return out
 
 
-def sum_only_reductions(rank: int, world_size: int, reduce_dtype: torch.dtype, force_sum: bool) -> dict:
+def sum_only_reductions(rank: int, world_size: int, reduce_dtype: torch.dtype, force_sum: bool, hsdp: bool) -> dict:
     """The GPT with `set_gradient_divide_factor(3.0)` on every group (3: a division that rounds) and
     `set_force_sum_reduction_for_comms(force_sum)`, gradients reduced in `reduce_dtype` (not fp32 / bf16: FSDP2
-    divides before and after a sum): both systems' losses, the parameters' full values after the steps, and how
-    many divisions our compiled backwards hold."""
+    divides before and after a sum), on a 1-D mesh or with `hsdp` a (replicate 2, shard 2) one: both systems'
+    losses, the parameters' full values after the steps, and how many divisions our compiled backwards hold."""
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    mesh = init_device_mesh("cpu", (2, world_size // 2) if hsdp else (world_size,),
+                            mesh_dim_names=("replicate", "shard") if hsdp else None)
     out = {}
     for system in ("fsdp2", "ours"):
         clear_compiled_graphs()
@@ -383,8 +386,8 @@ def sum_only_reductions(rank: int, world_size: int, reduce_dtype: torch.dtype, f
         mp = (MixedPrecisionPolicy if system == "fsdp2" else fc.MixedPrecisionPolicy)(reduce_dtype=reduce_dtype)
         shard = fully_shard if system == "fsdp2" else fc.shard
         for block in model.blocks:
-            shard(block, mp_policy=mp)
-        (fully_shard if system == "fsdp2" else fc.shard_compile)(model, mp_policy=mp)
+            shard(block, mesh=mesh, mp_policy=mp)
+        (fully_shard if system == "fsdp2" else fc.shard_compile)(model, mesh=mesh, mp_policy=mp)
         for m in model.modules():
             if hasattr(m, "set_force_sum_reduction_for_comms"):
                 m.set_gradient_divide_factor(3.0)

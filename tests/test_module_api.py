@@ -181,13 +181,14 @@ def test_gradient_divide_factor_sums_scaled_gradients():
             assert torch.equal(grads[factor][k], g * scale), (factor, k)
 
 
-@pytest.mark.parametrize("reduce_dtype,force_sum", [(torch.float32, True), (torch.float64, False)])
-def test_sum_only_reductions_as_fully_shard(reduce_dtype, force_sum):
-    """FSDP2's divide rule with a divide factor of 3 on 2 ranks: `set_force_sum_reduction_for_comms(True)` sums,
-    then divides by 3; a reduce dtype other than fp32 / bf16 (fp16's overflow risk) divides by 2 before the sum and
-    by 1.5 after. Losses and parameters bitwise equal to fully_shard's (multiplying by 1/3 before the sum, as
-    without either, rounds differently)."""
-    r = run_ranks(sum_only_reductions, 2, reduce_dtype, force_sum)[0]
+@pytest.mark.parametrize("reduce_dtype,force_sum,hsdp",
+                         [(torch.float32, True, False), (torch.float64, False, False), (torch.float32, True, True)])
+def test_sum_only_reductions_as_fully_shard(reduce_dtype, force_sum, hsdp):
+    """FSDP2's divide rule with a divide factor of 3: `set_force_sum_reduction_for_comms(True)` sums (HSDP: the
+    reduce-scatter and the all-reduce), then divides by 3; a reduce dtype other than fp32 / bf16 (fp16's overflow
+    risk) divides by 2 before the sum and by 1.5 after. Losses and parameters bitwise equal to fully_shard's
+    (multiplying by 1/3 before the sum, as without either, rounds differently)."""
+    r = run_ranks(sum_only_reductions, 4 if hsdp else 2, reduce_dtype, force_sum, hsdp)[0]
     assert r["ours"] == r["fsdp2"]
     for k, p in r["fsdp2_params"].items():
         assert torch.equal(r["ours_params"][k], p), k
