@@ -27,8 +27,6 @@ from typing import Any
 import torch
 from torch import fx
 
-from ._torch_private import tracing_backend
-
 from .ir import UNSHARD, SubgraphCall, UnshardArgs, output_of
 from .param_state import ParamInfo, infos_of_values
 
@@ -67,19 +65,23 @@ _WARNED: set[str] = set()
 def _fsdp2_backend_tracing() -> bool:
     """Whether the backend Dynamo traces for is fsdp2's; run (not traced) by Dynamo, its result a constant. A
     sharded module compiled with another backend gets a warning, once per backend."""
+    from ._torch_private import tracing_backend  # AOTAutograd's imports wait for a compile
+
     backend = tracing_backend()
     if backend is None:
         return False
-    if getattr(getattr(backend, "func", backend), TRACES_BLOCKS_ONCE, False):
+    fn = getattr(backend, "func", backend)  # make_backend's functools.partial
+    if getattr(fn, TRACES_BLOCKS_ONCE, False):
         return True
-    name = getattr(getattr(backend, "func", backend), "__name__", repr(backend))
+    name = getattr(fn, "__name__", repr(fn))
     if name not in _WARNED:
         _WARNED.add(name)
         warnings.warn(
             f"fsdp2_compile: a sharded module compiled with backend {name!r}: its fsdp2::unshard ops run as they are "
             "(each parameter gathered alone, no bucketing, prefetch or overlap) and its blocks are traced one by "
             "one; compile with fsdp2_compile.shard_compile(model) or torch.compile(model, backend=\"fsdp2\") for "
-            "the compiler's passes (Inductor: shard_compile(model, compile_config=CompileConfig(compiler=\"inductor\")))",
+            "the compiler's passes (Inductor: shard_compile(model, "
+            "compile_config=CompileConfig(compiler=\"inductor\")))",
             stacklevel=2,
         )
     return False

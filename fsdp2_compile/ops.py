@@ -146,10 +146,11 @@ def divide_factors(reduce_dtype: torch.dtype, world_size: int, replicate_size: i
     dtype other than fp32 / bf16 (fp16: overflow) each rank divides by the largest power of two p with p*p < f
     (f: the divide factor, else the data-parallel size) first and the sum is divided by f/p; with `force_sum`
     in fp32 / bf16 the sum is divided by f."""
-    if reduce_dtype in (torch.float32, torch.bfloat16) and not force_sum:
+    exact = reduce_dtype in (torch.float32, torch.bfloat16)
+    if exact and not force_sum:
         return DivideFactors(1.0 / divide_factor, None, "sum", None) if divide_factor else DivideFactors(None, None, "avg", None)
     factor = divide_factor or float(world_size * replicate_size)
-    if reduce_dtype in (torch.float32, torch.bfloat16):
+    if exact:
         return DivideFactors(None, None, "sum", factor if factor != 1 else None)
     pre = 1
     while factor % pre == 0 and factor / pre > pre:
