@@ -54,16 +54,17 @@ def min_cut_partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -
         return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
 
 
-def fake_output_by_meta_kernel(fake_mode: Any, fn: Callable[..., torch.Tensor], args: tuple, kwargs: dict):
+def fake_output_by_meta_kernel(fn: Callable[..., torch.Tensor], args: tuple, kwargs: dict):
     """`fn(*args, **kwargs)` (an op, or a function of a few ops) on fake inputs, computed as FakeTensorMode
     computes a fake output: by its meta kernels on the inputs seen as meta tensors (a view shares their fake
-    storage), then wrapped as the mode's fake tensor, without the mode's per-call dispatch (a fifth of the time).
-    None (call the op under the mode instead) where that is not simply so: symbolic sizes, or inputs that are
-    not all this mode's fake tensors on one device."""
+    storage), then wrapped as their mode's fake tensor, without the mode's per-call dispatch (a fifth of the
+    time). None (call the op under the mode instead) where that is not simply so: symbolic sizes, or inputs that
+    are not all fake tensors of one mode on one device."""
     from torch._subclasses.fake_tensor import FakeTensor, in_kernel_invocation_manager
 
     tensors = [a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
-    if not tensors or any(
+    fake_mode = getattr(tensors[0], "fake_mode", None) if tensors else None
+    if fake_mode is None or any(
         not isinstance(t, FakeTensor) or t.fake_mode is not fake_mode or t.device != tensors[0].device
         or not all(isinstance(d, int) for d in (*t.shape, *t.stride()))
         for t in tensors

@@ -64,12 +64,9 @@ def insert_call(
     """Insert `target(*args, **kwargs)` at the graph's current insertion point, its fake value in meta["val"]."""
     node = graph.call_function(target, args, kwargs)
     fake_args, kwargs = fx.node.map_arg(args, val), kwargs or {}
-    fake_mode = detect_fake_mode(torch.utils._pytree.tree_leaves(fake_args))
-    out = None
-    if fake_mode is not None and target in _META_OUTPUTS:
-        out = fake_output_by_meta_kernel(fake_mode, _META_OUTPUTS[target], fake_args, kwargs)
+    out = fake_output_by_meta_kernel(_META_OUTPUTS[target], fake_args, kwargs) if target in _META_OUTPUTS else None
     if out is None:
-        with fake_mode or contextlib.nullcontext():
+        with detect_fake_mode(torch.utils._pytree.tree_leaves(fake_args)) or contextlib.nullcontext():
             out = target(*fake_args, **kwargs)
     node.meta["val"] = out
     node.meta.update(meta or {})

@@ -631,12 +631,12 @@ def format_plan(plan, seconds: float, rss: int) -> str:
     out.append(f"communication per step: {size_text(plan.comm_bytes_per_step)} sent per rank ({ring}: {buffers})"
                + (" (FSDP's, over dp)" if plan.tp > 1 else ""))
     if plan.kept_gathered:
+        from .keep_gathered import KeptGathered
+
         k = plan.kept_gathered
-        names = ", ".join(b or "<root>" for b in k["buckets"]) or "nothing"
-        out.append(f"selective unsharding: kept gathered for backward: {names} ({size_text(k['bytes'])} gathered of "
-                   f"{size_text(k['resharded_bytes'])} resharded, budget {size_text(k['budget'])}): "
-                   f"{size_text(k['kept_for_backward_bytes'])} of them held from forward to backward, "
-                   f"{size_text(k['backward_gather_bytes_saved'])} less sent per rank per step")
+        decision = KeptGathered(tuple(k["buckets"]), k["bytes"], k["resharded_bytes"], k["budget"])
+        out.append(f"{decision.summary(size_text)}: {size_text(k['kept_for_backward_bytes'])} of them held from "
+                   f"forward to backward, {size_text(k['backward_gather_bytes_saved'])} less sent per rank per step")
     if plan.tp > 1:
         def kinds(d: dict) -> str:
             return ", ".join(f"{k} x{n:,}" for k, n in sorted(d.items())) or "none"

@@ -58,14 +58,15 @@ def lower_reduce_grad(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             x = insert_contiguous(graph, x, tag(Role.CONTIGUOUS))
             x = insert_op(graph, ReduceScatterArgs(x, d.op, a.world_size, a.group_name), tag(Role.REDUCE_SCATTER))
             x = insert_op(graph, WaitArgs(x), tag(Role.WAIT))
-            if a.replicate_size > 1 and not a.requires_all_reduce:  # HSDP accumulation: keep the reduced shard
+            stashed = a.replicate_size > 1 and not a.requires_all_reduce  # HSDP accumulation: keep the reduced shard
+            if stashed:
                 x = insert_op(graph, StashGradArgs(x, a.partial_key, a.reduce_dtype, rows, a.reduce_dtype, a.fqn), tag())
             elif a.replicate_size > 1:
                 if a.partial_key:
                     x = insert_op(graph, AddPendingGradArgs(x, a.partial_key, a.reduce_dtype, a.fqn), tag())
                 x = insert_op(graph, AllReduceArgs(x, d.op, a.replicate_group_name), tag(Role.ALL_REDUCE))
                 x = insert_op(graph, WaitArgs(x), tag(Role.WAIT))
-            if d.post is not None and not (a.replicate_size > 1 and not a.requires_all_reduce):
+            if d.post is not None and not stashed:  # a kept shard is divided after its later all-reduce
                 x = insert_call(graph, aten.div.Tensor, (x, d.post), tag(Role.CAST))
             if a.local_rows != rows:
                 x = insert_call(graph, aten.slice.Tensor, (x, 0, 0, a.local_rows), tag(Role.UNPAD))
