@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import faulthandler
 import os
 import socket
 import sys
@@ -66,6 +67,7 @@ def _counts(system: str) -> tuple[int, ...]:
 
 
 def _rank(rank: int, world: int, port: int, out: str, system: str, steps: int, config: dict) -> None:
+    faulthandler.enable()  # an abort or segfault prints the rank's Python stack
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)

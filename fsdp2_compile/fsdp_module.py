@@ -3,7 +3,8 @@ meanings (settings that change the compiled graph are read while Dynamo traces, 
 
 from __future__ import annotations
 
-from .param_state import ParamInfo, is_sharded, state_of
+from .grad_delivery import discard_pending_hooks
+from .param_state import SHARDED_MODULES, ParamInfo, is_sharded, state_of
 
 __all__ = ["FSDPModule", "UnshardHandle"]
 
@@ -160,6 +161,23 @@ class FSDPModule:
         always returns the gathered parameter, and compiled graphs gather (prefetched) inside themselves."""
         _check_bool("unshard", "async_op", async_op)
         return UnshardHandle() if async_op else None
+
+    def reset_iter_state(self) -> None:
+        """FSDP2's recovery after an exception aborted a forward or backward: call it on the root (the outermost
+        sharded module), then run the next iteration. What the failed iteration left is discarded, as FSDP2
+        documents it: gradients kept by `set_requires_gradient_sync(False)` micro-batches (restart the
+        accumulation), HSDP shards kept without their all-reduce, parameters kept gathered by
+        `set_reshard_after_backward(False)`, optimizer-in-backward hooks queued for a backward that did not end.
+        Nothing else outlives a step: a compiled graph that raised drops its gathered parameters with its frame."""
+        outer = [m for m in list(SHARDED_MODULES) if m is not self and any(s is self for s in m.modules())]
+        if outer:
+            raise RuntimeError(
+                f"{type(self).__name__}.reset_iter_state must be called on the root sharded module, and this one "
+                f"is inside {type(outer[0]).__name__}: call it on the outermost module passed to shard"
+            )
+        for info in self._param_infos(recurse=True):
+            info.discard_iteration()
+        discard_pending_hooks(self.parameters())
 
     def reshard(self) -> None:
         """Free what `set_reshard_after_backward(False)` kept gathered for this module's group (nothing else

@@ -81,6 +81,12 @@ _HOOKS_PENDING = WeakIdKeyDictionary()
 """Parameters whose hooks run when the current (eager) backward ends, in the order their gradients came."""
 
 
+def discard_pending_hooks(params) -> None:
+    """Forget the hooks of `params` queued for a backward that raised before its end (`reset_iter_state`)."""
+    for param in params:
+        _HOOKS_PENDING.pop(param, None)
+
+
 def _run_pending_hooks() -> None:
     params = list(_HOOKS_PENDING)
     _HOOKS_PENDING.clear()

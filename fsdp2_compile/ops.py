@@ -39,6 +39,7 @@ __all__ = [
     "UNSHARD",
     "add_pending_grad",
     "deliver_grad",
+    "discard_pending_grad",
     "keep_alive",
     "keep_unsharded",
     "release_all_unsharded",
@@ -213,7 +214,13 @@ def _(*args, **kwargs):
 
 
 _PENDING_GRADS: dict[str, Tensor] = {}
-"""Unsharded gradients accumulated while gradient sync is off, by `pending_key`."""
+"""Unsharded gradients accumulated while gradient sync is off, by `pending_key` (HSDP: shards kept without their
+all-reduce, by `partial_key`)."""
+
+
+def discard_pending_grad(key: str) -> None:
+    """Drop the gradient kept under `key`, if any (`FSDPModule.reset_iter_state`)."""
+    _PENDING_GRADS.pop(key, None)
 
 
 @torch.library.custom_op("fsdp2::stash_grad", mutates_args=())

@@ -22,7 +22,7 @@ from .eager_reads import read_once
 from .eager_reshard import note_gathered
 from .gathered_copy import gathered_copy
 from .grad_delivery import GRAD_ANCHORS, HOOKS_AFTER_BACKWARD, receive_grads
-from .ops import KEPT_UNSHARDED, release_unsharded, unshard
+from .ops import KEPT_UNSHARDED, discard_pending_grad, release_unsharded, unshard
 
 __all__ = [
     "GradDeliveryRefresh",
@@ -231,6 +231,13 @@ class ParamInfo:
     def drop_kept(self) -> None:
         if self.kept_key:
             release_unsharded(self.kept_key)
+
+    def discard_iteration(self) -> None:
+        """Drop what an aborted iteration left of this parameter: its kept gradients and gathered copy."""
+        for key in (self.pending_key, self.partial_key):
+            if key:
+                discard_pending_grad(key)
+        self.drop_kept()
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
         self.requires_gradient_sync = requires_gradient_sync

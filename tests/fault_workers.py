@@ -1,5 +1,6 @@
-"""Per-rank jobs for the fault tests (tests/test_faults.py) and their spawner, which, unlike `harness.run_ranks`,
-gives the process group a short timeout and reports per rank what ended it (result, error or exit code) and when.
+"""Per-rank jobs for the fault tests (tests/test_faults.py) and their launcher: ranks start as in `harness.run_ranks`
+(`harness.start_rank`), but the process group gets a short timeout and each rank reports what ended it (result,
+error or exit code) and when.
 
 Each job returns {case: outcome}, where an outcome is {"error": "<type>: <message>" or None, "seconds": time from
 the case's start (a barrier) to its end}; `run_faults` adds "exitcode" per rank.
@@ -18,7 +19,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from harness import start_rank
 from torch import nn
 
 import fsdp2_compile as fc
@@ -33,8 +34,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world_size: int, port: int, out: str, job: Callable, pg_timeout_s: float) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _entry(rank: int, world_size: int, port: int, out: str, job: Callable, pg_timeout_s: float, env: dict) -> None:
+    os.environ.clear()
+    os.environ.update(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout_s))
     try:
@@ -47,17 +49,13 @@ def _entry(rank: int, world_size: int, port: int, out: str, job: Callable, pg_ti
 
 
 def run_faults(job: Callable, world_size: int, pg_timeout_s: float = PG_TIMEOUT_S, limit_s: float = 150) -> list[dict]:
-    """Run `job(rank, world_size)` on `world_size` spawned gloo ranks whose process group times out after
+    """Run `job(rank, world_size)` on `world_size` gloo ranks whose process group times out after
     `pg_timeout_s`; kill whatever still runs after `limit_s`. Per rank: the job's {case: outcome} dict (empty when
     the rank died) and its "exitcode" (None when it was killed at the limit)."""
-    ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as out:
         port = _free_port()
-        procs = [
-            ctx.Process(target=_entry, args=(r, world_size, port, out, job, pg_timeout_s)) for r in range(world_size)
-        ]
-        for p in procs:
-            p.start()
+        job_args = (world_size, port, out, job, pg_timeout_s, dict(os.environ))
+        procs = [start_rank(r, _entry, (r, *job_args)) for r in range(world_size)]
         deadline = time.monotonic() + limit_s
         for p in procs:
             p.join(max(0.0, deadline - time.monotonic()))

@@ -398,3 +398,29 @@ def sum_only_reductions(rank: int, world_size: int, reduce_dtype: torch.dtype, f
     out["divisions"] = sum(1 for r in compiled_graphs() if r.kind == "backward" for n in r.gm.graph.nodes
                            if n.target is torch.ops.aten.div.Tensor)
     return out
+
+
+def aborted_iteration(rank: int, world_size: int) -> dict:
+    """The GPT compiled, the steps of `_micro_batch_steps` (the first micro-batch of each with gradient sync off). "clean": just that;
+    "reset": first an accumulation that fails (a micro-batch with sync off runs its backward, the next one raises
+    after its forward), then `reset_iter_state()` on the root and the same steps; "no_reset": the same failure,
+    not reset. Per run: the losses and the parameters' full values."""
+    out = {}
+    for run in ("clean", "reset", "no_reset"):
+        model = _build("ours", group_head=False)
+        if run != "clean":
+            x, y = batch("gpt", 7)
+            x, y = local_slice(x, rank, world_size), local_slice(y, rank, world_size)
+            model.set_requires_gradient_sync(False)
+            loss_fn("gpt", model(x[0::2]), y[0::2]).backward()  # kept unreduced on each rank
+            try:
+                model(x[1::2])
+                raise RuntimeError("injected: the step fails after this forward")
+            except RuntimeError:
+                if run == "reset":
+                    model.reset_iter_state()
+            model.zero_grad()
+        sync_second = lambda micro, m=model: m.set_requires_gradient_sync(micro == 1)  # noqa: E731
+        losses = _micro_batch_steps(model, rank, world_size, sync_second)
+        out[run] = (losses, {k: p.full_tensor() for k, p in model.named_parameters()})
+    return out

@@ -7,6 +7,7 @@ import pytest
 import torch
 from harness import run_ranks
 from module_api_workers import (
+    aborted_iteration,
     cpu_offload,
     divide_factor,
     sum_only_reductions,
@@ -230,7 +231,7 @@ def test_every_fully_shard_method_exists_and_says_what_it_does_here(fake_pg):
     (stream and buffer settings), or refused naming the module, the method and what to do instead."""
     from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 
-    public = {n for n in vars(TorchFSDPModule) if not n.startswith("_")} - {"reset_iter_state"}
+    public = {n for n in vars(TorchFSDPModule) if not n.startswith("_")}
     assert public <= set(dir(fc.FSDPModule)), sorted(public - set(dir(fc.FSDPModule)))
     model = fc.shard(nn.Linear(4, 4))
     model.set_unshard_in_backward(False)
@@ -247,3 +248,24 @@ def test_every_fully_shard_method_exists_and_says_what_it_does_here(fake_pg):
                        (lambda: model.set_reduce_scatter_unused_params(True), "the same parameters")):
         with pytest.raises(NotImplementedError, match=f"ShardedLinear.*not supported by fsdp2_compile.*{what}"):
             call()
+
+
+def test_reset_iter_state_discards_what_a_failed_accumulation_kept():
+    """A micro-batch with gradient sync off runs its backward, the next raises after its forward; after
+    `reset_iter_state()` on the root, training equals a run that never failed, bitwise (without it, the failed
+    micro-batch's kept gradients would be added to the next reduction). Called on a block it refuses."""
+    r = run_ranks(aborted_iteration, 2)[0]
+    (clean_losses, clean), (reset_losses, reset), (_, leaked) = r["clean"], r["reset"], r["no_reset"]
+    assert reset_losses == clean_losses
+    assert all(torch.equal(reset[k], p) for k, p in clean.items())
+    assert not all(torch.equal(leaked[k], p) for k, p in clean.items())  # what the reset discards matters
+
+
+def test_reset_iter_state_on_a_submodule_names_the_root(fake_pg):
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    fc.shard(model[0])
+    fc.shard(model)
+    model.reset_iter_state()
+    with pytest.raises(RuntimeError, match=r"ShardedLinear.reset_iter_state must be called on the root .*inside "
+                                           r"ShardedSequential: call it on the outermost module passed to shard"):
+        model[0].reset_iter_state()
