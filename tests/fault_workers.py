@@ -8,9 +8,9 @@ the case's start (a barrier) to its end}; `run_faults` adds "exitcode" per rank.
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
-import socket
 import tempfile
 import time
 import traceback
@@ -19,7 +19,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from harness import start_rank
+from harness import free_port, start_rank
 from torch import nn
 
 import fsdp2_compile as fc
@@ -28,13 +28,8 @@ PG_TIMEOUT_S = 20.0
 """The process groups' timeout in these tests: the schedule check waits at most 15 s of it."""
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _entry(rank: int, world_size: int, port: int, out: str, job: Callable, pg_timeout_s: float, env: dict) -> None:
+    faulthandler.enable()
     os.environ.clear()
     os.environ.update(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -53,7 +48,7 @@ def run_faults(job: Callable, world_size: int, pg_timeout_s: float = PG_TIMEOUT_
     `pg_timeout_s`; kill whatever still runs after `limit_s`. Per rank: the job's {case: outcome} dict (empty when
     the rank died) and its "exitcode" (None when it was killed at the limit)."""
     with tempfile.TemporaryDirectory() as out:
-        port = _free_port()
+        port = free_port()
         job_args = (world_size, port, out, job, pg_timeout_s, dict(os.environ))
         procs = [start_rank(r, _entry, (r, *job_args)) for r in range(world_size)]
         deadline = time.monotonic() + limit_s

@@ -42,7 +42,8 @@ skipped; a rank that needs it imports it itself."""
 _SERVERS: dict[int, forkserver.ForkServer] = {}
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on this machine now (for a job's store)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -105,7 +106,7 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 600) -
     other ranks are ended. A run past `timeout` seconds is killed and fails, so nothing hangs.
     """
     with tempfile.TemporaryDirectory() as out_dir:
-        job = (world_size, _free_port(), out_dir, fn, args, dict(os.environ))
+        job = (world_size, free_port(), out_dir, fn, args, dict(os.environ))
         errors = [os.path.join(out_dir, f"rank{r}.error") for r in range(world_size)]
         ctx = ProcessContext([start_rank(r, _wrap, (_entry, r, job, errors[r])) for r in range(world_size)], errors)
         deadline = time.monotonic() + timeout
