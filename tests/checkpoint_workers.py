@@ -32,29 +32,33 @@ def _state(model, opt) -> dict:
     return {part: {k: v.clone() for k, v in d.items()} for part, d in _full_state(model, opt).items()}
 
 
-def _die() -> None:
-    os._exit(1)  # no cleanup, no collective: as if the process were killed
+def _die(marker: str) -> None:
+    """Leave `marker` (the test's proof that the armed death came), then exit: no cleanup, no collective, as if the
+    process were killed."""
+    open(marker, "w").close()
+    os._exit(1)
 
 
-def _arm(kill: str, rank: int) -> None:
-    """Make this rank die at `kill` during the next save_checkpoint."""
+def _arm(kill: str, rank: int, marker: str) -> None:
+    """Make this rank die at `kill` during the next save_checkpoint, leaving `marker`."""
     if kill == "rank1-after-writing-its-data" and rank == 1:
         writer = dcp.FileSystemWriter
         write_data = writer.write_data
 
         def write_then_die(self, plan, planner):
             write_data(self, plan, planner).wait()  # its __1_*.distcp is on disk; rank 0 waits in DCP's gather
-            _die()
+            _die(marker)
 
         writer.write_data = write_then_die
     elif kill == "rank0-before-commit" and rank == 0:  # every file written and checksummed, rank 1 waits for rank 0
-        checkpoint._commit = lambda *args: _die()
+        checkpoint._commit = lambda *args: _die(marker)
     elif kill == "rank0-after-commit" and rank == 0:  # the new record is in place, the old save folder not deleted
-        shutil.rmtree = lambda *args, **kwargs: _die()
+        shutil.rmtree = lambda *args, **kwargs: _die(marker)
 
 
 def save_then_die(rank: int, world_size: int, path: str, kill: str, snapshot: str) -> None:
-    """Commit a checkpoint after 2 steps, take a 3rd step, then die in the next save. Both states go to `snapshot`."""
+    """Commit a checkpoint after 2 steps, take a 3rd step, then die in the next save. Both states go to `snapshot`;
+    the dying rank leaves `snapshot + ".died"`."""
     model, opt = _gpt()
     _gpt_steps(model, opt, rank, world_size, range(2))
     save_checkpoint(path, model, opt)
@@ -64,7 +68,7 @@ def save_then_die(rank: int, world_size: int, path: str, kill: str, snapshot: st
     if rank == 0:
         torch.save(states, snapshot)
     dist.barrier()
-    _arm(kill, rank)
+    _arm(kill, rank, snapshot + ".died")
     save_checkpoint(path, model, opt)
     dist.barrier()  # a rank whose part survived waits here for the one that died, until the harness ends it
 

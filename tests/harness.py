@@ -57,7 +57,10 @@ def _env(**values: str):
         yield
     finally:
         for k, v in saved.items():
-            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+            if v is None:
+                del os.environ[k]
+            else:
+                os.environ[k] = v
 
 
 def _server(rank: int) -> forkserver.ForkServer:

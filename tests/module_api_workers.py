@@ -401,8 +401,8 @@ def sum_only_reductions(rank: int, world_size: int, reduce_dtype: torch.dtype, f
 
 
 def aborted_iteration(rank: int, world_size: int) -> dict:
-    """The GPT compiled, the steps of `_micro_batch_steps` (the first micro-batch of each with gradient sync off). "clean": just that;
-    "reset": first an accumulation that fails (a micro-batch with sync off runs its backward, the next one raises
+    """The GPT compiled, the steps of `_micro_batch_steps` (the first micro-batch of each with gradient sync off).
+    "clean": just that; "reset": first an accumulation that fails (a micro-batch with sync off runs its backward, the next one raises
     after its forward), then `reset_iter_state()` on the root and the same steps; "no_reset": the same failure,
     not reset. Per run: the losses and the parameters' full values."""
     out = {}

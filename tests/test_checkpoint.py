@@ -11,7 +11,7 @@ import torch
 from checkpoint_workers import damaged_checkpoints, load_after_kill, save_then_die
 from harness import run_ranks
 from models import make_model
-from torch.multiprocessing.spawn import ProcessExitedException
+from torch.multiprocessing.spawn import ProcessException
 from workers import (
     checkpoint_helpers,
     checkpoint_interop,
@@ -97,10 +97,9 @@ def _same_state(a: dict, b: dict) -> bool:
 @pytest.mark.parametrize("kill", ["rank1-after-writing-its-data", "rank0-before-commit", "rank0-after-commit"])
 def test_a_save_killed_part_way_leaves_a_checkpoint_that_loads(tmp_path, kill):
     path, snapshot = str(tmp_path / "ckpt"), str(tmp_path / "states.pt")
-    with pytest.raises(ProcessExitedException) as died:  # one rank dies in the second save; the harness ends the other
+    with pytest.raises(ProcessException) as ended:  # one rank dies inside the second save; the harness ends the other
         run_ranks(save_then_die, 2, path, kill, snapshot, timeout=300)
-    killed = int(kill[len("rank")])
-    assert (died.value.error_index, died.value.exit_code) == (killed, 1), f"not the armed death: {died.value}"
+    assert os.path.exists(snapshot + ".died"), f"the job failed before the armed death: {ended.value}"
     states = torch.load(snapshot)
     assert not _same_state(states["committed"], states["next"])  # the killed save had other values to write
     result = run_ranks(load_after_kill, 2, path)[0]

@@ -253,7 +253,7 @@ def test_every_fully_shard_method_exists_and_says_what_it_does_here(fake_pg):
 def test_reset_iter_state_discards_what_a_failed_accumulation_kept():
     """A micro-batch with gradient sync off runs its backward, the next raises after its forward; after
     `reset_iter_state()` on the root, training equals a run that never failed, bitwise (without it, the failed
-    micro-batch's kept gradients would be added to the next reduction). Called on a block it refuses."""
+    micro-batch's kept gradients would be added to the next reduction)."""
     r = run_ranks(aborted_iteration, 2)[0]
     (clean_losses, clean), (reset_losses, reset), (_, leaked) = r["clean"], r["reset"], r["no_reset"]
     assert reset_losses == clean_losses
