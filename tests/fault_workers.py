@@ -8,7 +8,6 @@ the case's start (a barrier) to its end}; `run_faults` adds "exitcode" per rank.
 
 from __future__ import annotations
 
-import faulthandler
 import json
 import os
 import tempfile
@@ -19,7 +18,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from harness import free_port, start_rank
+from harness import free_port, rank_setup, start_rank
 from torch import nn
 
 import fsdp2_compile as fc
@@ -29,9 +28,7 @@ PG_TIMEOUT_S = 20.0
 
 
 def _entry(rank: int, world_size: int, port: int, out: str, job: Callable, pg_timeout_s: float, env: dict) -> None:
-    faulthandler.enable()
-    os.environ.clear()
-    os.environ.update(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    rank_setup(env, port)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout_s))
     try:
