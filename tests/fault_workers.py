@@ -29,7 +29,6 @@ PG_TIMEOUT_S = 20.0
 
 def _entry(rank: int, world_size: int, port: int, out: str, job: Callable, pg_timeout_s: float, env: dict) -> None:
     rank_setup(env, port)
-    torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout_s))
     try:
         result = job(rank, world_size)

@@ -91,18 +91,18 @@ def start_rank(rank: int, target: Callable, args: tuple) -> mp.Process:
 
 def rank_setup(env: dict, port: int) -> None:
     """What every rank does first: print its Python stack on an abort or segfault, take the caller's environment,
-    and end once the caller is gone (a forked rank's parent is its server, which outlives a killed test run; the
+    compute on one thread (each rank is one core's worth), and end once the caller is gone (a forked rank's parent is its server, which outlives a killed test run; the
     rank would wait on its peers until the process group timed out)."""
     faulthandler.enable()
     os.environ.clear()
     os.environ.update(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
     caller = mp.parent_process()  # the process that started this one: its sentinel ends when it does
     threading.Thread(target=lambda: (caller.join(), os._exit(1)), daemon=True, name="exit-with-caller").start()
 
 
 def _entry(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, args: tuple, env: dict) -> None:
     rank_setup(env, port)
-    torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
         result = fn(rank, world_size, *args)
