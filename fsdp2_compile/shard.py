@@ -51,6 +51,7 @@ from .param_state import (
     is_known_param,
     is_sharded,
     managed_params,
+    read_managed,
     sharded_parameters,
     state_of,
 )
@@ -140,7 +141,7 @@ def _install_properties(module: nn.Module, infos: dict[str, ParamInfo], fsdp_mod
 @functools.cache
 def _sharded_class(base: type, names: tuple[str, ...], fsdp_module: bool, compiled_once: bool) -> type:
     def gathered(name: str) -> property:
-        return property(lambda self: getattr(self, INFOS_ATTR)[name].gather(self._parameters[name]))
+        return property(lambda self: read_managed(getattr(self, INFOS_ATTR)[name], self._parameters[name]))
 
     namespace = {name: gathered(name) for name in names}
     namespace.update(_fsdp2_generated=True, _fsdp2_compiled_once=compiled_once, __module__=base.__module__)

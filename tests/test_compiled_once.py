@@ -72,3 +72,50 @@ def test_aotautograd_derives_a_block_subgraphs_schema_once_not_at_every_call(fak
     assert len(calls) == 4
     assert 0 < len(derived) <= 3, derived
     assert InvokeSubgraphHOP.gen_schema is counted  # restored after compiling
+
+
+def test_aotautograd_traces_one_gather_op_per_block_call_and_the_passes_see_one_per_parameter(fake_pg, monkeypatch):
+    """AOTAutograd traces one `fsdp2::unshard_group` per block call (each of its custom op calls costs it about a
+    millisecond per trace), not one `fsdp2::unshard` per parameter; the partitioner and the passes see one
+    `fsdp2::unshard` per parameter again, so each block's parameters are still gathered (one bucket each) in
+    forward and again in backward."""
+    import dataclasses
+
+    import torch
+    from gpt import GPT, gpt_loss
+    from models import GPT_CFG
+
+    import fsdp2_compile as fc
+    from fsdp2_compile import backend
+    from fsdp2_compile.grouped_unshard import UNSHARD_GROUP
+    from fsdp2_compile.ir import UNSHARD
+    from fsdp2_compile.report import clear_compiled_graphs, collectives, compiled_graphs
+
+    seen = []
+    split = backend.split_unshard_groups
+
+    def counted(gm):
+        groups = gm.graph.find_nodes(op="call_function", target=UNSHARD_GROUP)
+        seen.append(([len(g.args[0]) for g in groups], len(gm.graph.find_nodes(op="call_function", target=UNSHARD))))
+        split(gm)
+        assert not gm.graph.find_nodes(op="call_function", target=UNSHARD_GROUP)
+
+    monkeypatch.setattr(backend, "split_unshard_groups", counted)
+    clear_compiled_graphs()
+    torch.manual_seed(0)
+    model = GPT(dataclasses.replace(GPT_CFG, n_layer=4))
+    for block in model.blocks:
+        fc.shard(block)
+    fc.shard_compile(model)
+    per_block = len(list(model.blocks[0].parameters()))
+    root = len(list(model.parameters())) - 4 * per_block
+    x = torch.randint(0, GPT_CFG.vocab_size, (2, GPT_CFG.block_size))
+    torch._dynamo.reset()
+    gpt_loss(model(x), x).backward()
+    # the calling graph's joint graph (the block subgraph's own is partitioned first, and holds no gather); the
+    # root's parameters are gathered one by one (its tied embedding twice, once per read)
+    joints = [s for s in seen if s[0]]
+    assert joints == [([per_block] * 4, root + 1)], seen
+    graphs = {r.kind: r.gm for r in compiled_graphs()}
+    gathers = {kind: [c for c in collectives(gm) if c.kind == "all_gather"] for kind, gm in graphs.items()}
+    assert len(gathers["forward"]) == 5 and len(gathers["backward"]) == 4
