@@ -37,7 +37,7 @@ from .consistency import rank_check
 from .cost_model import PROFILES, HardwareProfile, measured_profile
 from .grad_delivery import one_unshard_per_delivered_param
 from .graph import nodes_calling
-from .grouped_unshard import split_unshard_groups
+from .grouped_unshard import split_reduce_groups, split_unshard_groups
 from .heap import release_freed_heap
 from .ir import REDUCE_GRAD, UNSHARD, ReduceGradArgs, UnshardArgs
 from .keep_gathered import KEPT_META, KeptGathered, buckets_to_keep
@@ -177,6 +177,7 @@ def _partition(joint: fx.GraphModule, joint_inputs: Any, *, config: CompileConfi
     gather_again_in_backward(joint)
     decision = _tag_unshards(joint, config)
     fw, bw = min_cut_partition(joint, joint_inputs, **kwargs)
+    split_reduce_groups(bw)
     if decision is not None:
         fw.meta[KEPT_META] = bw.meta[KEPT_META] = decision
     _rng_states_before_opaques(fw, bw)

@@ -1,13 +1,15 @@
-"""One `fsdp2::unshard_group` per block call through AOTAutograd, one `fsdp2::unshard` per parameter after.
+"""One gather op and one reduce op per block call through AOTAutograd, one op per parameter after.
 
 AOTAutograd traces the calling graph of identical blocks (`compiled_once.py`) twice (metadata, then the joint
 graph), and every custom op call costs it about a millisecond under its functionalization, proxy and fake modes:
-on a 32-layer GPT one `fsdp2::unshard` per block parameter was most of the joint trace. `gather_outside_blocks`
-therefore gathers the plain parameters of a block call (no kept gathered copy, no delivered gradient) with one
-`unshard_group` node, whose arguments are the shards and a key into `GROUPS` (each parameter's static arguments of
-`fsdp2::unshard`). Its backward is each parameter's own (`ops.unshard_backward`), so the backward graph reduces
-per parameter as before. `split_unshard_groups` then replaces each group by the `fsdp2::unshard` nodes it stands
-for (before the partitioner tags them, and in an inference graph before the passes): nothing after it sees a group.
+on a 32-layer GPT one `fsdp2::unshard` and one `fsdp2::reduce_grad` per block parameter were most of the joint
+trace. `gather_outside_blocks` therefore gathers the trained parameters of a block call that are neither kept
+gathered nor delivered their gradient with one `fsdp2::unshard_group`: its arguments are the shards and a key
+into `GROUPS` (each parameter's static arguments of `fsdp2::unshard`). Its backward is one `fsdp2::reduce_group`
+over the same parameters (`REDUCTIONS`), which does for each what `fsdp2::unshard`'s backward does
+(`ops.shard_grad`). Before the partitioner tags the gathers (and in an inference graph before the passes),
+`split_unshard_groups` puts back one `fsdp2::unshard` per parameter; right after it, `split_reduce_groups` puts
+back each parameter's backward ops, made by the same `ops.shard_grad`: nothing after sees a group.
 """
 
 from __future__ import annotations
@@ -15,13 +17,14 @@ from __future__ import annotations
 import functools
 import operator
 from collections.abc import Sequence
+from types import SimpleNamespace
 
 import torch
 from torch import Tensor, fx
 
-from .ops import unshard, unshard_backward, unshard_backward_context
+from .ops import shard_grad, unshard, unshard_backward_context
 
-__all__ = ["GROUPS", "UNSHARD_GROUP", "group_key", "split_unshard_groups"]
+__all__ = ["GROUPS", "REDUCE_GROUP", "REDUCTIONS", "UNSHARD_GROUP", "group_key", "split_reduce_groups", "split_unshard_groups"]
 
 GROUPS: dict[str, tuple[tuple, ...]] = {}
 """By key: the static arguments of `fsdp2::unshard` (after the shard, before `gathered`) of each shard a group
@@ -55,14 +58,42 @@ def _(shards, key):
                             device=a.compute_device or shard.device) for shard, a in zip(shards, _bound(key))]
 
 
+REDUCTIONS: dict[str, tuple[SimpleNamespace, ...]] = {}
+"""By key: what the backward of each parameter of a group needs (`ops.unshard_backward_context`), in order."""
+
+
+@torch.library.custom_op("fsdp2::reduce_group", mutates_args=())
+def reduce_group(grads: list[Tensor], key: str) -> list[Tensor]:
+    """Each shard's gradient (`ops.shard_grad`) for the full gradients `grads` of the parameters `REDUCTIONS[key]`
+    describes. Side effects: those of `fsdp2::stash_grad` / `fsdp2::add_pending_grad` (gradient sync off, or on
+    after unsynced micro-batches), so the op is marked with `torch.fx.node.has_side_effect`."""
+    return [shard_grad(facts, grad) for facts, grad in zip(REDUCTIONS[key], grads)]
+
+
+@reduce_group.register_fake
+def _(grads, key):
+    return [grad.new_empty((f.reduce.local_rows, *grad.shape[1:]), dtype=f.reduce.out_dtype,
+                           device=(f.reduce.out_device if f.sync else None) or grad.device)
+            for f, grad in zip(REDUCTIONS[key], grads)]
+
+
+REDUCE_GROUP = torch.fx.node.has_side_effect(torch.ops.fsdp2.reduce_group.default)
+
+
 def _setup_context(ctx, inputs, output) -> None:
     shards, key = inputs
-    # one input each: `_backward` reads the shard's gradient only (there is no grad anchor in a group)
-    ctx.each = [unshard_backward_context(a.replace(shard=shard), 1) for shard, a in zip(shards, _bound(key))]
+    ctx.reduction = f"{key} {[(tuple(s.shape), s.dtype, s.device) for s in shards]}"
+    if ctx.reduction not in REDUCTIONS:
+        # one input each: the backward reads the shard's gradient only (there is no grad anchor in a group)
+        REDUCTIONS[ctx.reduction] = tuple(
+            unshard_backward_context(a.replace(shard=shard), 1) for shard, a in zip(shards, _bound(key))
+        )
 
 
 def _backward(ctx, grads):
-    return [None if g is None else unshard_backward(c, g)[0] for c, g in zip(ctx.each, grads)], None
+    if any(g is None for g in grads):  # a parameter the block did not use: the others reduced one by one
+        return [None if g is None else shard_grad(f, g) for f, g in zip(REDUCTIONS[ctx.reduction], grads)], None
+    return list(torch.ops.fsdp2.reduce_group(list(grads), ctx.reduction)), None
 
 
 unshard_group.register_autograd(_backward, setup_context=_setup_context)
@@ -86,6 +117,29 @@ def split_unshard_groups(gm: fx.GraphModule) -> None:
             node.meta.update(group.meta)
             node.meta.update(user.meta)
             user.replace_all_uses_with(node)
+            gm.graph.erase_node(user)
+        gm.graph.erase_node(group)
+    if groups:
+        gm.graph.lint()
+        gm.recompile()
+
+
+def split_reduce_groups(gm: fx.GraphModule) -> None:
+    """Replace every `fsdp2::reduce_group` of `gm` (a backward graph) by each parameter's own ops, in order, as
+    `fsdp2::unshard`'s backward makes them (`ops.shard_grad`)."""
+    from .graph import insert_call
+
+    groups = list(gm.graph.find_nodes(op="call_function", target=REDUCE_GROUP))
+    for group in groups:
+        grads, key = group.args
+        meta = {k: v for k, v in group.meta.items() if k != "val"}
+        with gm.graph.inserting_before(group):
+            reduced = [shard_grad(f, g, lambda op, *args: insert_call(gm.graph, op, args, meta))
+                       for f, g in zip(REDUCTIONS[key], grads)]
+        for user in list(group.users):
+            if user.target is not operator.getitem:
+                raise RuntimeError(f"fsdp2_compile: {user.format_node()} reads a reduce group whole")
+            user.replace_all_uses_with(reduced[user.args[1]])
             gm.graph.erase_node(user)
         gm.graph.erase_node(group)
     if groups:

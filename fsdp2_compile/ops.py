@@ -295,18 +295,29 @@ def unshard_backward_context(a, n_inputs: int) -> SimpleNamespace:
     )
 
 
-def unshard_backward(facts: SimpleNamespace, grad: Tensor) -> tuple:
-    """The gradients of an `fsdp2::unshard` call's inputs (`facts`: `unshard_backward_context`) for `grad`."""
+def _run(op, *args):
+    return op(*args)
+
+
+def shard_grad(facts: SimpleNamespace, grad: Tensor, call: Callable = _run):
+    """The gradient of an `fsdp2::unshard` call's shard (`facts`: `unshard_backward_context`) for `grad`, the full
+    parameter's: kept unsharded with gradient sync off (`stash_grad`), else [what was kept added, then] reduced.
+    `call(op, *args)` runs each op (the default), or inserts it in a graph (`grouped_unshard.split_reduce_groups`)."""
     r = facts.reduce
     if not facts.sync:
-        reduced = torch.ops.fsdp2.stash_grad(grad, facts.pending_key, r.reduce_dtype, r.local_rows, r.out_dtype, facts.fqn)
-    else:
-        if facts.pending_key:
-            grad = torch.ops.fsdp2.add_pending_grad(grad, facts.pending_key, r.reduce_dtype, facts.fqn)
-        reduced = torch.ops.fsdp2.reduce_grad(*r.replace(grad=grad).as_args())
+        return call(STASH_GRAD, grad, facts.pending_key, r.reduce_dtype, r.local_rows, r.out_dtype, facts.fqn)
+    if facts.pending_key:
+        grad = call(ADD_PENDING_GRAD, grad, facts.pending_key, r.reduce_dtype, facts.fqn)
+    return call(REDUCE_GRAD, *r.replace(grad=grad).as_args())
+
+
+def unshard_backward(facts: SimpleNamespace, grad: Tensor) -> tuple:
+    """The gradients of an `fsdp2::unshard` call's inputs (`facts`: `unshard_backward_context`) for `grad`."""
+    reduced = shard_grad(facts, grad)
     if not facts.grad_key:
         return (reduced,) + (None,) * (facts.n_inputs - 1)  # no gradient for the static arguments
     # Delivered (FSDP2 runs the hooks only when a gradient was reduced and all-reduced), the shard gets none.
+    r = facts.reduce
     delivered = facts.sync and (r.replicate_size == 1 or r.requires_all_reduce)
     anchor = torch.ops.fsdp2.deliver_grad(reduced, facts.grad_key, facts.fqn) if delivered else reduced.new_zeros(())
     return (None,) * (facts.n_inputs - 1) + (anchor,)

@@ -75,10 +75,11 @@ def test_aotautograd_derives_a_block_subgraphs_schema_once_not_at_every_call(fak
 
 
 def test_aotautograd_traces_one_gather_op_per_block_call_and_the_passes_see_one_per_parameter(fake_pg, monkeypatch):
-    """AOTAutograd traces one `fsdp2::unshard_group` per block call (each of its custom op calls costs it about a
-    millisecond per trace), not one `fsdp2::unshard` per parameter; the partitioner and the passes see one
-    `fsdp2::unshard` per parameter again, so each block's parameters are still gathered (one bucket each) in
-    forward and again in backward."""
+    """AOTAutograd traces one `fsdp2::unshard_group` per block call and, in its backward, one
+    `fsdp2::reduce_group` (each custom op call costs it about a millisecond per trace), not one `fsdp2::unshard`
+    and one `fsdp2::reduce_grad` per parameter; the partitioner and the passes see one `fsdp2::unshard` per
+    parameter again, and the backward graph one `fsdp2::reduce_grad` per parameter, so each block's parameters
+    are still gathered in forward and again in backward, and reduce-scattered, one bucket each."""
     import dataclasses
 
     import torch
@@ -87,18 +88,21 @@ def test_aotautograd_traces_one_gather_op_per_block_call_and_the_passes_see_one_
 
     import fsdp2_compile as fc
     from fsdp2_compile import backend
-    from fsdp2_compile.grouped_unshard import UNSHARD_GROUP
-    from fsdp2_compile.ir import UNSHARD
+    from fsdp2_compile.grouped_unshard import REDUCE_GROUP, UNSHARD_GROUP
+    from fsdp2_compile.ir import REDUCE_GRAD, UNSHARD
     from fsdp2_compile.report import clear_compiled_graphs, collectives, compiled_graphs
+
+    def count(gm, target):
+        return len(gm.graph.find_nodes(op="call_function", target=target))
 
     seen = []
     split = backend.split_unshard_groups
 
     def counted(gm):
         groups = gm.graph.find_nodes(op="call_function", target=UNSHARD_GROUP)
-        seen.append(([len(g.args[0]) for g in groups], len(gm.graph.find_nodes(op="call_function", target=UNSHARD))))
+        seen.append(([len(g.args[0]) for g in groups], count(gm, UNSHARD), count(gm, REDUCE_GROUP), count(gm, REDUCE_GRAD)))
         split(gm)
-        assert not gm.graph.find_nodes(op="call_function", target=UNSHARD_GROUP)
+        assert count(gm, UNSHARD_GROUP) == 0
 
     monkeypatch.setattr(backend, "split_unshard_groups", counted)
     clear_compiled_graphs()
@@ -112,10 +116,12 @@ def test_aotautograd_traces_one_gather_op_per_block_call_and_the_passes_see_one_
     x = torch.randint(0, GPT_CFG.vocab_size, (2, GPT_CFG.block_size))
     torch._dynamo.reset()
     gpt_loss(model(x), x).backward()
-    # the calling graph's joint graph (the block subgraph's own is partitioned first, and holds no gather); the
-    # root's parameters are gathered one by one (its tied embedding twice, once per read)
+    # the calling graph's joint graph (the block subgraph's own is partitioned first, and holds neither); the
+    # root's parameters are gathered and reduced one by one (its tied embedding gathered twice, once per read)
     joints = [s for s in seen if s[0]]
-    assert joints == [([per_block] * 4, root + 1)], seen
+    assert joints == [([per_block] * 4, root + 1, 4, root + 1)], seen
     graphs = {r.kind: r.gm for r in compiled_graphs()}
-    gathers = {kind: [c for c in collectives(gm) if c.kind == "all_gather"] for kind, gm in graphs.items()}
-    assert len(gathers["forward"]) == 5 and len(gathers["backward"]) == 4
+    assert count(graphs["backward"], REDUCE_GROUP) == 0
+    kinds = {kind: [c.kind for c in collectives(gm)] for kind, gm in graphs.items()}
+    assert kinds["forward"].count("all_gather") == 5 and kinds["backward"].count("all_gather") == 4
+    assert kinds["backward"].count("reduce_scatter") == 5
