@@ -103,17 +103,14 @@ UNSHARD_GROUP = torch.ops.fsdp2.unshard_group.default
 
 def split_unshard_groups(gm: fx.GraphModule) -> None:
     """Replace every `fsdp2::unshard_group` of `gm` (and its `getitem`s) by one `fsdp2::unshard` per shard."""
-    from .ir import UNSHARD
+    from .ir import UNSHARD, UnshardGroupArgs
 
     groups = list(gm.graph.find_nodes(op="call_function", target=UNSHARD_GROUP))
     for group in groups:
-        shards, key = group.args
-        for user in list(group.users):
-            if user.target is not operator.getitem:
-                raise RuntimeError(f"fsdp2_compile: {user.format_node()} reads an unshard group whole")
-            i = user.args[1]
+        call = UnshardGroupArgs.of(group)
+        for user, i in _outputs(group):
             with gm.graph.inserting_before(user):
-                node = gm.graph.call_function(UNSHARD, (shards[i], *GROUPS[key][i]))
+                node = gm.graph.call_function(UNSHARD, (call.shards[i], *GROUPS[call.key][i]))
             node.meta.update(group.meta)
             node.meta.update(user.meta)
             user.replace_all_uses_with(node)
@@ -128,20 +125,32 @@ def split_reduce_groups(gm: fx.GraphModule) -> None:
     """Replace every `fsdp2::reduce_group` of `gm` (a backward graph) by each parameter's own ops, in order, as
     `fsdp2::unshard`'s backward makes them (`ops.shard_grad`)."""
     from .graph import insert_call
+    from .ir import ReduceGroupArgs
 
     groups = list(gm.graph.find_nodes(op="call_function", target=REDUCE_GROUP))
     for group in groups:
-        grads, key = group.args
+        call = ReduceGroupArgs.of(group)
         meta = {k: v for k, v in group.meta.items() if k != "val"}
         with gm.graph.inserting_before(group):
             reduced = [shard_grad(f, g, lambda op, *args: insert_call(gm.graph, op, args, meta))
-                       for f, g in zip(REDUCTIONS[key], grads)]
-        for user in list(group.users):
-            if user.target is not operator.getitem:
-                raise RuntimeError(f"fsdp2_compile: {user.format_node()} reads a reduce group whole")
-            user.replace_all_uses_with(reduced[user.args[1]])
+                       for f, g in zip(REDUCTIONS[call.key], call.grads)]
+        for user, i in _outputs(group):
+            user.replace_all_uses_with(reduced[i])
             gm.graph.erase_node(user)
         gm.graph.erase_node(group)
     if groups:
         gm.graph.lint()
         gm.recompile()
+
+
+def _outputs(group: fx.Node) -> list[tuple[fx.Node, int]]:
+    """(getitem node, index) of each read of one of `group`'s outputs."""
+    from .ir import output_of
+
+    found = []
+    for user in list(group.users):
+        source = output_of(user)
+        if source is None:
+            raise RuntimeError(f"fsdp2_compile: {user.format_node()} reads {group.name}'s outputs whole")
+        found.append((user, source[1]))
+    return found

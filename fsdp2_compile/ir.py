@@ -31,7 +31,7 @@ import sympy
 import torch
 from torch import fx
 
-from . import ops
+from . import grouped_unshard, ops
 
 __all__ = [
     "ADD_PENDING_GRAD",
@@ -43,11 +43,13 @@ __all__ = [
     "PARAMS",
     "PREFETCH",
     "REDUCE_GRAD",
+    "REDUCE_GROUP",
     "RELEASE_UNSHARDED",
     "ROLE",
     "STASH_GRAD",
     "SubgraphCall",
     "UNSHARD",
+    "UNSHARD_GROUP",
     "WAIT",
     "AddPendingGradArgs",
     "AllGatherArgs",
@@ -60,12 +62,14 @@ __all__ = [
     "KeepUnshardedArgs",
     "OpArgs",
     "ReduceGradArgs",
+    "ReduceGroupArgs",
     "ReduceScatterArgs",
     "ReleaseUnshardedArgs",
     "Role",
     "StashGradArgs",
     "Tags",
     "UnshardArgs",
+    "UnshardGroupArgs",
     "WaitArgs",
     "collective",
     "collective_kind",
@@ -90,6 +94,8 @@ KEEP_UNSHARDED = ops.KEEP_UNSHARDED
 DELIVER_GRAD = ops.DELIVER_GRAD
 RELEASE_UNSHARDED = ops.RELEASE_UNSHARDED
 WAIT = _funcol.wait_tensor.default
+UNSHARD_GROUP = grouped_unshard.UNSHARD_GROUP
+REDUCE_GROUP = grouped_unshard.REDUCE_GROUP
 
 
 # ---------------------------------------------------------------------------------------------- node.meta
@@ -289,6 +295,13 @@ ReleaseUnshardedArgs = _view(
     "ReleaseUnshardedArgs", RELEASE_UNSHARDED, "Arguments of `fsdp2::release_unsharded` (a forward took a kept parameter)."
 )
 WaitArgs = _view("WaitArgs", WAIT, "Arguments of `_c10d_functional::wait_tensor`.")
+UnshardGroupArgs = _view(
+    "UnshardGroupArgs", UNSHARD_GROUP, "Arguments of `fsdp2::unshard_group`: a block call's shards and the key of "
+    "their static facts (before AOTAutograd's partition only)."
+)
+ReduceGroupArgs = _view(
+    "ReduceGroupArgs", REDUCE_GROUP, "Arguments of `fsdp2::reduce_group` (unshard_group's backward, until split)."
+)
 
 _FSDP_VIEWS: dict[Any, type] = {
     v.op: v for v in (UnshardArgs, ReduceGradArgs, StashGradArgs, AddPendingGradArgs, KeepAliveArgs,
