@@ -29,8 +29,8 @@ from typing import Any
 import torch
 from torch import fx
 
-from .grouped_unshard import UNSHARD_GROUP, group_key
-from .ir import UNSHARD, SubgraphCall, UnshardArgs, output_of
+from .grouped_unshard import group_key
+from .ir import UNSHARD, UNSHARD_GROUP, SubgraphCall, UnshardArgs, UnshardGroupArgs, output_of
 from .param_state import ParamInfo, infos_of_values
 
 __all__ = ["MAX_TRACES", "gather_again_in_backward", "gather_outside_blocks", "traced_once"]
@@ -119,7 +119,8 @@ def gather_outside_blocks(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> 
         if plain:
             with gm.graph.inserting_before(call.node):
                 key = group_key([info.static_args() for _, info in plain.values()])
-                group = gm.graph.call_function(UNSHARD_GROUP, ([shard for shard, _ in plain.values()], key))
+                call_args = UnshardGroupArgs(shards=[shard for shard, _ in plain.values()], key=key).as_args()
+                group = gm.graph.call_function(UNSHARD_GROUP, call_args)
                 for i, index in enumerate(plain):
                     operands[index] = gm.graph.call_function(operator.getitem, (group, i))
         call.set_operands(operands)
