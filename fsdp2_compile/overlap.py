@@ -24,7 +24,7 @@ from .ir import (
     BUCKET, DELIVER_GRAD, PREFETCH, ROLE, AllReduceArgs, CollectiveArgs, Role, fsdp_collective_kind, nbytes, val,
 )
 
-__all__ = ["Rank", "Unit", "anchors_at", "emit_order", "find_units", "memory_budget", "order_keys"]
+__all__ = ["Rank", "Unit", "anchors_at", "emit_order", "find_units", "graph_start", "memory_budget", "order_keys"]
 
 _START_ROLES = {Role.TO_DEVICE, Role.CAST, Role.PAD, Role.CONTIGUOUS, Role.COPY_IN}
 """Roles of the nodes before a collective that move with it (its copy-in chain)."""
@@ -87,11 +87,18 @@ def find_units(gm: fx.GraphModule) -> list[Unit]:
     return gathers + [u for u in units if u.kind != Role.ALL_GATHER]
 
 
-def anchors_at(gathers: list[Unit], distances: list[int]) -> dict[fx.Node, fx.Node]:
-    """Gather k (in first-use order) starts `distances[k]` gathers early: right before gather k-d's first use —
-    unless a bucket used before it asked to prefetch it (`ir.PREFETCH`, set by `set_modules_to_*_prefetch`): then
-    right before the first such bucket's first use."""
-    anchors = {u.collective: gathers[k - d].first_use for k, (u, d) in enumerate(zip(gathers, distances))}
+def graph_start(gm: fx.GraphModule) -> fx.Node:
+    """The graph's first node after its placeholders: where a gather no earlier bucket precedes starts (the
+    backward's first buckets are gathered while the loss and the head compute their gradients, not after)."""
+    return next(n for n in gm.graph.nodes if n.op != "placeholder")
+
+
+def anchors_at(gathers: list[Unit], distances: list[int], start: fx.Node) -> dict[fx.Node, fx.Node]:
+    """Gather k (in first-use order) starts `distances[k]` gathers early: right before gather k-d's first use, or at
+    the graph's `start` when k-d < 0 — unless a bucket used before it asked to prefetch it (`ir.PREFETCH`, set by
+    `set_modules_to_*_prefetch`): then right before the first such bucket's first use."""
+    anchors = {u.collective: gathers[k - d].first_use if d <= k else start
+               for k, (u, d) in enumerate(zip(gathers, distances))}
     for k, u in enumerate(gathers):
         for asking in gathers[:k]:
             if u.collective.meta.get(BUCKET) in asking.collective.meta.get(PREFETCH, ()):

@@ -106,6 +106,42 @@ def test_reorder_prefetches_one_bucket_ahead_and_waits_right_before_first_use(fa
         assert not any(n.target in COMPUTE for n in between)  # nothing computed between a wait and its use
 
 
+def head_then_blocks(group: str):
+    """A backward's shape: the head's gradient (two matmuls, no gathered parameter) comes first, then blocks b1 and
+    b0 each use their gathered parameter."""
+
+    def f(s1, s0, head, x):
+        def gather(shard, name):
+            return UNSHARD(shard, 16, 4, group, None, fp32, name, name.split(".")[0], True, 1, "")
+
+        h = torch.relu(x @ head @ head.T)
+        h = torch.relu(h @ gather(s1, "b1.w"))
+        return h @ gather(s0, "b0.w")
+
+    shard = torch.randn(4, 16)
+    return make_fx(f, tracing_mode="fake")(shard, shard, torch.randn(16, 64), torch.randn(2, 16))
+
+
+@pytest.mark.parametrize("scheduled", [False, True])
+def test_the_first_gathers_start_at_the_graph_start_not_after_the_compute_before_them(fake_pg, scheduled):
+    """No bucket precedes a graph's first gather, so the graph's start stands for it: in a backward the first
+    block's gather overlaps the head's gradient instead of starting when it is done. A budget of one bucket
+    still holds: the second gather then waits for the first one's use."""
+    from fsdp2_compile.cost_model import PROFILES
+
+    one_bucket = 16 * 16 * 4
+    for config, both_early in ((CompileConfig(), True), (CompileConfig(memory_budget_bytes=one_bucket), False)):
+        ctx = PassContext("backward", config=config, profile=PROFILES["cpu-gloo-1gbit"])
+        gm, _ = lowered(head_then_blocks(fake_pg), config)
+        gm = reorder_for_overlap(gm, ctx)
+        if scheduled:
+            gm = schedule(gm, ctx)
+        gm.graph.lint()
+        nodes, gathers, first_compute = positions_of(gm)
+        assert nodes.index(gathers[0]) < first_compute
+        assert (nodes.index(gathers[1]) < first_compute) is both_early
+
+
 def test_memory_budget_limits_prefetch(fake_pg):
     one_bucket = 2 * 16 * 16 * 4
     gm, ctx = lowered(three_blocks(fake_pg), CompileConfig(memory_budget_bytes=one_bucket))
