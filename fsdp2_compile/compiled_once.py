@@ -10,7 +10,8 @@ parameter (`ParamInfo.static_args(anonymous=True)`). Two rewrites keep FSDP's se
   checkpoint inside it) moves to the calling graph, before the call, named again from the parameter the call
   passes. The subgraph computes on gathered parameters; the passes see, bucket, prefetch and schedule every
   block's collectives as before. A call's trained parameters that are neither kept nor delivered their gradient
-  are gathered by one `fsdp2::unshard_group` (`grouped_unshard.py`), so AOTAutograd traces one op per call.
+  are gathered by one `GatherGroup` autograd node calling one `fsdp2::unshard_group` (`grouped_unshard.py`), so
+  AOTAutograd traces one op per call.
 - `gather_again_in_backward` (before the partitioner): what the block's forward subgraph saves for its backward
   that it computed from gathered parameters alone is computed in the backward subgraph instead, from the
   parameter passed in, so that the partitioner gathers it again (resharding after forward) instead of saving it.
@@ -29,8 +30,8 @@ from typing import Any
 import torch
 from torch import fx
 
-from .grouped_unshard import group_key
-from .ir import UNSHARD, UNSHARD_GROUP, SubgraphCall, UnshardArgs, UnshardGroupArgs, output_of
+from .grouped_unshard import GatherGroup, group_key
+from .ir import UNSHARD, SubgraphCall, UnshardArgs, output_of
 from .param_state import ParamInfo, infos_of_values
 
 __all__ = ["MAX_TRACES", "gather_again_in_backward", "gather_outside_blocks", "traced_once"]
@@ -104,23 +105,22 @@ def gather_outside_blocks(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> 
         if id(body) not in moved:
             moved[id(body)] = _take_unshards_out(body)
         operands = list(call.operands)
-        plain: dict[int, tuple[fx.Node, ParamInfo]] = {}  # trained, neither kept nor delivered: one `unshard_group`
+        plain: dict[int, tuple[fx.Node, ParamInfo]] = {}  # trained, neither kept nor delivered: one `GatherGroup`
         for index, tensors in moved[id(body)].items():
             gathered, anchor = (None if i is None else operands[i] for i in tensors)
             info = info_of.get(operands[index])
             if info is None:
                 raise RuntimeError(f"fsdp2_compile: cannot tell which parameter {call.node.format_node()} passes at {index}")
+            if gathered is None and anchor is None and _requires_grad(operands[index]):
+                plain[index] = operands[index], info
+                continue
             with gm.graph.inserting_before(call.node):
                 shard = gm.graph.call_method("to_local", (operands[index],))
-                if gathered is None and anchor is None and _requires_grad(operands[index]):
-                    plain[index] = shard, info
-                    continue
                 operands[index] = gm.graph.call_function(UNSHARD, (shard, *info.static_args(), gathered, anchor))
         if plain:
             with gm.graph.inserting_before(call.node):
                 key = group_key([info.static_args() for _, info in plain.values()])
-                call_args = UnshardGroupArgs(shards=[shard for shard, _ in plain.values()], key=key).as_args()
-                group = gm.graph.call_function(UNSHARD_GROUP, call_args)
+                group = gm.graph.call_function(GatherGroup.apply, (key, *(param for param, _ in plain.values())))
                 for i, index in enumerate(plain):
                     operands[index] = gm.graph.call_function(operator.getitem, (group, i))
         call.set_operands(operands)

@@ -3,11 +3,12 @@
 AOTAutograd traces the calling graph of identical blocks (`compiled_once.py`) twice (metadata, then the joint
 graph), and every custom op call costs it about a millisecond under its functionalization, proxy and fake modes:
 on a 32-layer GPT one `fsdp2::unshard` and one `fsdp2::reduce_grad` per block parameter were most of the joint
-trace. `gather_outside_blocks` therefore gathers the trained parameters of a block call that are neither kept
-gathered nor delivered their gradient with one `fsdp2::unshard_group`: its arguments are the shards and a key
-into `GROUPS` (each parameter's static arguments of `fsdp2::unshard`). Its backward is one `fsdp2::reduce_group`
-over the same parameters (`REDUCTIONS`), which does for each what `fsdp2::unshard`'s backward does
-(`ops.shard_grad`). Before the partitioner tags the gathers (and in an inference graph before the passes),
+trace, and DTensor's `to_local` (an autograd function) before each. `gather_outside_blocks` therefore gathers the
+trained parameters of a block call that are neither kept gathered nor delivered their gradient with one
+`GatherGroup` autograd node over the DTensor parameters: it reads their local shards and calls one
+`fsdp2::unshard_group` (the shards and a key into `GROUPS`, each parameter's static arguments of
+`fsdp2::unshard`). Its backward is one `fsdp2::reduce_group` over the same parameters (`REDUCTIONS`), which does
+for each what `fsdp2::unshard`'s backward does (`ops.shard_grad`). Before the partitioner tags the gathers (and in an inference graph before the passes),
 `split_unshard_groups` puts back one `fsdp2::unshard` per parameter; right after it, `split_reduce_groups` puts
 back each parameter's backward ops, made by the same `ops.shard_grad`: nothing after sees a group.
 """
@@ -24,7 +25,10 @@ from torch import Tensor, fx
 
 from .ops import shard_grad, unshard, unshard_backward_context
 
-__all__ = ["GROUPS", "REDUCE_GROUP", "REDUCTIONS", "UNSHARD_GROUP", "group_key", "split_reduce_groups", "split_unshard_groups"]
+__all__ = [
+    "GROUPS", "GatherGroup", "REDUCE_GROUP", "REDUCTIONS", "UNSHARD_GROUP", "group_key", "split_reduce_groups",
+    "split_unshard_groups",
+]
 
 GROUPS: dict[str, tuple[tuple, ...]] = {}
 """By key: the static arguments of `fsdp2::unshard` (after the shard, before `gathered`) of each shard a group
@@ -80,23 +84,45 @@ def _(grads, key):
 REDUCE_GROUP = torch.fx.node.has_side_effect(torch.ops.fsdp2.reduce_group.default)
 
 
-def _setup_context(ctx, inputs, output) -> None:
-    shards, key = inputs
-    ctx.reduction = f"{key} {[(tuple(s.shape), s.dtype, s.device) for s in shards]}"
-    if ctx.reduction not in REDUCTIONS:
+def _reduction(key: str, shards: Sequence[Tensor]) -> str:
+    """The key of `REDUCTIONS` for the group `key` gathering these shards (registered on first use)."""
+    reduction = f"{key} {[(tuple(s.shape), s.dtype, s.device) for s in shards]}"
+    if reduction not in REDUCTIONS:
         # one input each: the backward reads the shard's gradient only (there is no grad anchor in a group)
-        REDUCTIONS[ctx.reduction] = tuple(
+        REDUCTIONS[reduction] = tuple(
             unshard_backward_context(a.replace(shard=shard), 1) for shard, a in zip(shards, _bound(key))
         )
+    return reduction
 
 
-def _backward(ctx, grads):
-    if any(g is None for g in grads):  # a parameter the block did not use: the others reduced one by one
-        return [None if g is None else shard_grad(f, g) for f, g in zip(REDUCTIONS[ctx.reduction], grads)], None
-    return list(torch.ops.fsdp2.reduce_group(list(grads), ctx.reduction)), None
+class GatherGroup(torch.autograd.Function):
+    """`fsdp2::unshard_group` of DTensor parameters' local shards, as one autograd node (instead of a `to_local`
+    per parameter and the group op after them: AOTAutograd traces each autograd node twice, and a block has
+    ~10 parameters). Its backward is one `fsdp2::reduce_group`, whose shard gradients go back as DTensors laid out
+    as the parameters, as `to_local`'s backward makes them. Call it as `GatherGroup.apply(key, *params)`."""
 
+    @staticmethod
+    def forward(ctx, key: str, *params: Tensor) -> tuple[Tensor, ...]:
+        ctx.set_materialize_grads(False)  # a parameter the block does not use gets None, not zeros
+        shards = [p.to_local() for p in params]  # autograd is off in here: each DTensor's own local tensor
+        ctx.reduction = _reduction(key, shards)
+        ctx.layouts = [(p.device_mesh, p.placements, p.shape, p.stride()) for p in params]
+        return tuple(unshard_group(shards, key))
 
-unshard_group.register_autograd(_backward, setup_context=_setup_context)
+    @staticmethod
+    def backward(ctx, *grads: Tensor | None) -> tuple[None | Tensor, ...]:
+        from torch.distributed.tensor import DTensor
+
+        facts = REDUCTIONS[ctx.reduction]
+        if any(g is None for g in grads):  # a parameter the block did not use: the others reduced one by one
+            local = [None if g is None else shard_grad(f, g) for f, g in zip(facts, grads)]
+        else:
+            local = torch.ops.fsdp2.reduce_group(list(grads), ctx.reduction)
+        return None, *(
+            None if g is None else DTensor.from_local(g, mesh, placements, shape=shape, stride=stride)
+            for g, (mesh, placements, shape, stride) in zip(local, ctx.layouts)
+        )
+
 
 UNSHARD_GROUP = torch.ops.fsdp2.unshard_group.default
 
