@@ -27,6 +27,8 @@ __all__ = [
     "current_compile_id",
     "default_store",
     "detect_fake_mode",
+    "dtensor_layout",
+    "dtensor_of",
     "fake_output_by_meta_kernel",
     "fake_process_group",
     "group_ranks",
@@ -269,6 +271,22 @@ def strided_shard(dim: int, split_factor: int):
     from torch.distributed.tensor.placement_types import _StridedShard
 
     return _StridedShard(dim, split_factor=split_factor)
+
+
+def dtensor_layout(dtensor: torch.Tensor) -> Any:
+    """A DTensor's layout (mesh, placements, global shape and stride: its `DTensorSpec`)."""
+    return dtensor._spec
+
+
+def dtensor_of(local: torch.Tensor, layout: Any) -> torch.Tensor:
+    """A DTensor of `local` with `layout` (`dtensor_layout`), no autograd, as `DTensor.to_local`'s backward makes a
+    parameter's gradient, without `DTensor.from_local`'s autograd function and checks (a block's backward makes
+    ten or more of these while AOTAutograd traces it)."""
+    import copy
+
+    from torch.distributed.tensor import DTensor
+
+    return DTensor(local, copy.copy(layout), requires_grad=False)
 
 
 def clear_dtensor_caches() -> None:

@@ -23,6 +23,7 @@ from types import SimpleNamespace
 import torch
 from torch import Tensor, fx
 
+from ._torch_private import dtensor_layout, dtensor_of
 from .ops import shard_grad, unshard, unshard_backward_context
 
 __all__ = [
@@ -106,22 +107,17 @@ class GatherGroup(torch.autograd.Function):
         ctx.set_materialize_grads(False)  # a parameter the block does not use gets None, not zeros
         shards = [p.to_local() for p in params]  # autograd is off in here: each DTensor's own local tensor
         ctx.reduction = _reduction(key, shards)
-        ctx.layouts = [(p.device_mesh, p.placements, p.shape, p.stride()) for p in params]
+        ctx.layouts = [dtensor_layout(p) for p in params]
         return tuple(unshard_group(shards, key))
 
     @staticmethod
     def backward(ctx, *grads: Tensor | None) -> tuple[None | Tensor, ...]:
-        from torch.distributed.tensor import DTensor
-
         facts = REDUCTIONS[ctx.reduction]
         if any(g is None for g in grads):  # a parameter the block did not use: the others reduced one by one
             local = [None if g is None else shard_grad(f, g) for f, g in zip(facts, grads)]
         else:
             local = torch.ops.fsdp2.reduce_group(list(grads), ctx.reduction)
-        return None, *(
-            None if g is None else DTensor.from_local(g, mesh, placements, shape=shape, stride=stride)
-            for g, (mesh, placements, shape, stride) in zip(local, ctx.layouts)
-        )
+        return None, *(None if g is None else dtensor_of(g, layout) for g, layout in zip(local, ctx.layouts))
 
 
 UNSHARD_GROUP = torch.ops.fsdp2.unshard_group.default
