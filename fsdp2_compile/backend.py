@@ -129,7 +129,7 @@ def _check_graph_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> No
 def _tag_unshards(joint: fx.GraphModule, config: CompileConfig) -> KeptGathered | None:
     """Gathered parameters are recomputed in backward (resharded after forward) unless their module says not to
     or selective unsharding keeps their bucket; returns selective unsharding's decision."""
-    decision = buckets_to_keep(joint.graph, config.keep_gathered)
+    decision = buckets_to_keep(joint.graph, config)
     kept = decision.buckets if decision is not None else ()
     for node in nodes_calling(joint.graph, UNSHARD):
         call = UnshardArgs.of(node)

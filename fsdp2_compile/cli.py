@@ -223,7 +223,8 @@ def cmd_dump(ns: argparse.Namespace) -> int:
             shard_compile(
                 model, mesh, reshard_after_forward=reshard, mp_policy=mp,
                 compile_config=CompileConfig(hardware=hardware, check_rank_consistency=False, keep_snapshots=True,
-                                             keep_gathered=ns.keep_gathered),
+                                             keep_gathered=ns.keep_gathered,
+                                             memory_budget_bytes=ns.memory_budget),
             )
             try:
                 loss = loss_fn(model(*args))
@@ -263,7 +264,7 @@ def cmd_plan(ns: argparse.Namespace) -> int:
                                  profiles=profiles, mp_policy=_mp_policy(ns.mp),
                                  reshard_after_forward=False if ns.no_reshard else None, progress=progress.step,
                                  attention=ns.attention, ac=ns.ac, compiler=ns.compiler, tp=ns.tp,
-                                 keep_gathered=ns.keep_gathered)
+                                 keep_gathered=ns.keep_gathered, memory_budget_bytes=ns.memory_budget)
             except (RunError, UsageError):
                 raise
             except ValueError as e:
@@ -316,6 +317,16 @@ def _add_keep_gathered(parser: argparse.ArgumentParser) -> None:
                         help="selective unsharding (CompileConfig.keep_gathered): keep the last buckets of the "
                              "forward gathered for backward, within this fraction of the gathered parameter bytes "
                              "or this many bytes")
+    parser.add_argument("--memory-budget", type=_positive_bytes, metavar="BYTES",
+                        help="CompileConfig.memory_budget_bytes: gathered parameter bytes alive at once; what the "
+                             "prefetch window leaves keeps the last buckets gathered for backward")
+
+
+def _positive_bytes(text: str) -> int:
+    """`--memory-budget`: a positive number of bytes."""
+    if not text.isdigit() or int(text) <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: use a positive number of bytes (e.g. 268435456)")
+    return int(text)
 
 
 def build_parser() -> argparse.ArgumentParser:

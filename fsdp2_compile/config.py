@@ -58,12 +58,16 @@ class CompileConfig:
     prefetch_depth: int = 2
     """How many buckets ahead of the one in use an all-gather may start (the scheduler may choose fewer)."""
     memory_budget_bytes: int | None = None
-    """Cap on the bytes of gathered buckets alive at once (in use + prefetched); None: `prefetch_depth + 1` times
-    the largest bucket."""
+    """Bytes of gathered parameters allowed alive at once. The prefetch window (the bucket in use and those
+    gathered ahead) takes up to `prefetch_depth + 1` times the largest bucket of it; what is left keeps buckets
+    gathered from forward to backward (selective unsharding, as `keep_gathered` with that many bytes, unless
+    `keep_gathered` is set). None (the default): no cap, a window of `prefetch_depth + 1` largest buckets, nothing
+    kept (FSDP2's behaviour)."""
     keep_gathered: int | float | None = None
     """Selective unsharding: a budget for gathered parameters kept from forward to backward instead of resharded
     and gathered again — bytes (int), or a fraction (float in (0, 1]) of the resharded parameters' gathered bytes.
-    The last buckets of the forward are kept first (`keep_gathered.py`). None (the default): FSDP2's behaviour."""
+    The last buckets of the forward are kept first (`keep_gathered.py`). None (the default): what
+    `memory_budget_bytes` leaves, else nothing (FSDP2's behaviour)."""
     schedule: bool = True
     """Let the cost-model scheduler pick each all-gather's start (within `prefetch_depth` and the budget)."""
     hardware: str | None = None

@@ -1,5 +1,6 @@
-"""Selective unsharding (`CompileConfig.keep_gathered`): which buckets keep their gathered parameters from forward
-to backward instead of resharding after forward and gathering again in backward.
+"""Selective unsharding (`CompileConfig.keep_gathered`, or what `CompileConfig.memory_budget_bytes` leaves beyond
+the prefetch window): which buckets keep their gathered parameters from forward to backward instead of resharding
+after forward and gathering again in backward.
 
 The compiler sees the whole step, so it can spend a memory budget where hooks cannot: every kept byte saves one
 gathered byte in backward, so buckets pay alike per byte; the last buckets of the forward go first, because
@@ -21,7 +22,7 @@ from torch import fx
 from .graph import nodes_calling
 from .ir import UNSHARD, UnshardArgs, nbytes, val
 
-__all__ = ["KEPT_META", "KeptGathered", "buckets_to_keep", "choose_kept"]
+__all__ = ["KEPT_META", "KeptGathered", "buckets_to_keep", "choose_kept", "keep_amount"]
 
 log = logging.getLogger("fsdp2_compile")
 
@@ -63,22 +64,34 @@ def choose_kept(sizes: dict[str, int], keep: int | float) -> KeptGathered:
     return KeptGathered(tuple(kept), used, total, budget)
 
 
-def buckets_to_keep(joint: fx.Graph, keep: int | float | None) -> KeptGathered | None:
-    """The decision for the joint graph `joint`: `keep` bytes (an int), or that fraction of the resharded
-    buckets' gathered bytes (a float); None for None."""
-    if keep is None:
-        return None
+def keep_amount(config, largest_bucket: int) -> int | float | None:
+    """What selective unsharding may keep: `config.keep_gathered` when set; else, under
+    `config.memory_budget_bytes` (the gathered bytes allowed alive at once), what the budget leaves beyond the
+    prefetch window of `prefetch_depth + 1` buckets of `largest_bucket` bytes (0 when it leaves nothing); else None
+    (FSDP2's behaviour)."""
+    if config.keep_gathered is not None or config.memory_budget_bytes is None:
+        return config.keep_gathered
+    return max(0, config.memory_budget_bytes - (config.prefetch_depth + 1) * largest_bucket)
+
+
+def buckets_to_keep(joint: fx.Graph, config) -> KeptGathered | None:
+    """The decision for the joint graph `joint` under `config` (`keep_amount`: bytes, or a fraction of the
+    resharded buckets' gathered bytes); None when nothing asks for selective unsharding."""
     sizes: dict[str, int] = {}
+    every: dict[str, int] = {}  # every bucket's gathered bytes, kept by its module or not: the prefetch window's
     last_use: dict[str, int] = {}
     seen: set[str] = set()
     for i, node in enumerate(nodes_calling(joint, UNSHARD)):
         call = UnshardArgs.of(node)
-        if not call.reshard_after_forward:
-            continue
-        last_use[call.bucket] = i
         if call.fqn not in seen:
             seen.add(call.fqn)
-            sizes[call.bucket] = sizes.get(call.bucket, 0) + nbytes(val(node))
+            every[call.bucket] = every.get(call.bucket, 0) + nbytes(val(node))
+        if call.reshard_after_forward:
+            last_use[call.bucket] = i
+            sizes[call.bucket] = every[call.bucket]
+    keep = keep_amount(config, max(every.values(), default=0))
+    if keep is None:
+        return None
     decision = choose_kept({b: sizes[b] for b in sorted(sizes, key=last_use.__getitem__)}, keep)
     log.info("%s", decision.describe())
     return decision

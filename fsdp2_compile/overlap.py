@@ -23,6 +23,7 @@ from .graph import positions, stable_topological_sort
 from .ir import (
     BUCKET, DELIVER_GRAD, PREFETCH, ROLE, AllReduceArgs, CollectiveArgs, Role, fsdp_collective_kind, nbytes, val,
 )
+from .keep_gathered import KeptGathered
 
 __all__ = ["Rank", "Unit", "anchors_at", "emit_order", "find_units", "graph_start", "memory_budget", "order_keys"]
 
@@ -203,8 +204,9 @@ def _place_finishes(units: list[Unit], key: dict[fx.Node, Key], end: Key, replic
             key[n] = deliveries
 
 
-def memory_budget(config, gathers: list[Unit]) -> int:
-    """Bytes of gathered buckets allowed alive at once: the config's, or `prefetch_depth + 1` largest buckets."""
+def memory_budget(config, gathers: list[Unit], kept: KeptGathered | None = None) -> int:
+    """Bytes of gathered buckets the prefetch window may hold at once: the config's budget less what selective
+    unsharding keeps gathered (`kept`, alive beside the window), or `prefetch_depth + 1` largest buckets."""
     if config.memory_budget_bytes is not None:
-        return config.memory_budget_bytes
+        return config.memory_budget_bytes - (kept.kept_bytes if kept is not None else 0)
     return (config.prefetch_depth + 1) * max((u.nbytes for u in gathers), default=0)

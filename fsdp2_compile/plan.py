@@ -340,6 +340,7 @@ def make_plan(
     prefetch: int | None = None,
     tp: int = 1,
     keep_gathered: int | float | None = None,
+    memory_budget_bytes: int | None = None,
 ) -> Plan:
     """Plan `factory`'s model at `world_size` ranks; `replicate` > 1: HSDP on a `replicate x world_size/replicate`
     mesh (`hsdp_mesh`). Needs the default process group of `world_size` ranks (the fake one);
@@ -352,9 +353,10 @@ def make_plan(
     unsharding as `CompileConfig.keep_gathered`, decided on the full model's buckets (blocks in order, then the
     root, whose head is used last) by the compiler's own rule (`keep_gathered.choose_kept`): the kept buckets'
     backward all-gathers leave the bytes and the schedule, their gathered parameters stay in memory from forward
-    to backward (counted in activations and the peak)."""
+    to backward (counted in activations and the peak); `memory_budget_bytes`: as `CompileConfig.memory_budget_bytes`,
+    what it leaves beyond the prefetch window is kept the same way (`keep_gathered.keep_amount`)."""
     from .config import CompileConfig, MixedPrecisionPolicy
-    from .keep_gathered import choose_kept
+    from .keep_gathered import choose_kept, keep_amount
 
     if compiler not in ("aot_eager", "inductor", "inductor-blocks"):
         raise ValueError(f"compiler {compiler!r} is not one of: aot_eager, inductor, inductor-blocks")
@@ -364,7 +366,8 @@ def make_plan(
     mesh, tp_mesh = plan_meshes(world_size, replicate, tp)
     shard_size = world_size // (replicate * tp)
     # the compiler's own checks: a bad prefetch or keep_gathered is refused before anything is built
-    config = CompileConfig(keep_gathered=keep_gathered, **({} if prefetch is None else dict(prefetch_depth=prefetch)))
+    config = CompileConfig(keep_gathered=keep_gathered, memory_budget_bytes=memory_budget_bytes,
+                           **({} if prefetch is None else dict(prefetch_depth=prefetch)))
     prefetch = config.prefetch_depth
 
     step("building the full model")
@@ -395,8 +398,8 @@ def make_plan(
     measured = sharded_bytes(model)
     numel = _bucket_numel(model)
     buckets = {b: n * _itemsize(param_dtype) for b, n in numel.items()}
-    kept = None if keep_gathered is None else choose_kept(_resharded_sizes(model, _itemsize(param_dtype)),
-                                                           keep_gathered)
+    keep = keep_amount(config, max(buckets.values(), default=0))
+    kept = None if keep is None else choose_kept(_resharded_sizes(model, _itemsize(param_dtype)), keep)
     root = buckets.get("", 0)
     others = sorted((b for name, b in buckets.items() if name), reverse=True)
     gathered_peak = root + sum(others[:2])
@@ -578,6 +581,7 @@ def make_plan(
         "reduction": reduced,
         "tp": tp,
         "keep_gathered": keep_gathered,
+        "memory_budget_bytes": memory_budget_bytes,
     }
     return Plan(world_size, n_params, layers, per_rank, analytical, int(comm), buffers, time, exposed, method, buckets,
                 replicate, tps, mfu, reserved, compute, assumptions, tp=tp, tp_plan=tp_text,

@@ -18,6 +18,7 @@ import logging
 from torch import fx
 
 from fsdp2_compile.ir import Role
+from fsdp2_compile.keep_gathered import KEPT_META
 from fsdp2_compile.overlap import anchors_at, emit_order, find_units, graph_start, memory_budget
 from fsdp2_compile.pass_api import Fact, PassContext, contract
 
@@ -46,7 +47,7 @@ def reorder_for_overlap(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     if not units:
         return gm
     gathers = [u for u in units if u.kind == Role.ALL_GATHER]
-    budget = memory_budget(ctx.config, gathers)
+    budget = memory_budget(ctx.config, gathers, gm.meta.get(KEPT_META))
     distances = prefetch_distances(gathers, ctx.config.prefetch_depth, budget)
     log.info("%s graph: structural prefetch distances %s (depth %d, budget %d bytes)",
              ctx.kind, distances, ctx.config.prefetch_depth, budget)

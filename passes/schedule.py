@@ -21,6 +21,7 @@ from torch import fx
 from fsdp2_compile.cost_model import compute_time, node_time, simulate
 from fsdp2_compile.graph import positions, stable_topological_sort
 from fsdp2_compile.ir import Role
+from fsdp2_compile.keep_gathered import KEPT_META
 from fsdp2_compile.overlap import anchors_at, emit_order, find_units, graph_start, memory_budget
 from fsdp2_compile.pass_api import Fact, PassContext, contract
 
@@ -58,7 +59,7 @@ def schedule(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     if ctx.config.schedule and ctx.config.prefetch and gathers:
         structural = positions(gm.graph)
         baseline = simulate(gm, profile)
-        distances = cost_distances(gm, gathers, ctx.config.prefetch_depth, memory_budget(ctx.config, gathers), profile)
+        distances = cost_distances(gm, gathers, ctx.config.prefetch_depth, memory_budget(ctx.config, gathers, gm.meta.get(KEPT_META)), profile)
         emit_order(gm, units, anchors_at(gathers, distances, graph_start(gm)))
         estimate = simulate(gm, profile).total_s
         slower = estimate > baseline.total_s

@@ -440,12 +440,13 @@ def test_plan_tp_json_keeps_its_keys_and_adds_tp_ones():
     assert "intra_node_bytes_per_s" in out["profiles"]["h100-nvlink"]["device"]
 
 
-def test_dump_shows_which_buckets_selective_unsharding_keeps_and_the_bytes_saved(tmp_path):
-    """`--keep-gathered 0.5`: both graphs' summaries name the kept buckets and their gathered bytes; the buckets the
-    backward graph no longer gathers are exactly those (and the root, which FSDP2's default keeps), and their
-    forward all-gathers add up to the bytes named."""
+@pytest.mark.parametrize("budget", [["--keep-gathered", "0.5"], ["--memory-budget", str(1 << 40)]])
+def test_dump_shows_which_buckets_selective_unsharding_keeps_and_the_bytes_saved(tmp_path, budget):
+    """`--keep-gathered 0.5` (or a memory budget with room for every bucket): both graphs' summaries name the kept
+    buckets and their gathered bytes; the buckets the backward graph no longer gathers are exactly those (and the
+    root, which FSDP2's default keeps), and their forward all-gathers add up to the bytes named."""
     out = tmp_path / "dump"
-    r = cli("dump", f"{FACTORIES}:tiny", "--world-size", "4", "--keep-gathered", "0.5", "--out", str(out), "-q")
+    r = cli("dump", f"{FACTORIES}:tiny", "--world-size", "4", *budget, "--out", str(out), "-q")
     assert r.returncode == 0, r.stderr
     sections = {kind: r.stdout.split(f"== {kind} graph")[1].split("==")[0] for kind in ("forward", "backward")}
     row = re.compile(r"^\s+(\S+)\s+all_gather\s+\S+\s+([\d.]+ \w+)\s+\d+$", re.MULTILINE)
@@ -468,3 +469,6 @@ def test_keep_gathered_usage_errors(capsys):
     for bad in ("1.5", "-3", "lots"):
         assert main(["dump", f"{FACTORIES}:tiny", "--world-size", "2", "--keep-gathered", bad]) == 2
         assert "--keep-gathered" in capsys.readouterr().err
+    for bad in ("0", "-3", "lots"):
+        assert main(["dump", f"{FACTORIES}:tiny", "--world-size", "2", "--memory-budget", bad]) == 2
+        assert "--memory-budget" in capsys.readouterr().err

@@ -142,6 +142,16 @@ def test_the_first_gathers_start_at_the_graph_start_not_after_the_compute_before
         assert (nodes.index(gathers[1]) < first_compute) is both_early
 
 
+def test_a_memory_budget_keeps_gathered_only_what_the_prefetch_window_leaves():
+    from fsdp2_compile.keep_gathered import keep_amount
+
+    assert keep_amount(CompileConfig(), 100) is None  # FSDP2's behaviour
+    assert keep_amount(CompileConfig(keep_gathered=0.25, memory_budget_bytes=10_000), 100) == 0.25  # explicit wins
+    assert keep_amount(CompileConfig(memory_budget_bytes=1_000), 100) == 700  # window: 3 buckets of 100 bytes
+    assert keep_amount(CompileConfig(memory_budget_bytes=1_000, prefetch_depth=1), 100) == 800
+    assert keep_amount(CompileConfig(memory_budget_bytes=250), 100) == 0  # not even the window: nothing kept
+
+
 def test_memory_budget_limits_prefetch(fake_pg):
     one_bucket = 2 * 16 * 16 * 4
     gm, ctx = lowered(three_blocks(fake_pg), CompileConfig(memory_budget_bytes=one_bucket))

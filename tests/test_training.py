@@ -205,6 +205,16 @@ def test_selective_unsharding_keeps_the_last_buckets_gathered_with_parity():
     assert all(order == result["orders"][0] for order in result["orders"])
 
 
+def test_a_memory_budget_keeps_what_the_prefetch_window_leaves_gathered_with_parity():
+    # memory_budget_bytes beyond the prefetch window keeps buckets gathered from forward to backward (selective
+    # unsharding without keep_gathered): with room for every bucket, backward gathers nothing
+    result = run("gpt", 2, config=(("memory_budget_bytes", 1 << 40),))
+    torch.testing.assert_close(result["losses"], reference("gpt")[0], rtol=1e-5, atol=0)
+    [bw] = [g for g in result["graphs"] if g["kind"] == "backward"]
+    assert [c for c in bw["collectives"] if c.kind == "all_gather"] == []
+    assert [c for c in bw["collectives"] if c.kind == "reduce_scatter"]
+
+
 def test_inductor_keeps_parity():
     # Inductor fuses elementwise ops and may sum in another order: fp32 losses agree to ~1e-6 relative per step,
     # which AdamW's sign-like updates can grow over 10 steps; 1e-4 still tells a wrong gradient apart (~1e-2).
