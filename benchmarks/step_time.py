@@ -89,7 +89,8 @@ def optimizer_step(model: torch.nn.Module, in_backward: bool):
     return lambda: None
 
 
-def main() -> None:
+def argument_parser() -> argparse.ArgumentParser:
+    """This job's options (also `exposed_comm.py`'s)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mode", choices=["fsdp2", "compute", *CONFIGS], required=True)
     p.add_argument("--layers", type=int, default=8)
@@ -103,6 +104,11 @@ def main() -> None:
     p.add_argument("--prefetch-depth", type=int, help="override CompileConfig.prefetch_depth")
     p.add_argument("--budget-mib", type=float, help="override CompileConfig.memory_budget_bytes (MiB)")
     p.add_argument("--optimizer-in-backward", action="store_true", help="an AdamW per parameter, stepped by its hook")
+    return p
+
+
+def main() -> None:
+    p = argument_parser()
     args = p.parse_args()
 
     dist.init_process_group("gloo")

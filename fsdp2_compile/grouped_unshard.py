@@ -8,9 +8,10 @@ trained parameters of a block call that are neither kept gathered nor delivered 
 `GatherGroup` autograd node over the DTensor parameters: it reads their local shards and calls one
 `fsdp2::unshard_group` (the shards and a key into `GROUPS`, each parameter's static arguments of
 `fsdp2::unshard`). Its backward is one `fsdp2::reduce_group` over the same parameters (`REDUCTIONS`), which does
-for each what `fsdp2::unshard`'s backward does (`ops.shard_grad`). Before the partitioner tags the gathers (and in an inference graph before the passes),
-`split_unshard_groups` puts back one `fsdp2::unshard` per parameter; right after it, `split_reduce_groups` puts
-back each parameter's backward ops, made by the same `ops.shard_grad`: nothing after sees a group.
+for each what `fsdp2::unshard`'s backward does (`ops.shard_grad`). Before the partitioner tags the gathers (and in
+an inference graph before the passes), `split_unshard_groups` puts back one `fsdp2::unshard` per parameter; right
+after it, `split_reduce_groups` puts back each parameter's backward ops, made by the same `ops.shard_grad`: nothing
+after sees a group.
 """
 
 from __future__ import annotations

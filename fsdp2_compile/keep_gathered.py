@@ -78,7 +78,7 @@ def buckets_to_keep(joint: fx.Graph, config) -> KeptGathered | None:
     """The decision for the joint graph `joint` under `config` (`keep_amount`: bytes, or a fraction of the
     resharded buckets' gathered bytes); None when nothing asks for selective unsharding."""
     sizes: dict[str, int] = {}
-    every: dict[str, int] = {}  # every bucket's gathered bytes, kept by its module or not: the prefetch window's
+    every: dict[str, int] = {}  # every bucket's gathered bytes, resharded or not: any may be in the prefetch window
     last_use: dict[str, int] = {}
     seen: set[str] = set()
     for i, node in enumerate(nodes_calling(joint, UNSHARD)):
