@@ -300,7 +300,7 @@ UnshardGroupArgs = _view(
     "their static facts (before AOTAutograd's partition only)."
 )
 ReduceGroupArgs = _view(
-    "ReduceGroupArgs", REDUCE_GROUP, "Arguments of `fsdp2::reduce_group` (unshard_group's backward, until split)."
+    "ReduceGroupArgs", REDUCE_GROUP, "Arguments of `fsdp2::reduce_group` (GatherGroup's backward, until split)."
 )
 
 _FSDP_VIEWS: dict[Any, type] = {
