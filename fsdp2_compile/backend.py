@@ -31,6 +31,7 @@ from ._torch_private import (
     min_cut_partition,
     subgraph_schemas_reused,
 )
+from .compile_gc import defer_full_collections_while_compiling
 from .compiled_once import TRACES_BLOCKS_ONCE, gather_again_in_backward, gather_outside_blocks
 from .config import CompileConfig
 from .consistency import rank_check
@@ -253,6 +254,7 @@ def fsdp2_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Com
 
 
 setattr(fsdp2_backend, TRACES_BLOCKS_ONCE, True)
+defer_full_collections_while_compiling()
 
 
 def make_backend(config: CompileConfig) -> Callable:

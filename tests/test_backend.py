@@ -141,3 +141,34 @@ def test_a_sharded_model_trains_under_another_backend_with_a_warning():
             torch.testing.assert_close(r["params"][k], p, rtol=1e-4, atol=3e-4)
         assert len(r["warnings"]) == 1 and "backend 'aot_eager'" in r["warnings"][0], r["warnings"]
         assert 'backend="fsdp2"' in r["warnings"][0] and "shard_compile" in r["warnings"][0]
+
+
+def test_full_collections_wait_while_torch_compiles_and_resume_after():
+    # importing the backend defers Python's full (generation-2) collections during every compile, raising or not
+    proc = python(
+        """
+        import gc, torch
+        import fsdp2_compile.backend
+        gc.set_threshold(700, 10, 25)
+        seen = []
+
+        def recording(gm, example_inputs):
+            seen.append(gc.get_threshold())
+            if len(seen) == 2:
+                raise ValueError("injected")
+            return gm
+
+        torch.compile(lambda x: x + 1, backend=recording)(torch.ones(2))
+        print("after", gc.get_threshold())
+        try:
+            torch.compile(lambda x: x * 2, backend=recording)(torch.ones(2))
+        except Exception as e:
+            print("raised", type(e).__name__)
+        print("seen", seen, "after", gc.get_threshold())
+        """
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "after (700, 10, 25)"
+    assert lines[1].startswith("raised")
+    assert lines[2] == "seen [(700, 10, 2147483647), (700, 10, 2147483647)] after (700, 10, 25)"
