@@ -62,7 +62,7 @@ def fake_output_by_meta_kernel(fn: Callable[..., torch.Tensor], args: tuple, kwa
     computes a fake output: by its meta kernels on the inputs seen as meta tensors (a view shares their fake
     storage), then wrapped as their mode's fake tensor, without the mode's per-call dispatch (a fifth of the
     time). None (call the op under the mode instead) where that is not simply so: symbolic sizes, or inputs that
-    are not all fake tensors of one mode on one device."""
+    are not all fake tensors of one mode on one device, or `fn` returns None."""
     from torch._subclasses.fake_tensor import FakeTensor, in_kernel_invocation_manager
 
     tensors = [a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
@@ -75,6 +75,8 @@ def fake_output_by_meta_kernel(fn: Callable[..., torch.Tensor], args: tuple, kwa
         return None
     with in_kernel_invocation_manager(fake_mode):
         out = fn(*args, **kwargs)
+    if out is None:  # `fn` declined
+        return None
     return fake_mode.fake_tensor_converter.from_meta_and_device(fake_mode, out, tensors[0].device)
 
 

@@ -1,26 +1,25 @@
 """Small graph helpers every pass shares: node insertion that keeps `meta["val"]` (a fake tensor) correct so later
-passes can read shapes and dtypes, positions, the dependency DAG and a stable topological sort. The graph's contract
+passes can read shapes and dtypes, positions and a stable topological sort. The graph's contract
 (the `node.meta` keys, roles, argument views, byte counts) is `ir.py`'s; its keys are re-exported here."""
 
 from __future__ import annotations
 
 import contextlib
+import heapq
 from collections.abc import Callable
 from typing import Any
 
-import networkx as nx
 import torch
 from torch import fx
 
 from ._torch_private import detect_fake_mode, fake_output_by_meta_kernel
-from .ir import BUCKET, PARAMS, ROLE, UNSHARD, OpArgs, UnshardArgs, val
+from .ir import BUCKET, PARAMS, REDUCE_GRAD, ROLE, UNSHARD, OpArgs, ReduceGradArgs, UnshardArgs, val
 
 __all__ = [
     "BUCKET",
     "PARAMS",
     "ROLE",
     "ancestors_after",
-    "dependency_graph",
     "insert_call",
     "insert_contiguous",
     "insert_op",
@@ -46,15 +45,26 @@ def _scattered(x: torch.Tensor, op: str, group_size: int, *_) -> torch.Tensor:
     return x.new_empty((x.shape[0] // group_size, *x.shape[1:]))
 
 
+def _reduced(grad: torch.Tensor, *args, **kwargs) -> torch.Tensor | None:
+    """`fsdp2::reduce_grad`'s shard, where it stays on the gradient's device (else None: the op's own fake)."""
+    a = ReduceGradArgs.bind((grad, *args), kwargs)
+    if a.out_device is not None and a.out_device != grad.fake_device:  # (`grad.device` reads meta in here)
+        return None
+    return grad.new_empty((a.local_rows, *grad.shape[1:]), dtype=a.out_dtype)
+
+
 _c10d, _aten = torch.ops._c10d_functional, torch.ops.aten
 _META_OUTPUTS: dict[Any, Callable[..., torch.Tensor]] = {
     _c10d.all_gather_into_tensor.default: _gathered,
     _c10d.reduce_scatter_tensor.default: _scattered,
     _c10d.wait_tensor.default: torch.empty_like,
-    **{op: op for op in (_aten.view.default, _aten.slice.Tensor, _aten.clone.default, _aten.cat.default)},
+    **{op: op for op in (_aten.view.default, _aten.slice.Tensor, _aten.clone.default, _aten.cat.default,
+                         _aten.constant_pad_nd.default, _aten.mul.Tensor, _aten.div.Tensor,
+                         torch.ops.prims.convert_element_type.default)},
+    REDUCE_GRAD: _reduced,
 }
-"""What the passes insert most (collectives, bucketing's copy-in / copy-out views), thousands of nodes in a large
-graph: their fake outputs are made by these functions on the meta kernels (`fake_output_by_meta_kernel`), as the
+"""What the passes insert most (collectives, bucketing's copy-in / copy-out views, the casts, pads and scalings
+of a gradient's reduction, the reduction itself before it is lowered), thousands of nodes in a large graph: their fake outputs are made by these functions on the meta kernels (`fake_output_by_meta_kernel`), as the
 fake mode would make them but without its per-call dispatch (a fifth of the time); other ops run under the mode."""
 
 
@@ -90,18 +100,6 @@ def positions(graph: fx.Graph) -> dict[fx.Node, int]:
     return {n: i for i, n in enumerate(graph.nodes)}
 
 
-def dependency_graph(graph: fx.Graph) -> nx.DiGraph:
-    """The data dependencies of `graph` as a DAG (edge: producer -> consumer), output node excluded."""
-    dag = nx.DiGraph()
-    for node in graph.nodes:
-        if node.op == "output":
-            continue
-        dag.add_node(node)
-        for producer in node.all_input_nodes:
-            dag.add_edge(producer, node)
-    return dag
-
-
 def ancestors_after(node: fx.Node, position: int, pos: dict[fx.Node, int]) -> list[fx.Node]:
     """`node` and its ancestors that come at or after `position`, in graph order."""
     found, stack = {node}, [node]
@@ -116,16 +114,22 @@ def ancestors_after(node: fx.Node, position: int, pos: dict[fx.Node, int]) -> li
 def stable_topological_sort(gm: fx.GraphModule, key: Callable[[fx.Node], tuple] | None = None) -> None:
     """Reorder `gm.graph` in place into a topological order that, among the nodes ready at each point, takes the one
     with the smallest `key` (a tuple; default: its current position), ties by current position. Placeholders stay
-    first, in order. Deterministic. Nodes are moved, not copied."""
-    pos = positions(gm.graph)
+    first, in order; the output node stays last. Deterministic. Nodes are moved, not copied."""
+    nodes = [n for n in gm.graph.nodes if n.op != "output"]
+    pos = {n: i for i, n in enumerate(nodes)}
 
-    def sort_key(node: fx.Node) -> tuple[bool, tuple, int]:
+    def entry(node: fx.Node) -> tuple:
         if node.op == "placeholder":
             return (False, (), pos[node])
         return (True, key(node) if key is not None else (pos[node],), pos[node])
 
-    previous = None
-    for node in nx.lexicographical_topological_sort(dependency_graph(gm.graph), key=sort_key):
+    missing = {n: len(n.all_input_nodes) for n in nodes}
+    ready = [entry(n) for n in nodes if not missing[n]]
+    heapq.heapify(ready)
+    previous, placed = None, 0
+    while ready:
+        node = nodes[heapq.heappop(ready)[-1]]
+        placed += 1
         if previous is None:
             first = next(iter(gm.graph.nodes))
             if first is not node:
@@ -133,6 +137,13 @@ def stable_topological_sort(gm: fx.GraphModule, key: Callable[[fx.Node], tuple] 
         elif previous.next is not node:
             previous.append(node)
         previous = node
+        for user in node.users:
+            if user in missing:
+                missing[user] -= 1
+                if not missing[user]:
+                    heapq.heappush(ready, entry(user))
+    if placed != len(nodes):
+        raise RuntimeError(f"fsdp2_compile: graph has a dependency cycle ({len(nodes) - placed} nodes never became ready)")
 
 
 def fold_repeated_unshards(graph: fx.Graph, which: Callable[[UnshardArgs], bool] = lambda call: True) -> None:

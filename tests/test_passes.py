@@ -281,7 +281,8 @@ def test_views_name_every_schema_argument(fake_pg):
 
 
 def test_inserted_nodes_get_the_fake_values_the_fake_mode_would_give():
-    """`graph.insert_call` makes the fake outputs of collectives and copy-in / copy-out views on the meta kernels
+    """`graph.insert_call` makes the fake outputs of collectives, copy-in / copy-out views, casts, pads, scalings and
+    `fsdp2::reduce_grad` on the meta kernels
     (`_META_OUTPUTS`): the same shape, strides, offset, dtype, device and mode as the op run under the fake mode,
     a view sharing its input's fake storage, anything else a fresh one."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -299,6 +300,10 @@ def test_inserted_nodes_get_the_fake_values_the_fake_mode_would_give():
         (aten.clone.default, (cols,), {"memory_format": torch.contiguous_format}), (aten.view.default, (table, [4, 48]), {}),
         (aten.cat.default, ([a.view(-1), b.view(-1)],), {}), (c10d.all_gather_into_tensor.default, (a, 4, "g"), {}),
         (c10d.reduce_scatter_tensor.default, (b.view(-1), "avg", 2, "g"), {}), (c10d.wait_tensor.default, (a,), {}),
+        (torch.ops.prims.convert_element_type.default, (a, torch.float32), {}),
+        (aten.constant_pad_nd.default, (b, [0, 0, 0, 3]), {}), (aten.mul.Tensor, (a, 0.5), {}),
+        (aten.div.Tensor, (cols, 3.0), {}),
+        (torch.ops.fsdp2.reduce_grad.default, (b, 3, 2, "g", torch.float32, torch.bfloat16, "w", "", 1, ""), {}),
     ]
     assert {op for op, _, _ in calls} == set(_META_OUTPUTS)
     for op, args, kwargs in calls:
@@ -310,6 +315,9 @@ def test_inserted_nodes_get_the_fake_values_the_fake_mode_would_give():
         first = args[0] if isinstance(args[0], torch.Tensor) else None
         shares = lambda t: first is not None and t.untyped_storage()._cdata == first.untyped_storage()._cdata  # noqa: E731
         assert shares(fast) == (op in (aten.view.default, aten.slice.Tensor)), op
+    offloaded = (b, 3, 2, "g", torch.float32, torch.bfloat16, "w", "", 1, "")
+    assert fake_output_by_meta_kernel(_META_OUTPUTS[torch.ops.fsdp2.reduce_grad.default], offloaded,
+                                      {"out_device": torch.device("meta")}) is None  # another device: the op's own fake
     with FakeTensorMode():
         other = torch.empty(4)
     assert fake_output_by_meta_kernel(aten.cat.default, ([a.view(-1), other],), {}) is None  # two modes' tensors
