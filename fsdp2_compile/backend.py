@@ -209,7 +209,7 @@ def _compiler(kind: str, config: CompileConfig) -> Callable[[fx.GraphModule, Any
             split_unshard_groups(gm)  # an inference graph (the others were split before partitioning)
             ctx = PassContext(kind=kind, config=config, profile=resolve_profile(config, gm))
             log.info("%s graph: cost-model profile %s (%s)", kind, ctx.profile.name, ctx.profile.source)
-            gm = run_pipeline(gm, ctx)
+            gm = run_pipeline(gm, ctx, recompile=config.compiler == "inductor")  # else `boxed_call` generates it
             check_same_schedule(gm)
         record = GraphRecord(kind, gm, ctx.snapshots, ctx.timeline, current_compile_id(), ctx.profile,
                              gm.meta.get(KEPT_META))

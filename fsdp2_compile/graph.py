@@ -64,8 +64,9 @@ _META_OUTPUTS: dict[Any, Callable[..., torch.Tensor]] = {
     REDUCE_GRAD: _reduced,
 }
 """What the passes insert most (collectives, bucketing's copy-in / copy-out views, the casts, pads and scalings
-of a gradient's reduction, the reduction itself before it is lowered), thousands of nodes in a large graph: their fake outputs are made by these functions on the meta kernels (`fake_output_by_meta_kernel`), as the
-fake mode would make them but without its per-call dispatch (a fifth of the time); other ops run under the mode."""
+of a gradient's reduction, the reduction itself before it is lowered), thousands of nodes in a large graph: their
+fake outputs are made by these functions on the meta kernels (`fake_output_by_meta_kernel`), as the fake mode
+would make them but without its per-call dispatch (a fifth of the time); other ops run under the mode."""
 
 
 def insert_call(
@@ -143,7 +144,7 @@ def stable_topological_sort(gm: fx.GraphModule, key: Callable[[fx.Node], tuple] 
                 if not missing[user]:
                     heapq.heappush(ready, entry(user))
     if placed != len(nodes):
-        raise RuntimeError(f"fsdp2_compile: graph has a dependency cycle ({len(nodes) - placed} nodes never became ready)")
+        raise RuntimeError(f"fsdp2_compile: the graph has a dependency cycle ({len(nodes) - placed} nodes never ready)")
 
 
 def fold_repeated_unshards(graph: fx.Graph, which: Callable[[UnshardArgs], bool] = lambda call: True) -> None:

@@ -140,8 +140,7 @@ def split_unshard_groups(gm: fx.GraphModule) -> None:
             gm.graph.erase_node(user)
         gm.graph.erase_node(group)
     if groups:
-        gm.graph.lint()
-        gm.recompile()
+        gm.graph.lint()  # its code is generated after the passes (AOTAutograd copies a backward graph anew)
 
 
 def split_reduce_groups(gm: fx.GraphModule) -> None:
@@ -162,8 +161,7 @@ def split_reduce_groups(gm: fx.GraphModule) -> None:
             gm.graph.erase_node(user)
         gm.graph.erase_node(group)
     if groups:
-        gm.graph.lint()
-        gm.recompile()
+        gm.graph.lint()  # its code is generated after the passes (AOTAutograd copies a backward graph anew)
 
 
 def _outputs(group: fx.Node) -> list[tuple[fx.Node, int]]:

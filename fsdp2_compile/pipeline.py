@@ -40,13 +40,15 @@ PASSES: list[Pass] = [
 ]
 
 
-def run_pipeline(gm: fx.GraphModule, ctx: PassContext, passes: Sequence[Pass] | None = None) -> fx.GraphModule:
+def run_pipeline(
+    gm: fx.GraphModule, ctx: PassContext, passes: Sequence[Pass] | None = None, *, recompile: bool = True
+) -> fx.GraphModule:
     """Run every pass of `passes` (default `PASSES`) in order, after checking their contracts; each leaves a graph
-    that still lints (its code is generated once, after the last). The result must pass
-    `invariants.check_collectives_safe`. The graph after every pass is kept in `ctx.snapshots` only when asked for
-    (`ctx.keep_snapshots`, `CompileConfig.keep_snapshots` or $FSDP2_COMPILE_DUMP). With `TORCH_TRACE` set, each
-    pass's graph is also a structured-trace artifact (`fsdp2_<kind>_<NN>_<pass>`), so tlparse shows it beside
-    Dynamo's and AOTAutograd's graphs."""
+    that still lints (its code is generated once, after the last; `recompile=False`: by the caller). The result
+    must pass `invariants.check_collectives_safe`. The graph after every pass is kept in `ctx.snapshots` only when
+    asked for (`ctx.keep_snapshots`, `CompileConfig.keep_snapshots` or $FSDP2_COMPILE_DUMP). With `TORCH_TRACE`
+    set, each pass's graph is also a structured-trace artifact (`fsdp2_<kind>_<NN>_<pass>`), so tlparse shows it
+    beside Dynamo's and AOTAutograd's graphs."""
     passes = PASSES if passes is None else passes
     check_contracts(passes)
     keep = ctx.keep_snapshots or ctx.config.keep_snapshots or dump_requested()
@@ -58,6 +60,7 @@ def run_pipeline(gm: fx.GraphModule, ctx: PassContext, passes: Sequence[Pass] | 
         trace_graph_artifact(f"fsdp2_{ctx.kind}_{i:02d}_{p.__name__}", gm)
         if keep:
             ctx.snapshots.append(snapshot(p.__name__, gm))
-    gm.recompile()
+    if recompile:
+        gm.recompile()
     check_collectives_safe(gm)
     return gm
