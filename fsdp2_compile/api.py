@@ -11,8 +11,10 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .backend import check_input_devices, make_backend
 from .config import CompileConfig, MixedPrecisionPolicy
+from .free_memory import resolve_memory_budget
 from .param_state import GradDeliveryRefresh
 from .shard import shard
+from .shard_checks import resolve_mesh
 
 __all__ = ["shard_compile"]
 
@@ -48,6 +50,8 @@ def shard_compile(
         ignored_params=ignored_params,
         offload_policy=offload_policy,
     )
+    if compile_config.memory_budget_fraction is not None:
+        compile_config = resolve_memory_budget(compile_config, resolve_mesh(mesh))
     compile_in_place(module, make_backend(compile_config), dynamic=dynamic)
     return module
 

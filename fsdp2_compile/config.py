@@ -63,6 +63,11 @@ class CompileConfig:
     gathered from forward to backward (selective unsharding, as `keep_gathered` with that many bytes, unless
     `keep_gathered` is set). None (the default): no cap, a window of `prefetch_depth + 1` largest buckets, nothing
     kept (FSDP2's behaviour)."""
+    memory_budget_fraction: float | None = None
+    """`memory_budget_bytes` as this fraction (in (0, 1]) of the free memory of the mesh's device, measured once by
+    `shard_compile` (before the optimizer's states and the activations exist; CUDA: free device memory, CPU: the
+    host's available memory divided among its ranks) and agreed over the mesh's ranks (the smallest). Only with
+    `shard_compile`, and not with `memory_budget_bytes`."""
     keep_gathered: int | float | None = None
     """Selective unsharding: a budget for gathered parameters kept from forward to backward instead of resharded
     and gathered again — bytes (int), or a fraction (float in (0, 1]) of the resharded parameters' gathered bytes.
@@ -98,6 +103,18 @@ class CompileConfig:
             raise ValueError(
                 f"CompileConfig.memory_budget_bytes={self.memory_budget_bytes!r}: use a positive number of bytes, "
                 "or None for prefetch_depth + 1 times the largest bucket"
+            )
+        fraction = self.memory_budget_fraction
+        if fraction is not None and not (isinstance(fraction, (int, float)) and not isinstance(fraction, bool)
+                                         and 0.0 < fraction <= 1.0):
+            raise ValueError(
+                f"CompileConfig.memory_budget_fraction={fraction!r}: use a fraction of the free memory in (0, 1], "
+                "e.g. 0.2, or None"
+            )
+        if fraction is not None and self.memory_budget_bytes is not None:
+            raise ValueError(
+                "CompileConfig: set memory_budget_bytes or memory_budget_fraction, not both "
+                f"(got {self.memory_budget_bytes!r} and {fraction!r})"
             )
         keep = self.keep_gathered
         if keep is not None and not (

@@ -14,6 +14,7 @@ from harness import run_ranks
 from models import batch, local_slice, loss_fn, make_model, reference_train
 from torch.distributed.tensor import Replicate, Shard
 from workers import (
+    memory_budget_agreement,
     mismatched_configs,
     rank_dependent_lengths,
     train,
@@ -205,14 +206,23 @@ def test_selective_unsharding_keeps_the_last_buckets_gathered_with_parity():
     assert all(order == result["orders"][0] for order in result["orders"])
 
 
-def test_a_memory_budget_keeps_what_the_prefetch_window_leaves_gathered_with_parity():
+@pytest.mark.parametrize("budget", [("memory_budget_bytes", 1 << 40), ("memory_budget_fraction", 0.5)])
+def test_a_memory_budget_keeps_what_the_prefetch_window_leaves_gathered_with_parity(budget):
     # memory_budget_bytes beyond the prefetch window keeps buckets gathered from forward to backward (selective
-    # unsharding without keep_gathered): with room for every bucket, backward gathers nothing
-    result = run("gpt", 2, config=(("memory_budget_bytes", 1 << 40),))
+    # unsharding without keep_gathered): with room for every bucket, backward gathers nothing. Half of this host's
+    # free memory (hundreds of MB at least) has room for the test GPT's every bucket too.
+    result = run("gpt", 2, config=(budget,))
     torch.testing.assert_close(result["losses"], reference("gpt")[0], rtol=1e-5, atol=0)
     [bw] = [g for g in result["graphs"] if g["kind"] == "backward"]
     assert [c for c in bw["collectives"] if c.kind == "all_gather"] == []
     assert [c for c in bw["collectives"] if c.kind == "reduce_scatter"]
+
+
+@pytest.mark.parametrize("world_size, hsdp", [(2, False), (4, True)])
+def test_ranks_agree_on_a_memory_budget_from_their_free_memory(world_size, hsdp):
+    # each rank sees a different free memory; shard_compile's budget is the smallest over the whole mesh (HSDP:
+    # over both dims), so every rank keeps the same buckets gathered and issues the same collectives
+    assert run_ranks(memory_budget_agreement, world_size, hsdp) == [(500, None)] * world_size
 
 
 def test_inductor_keeps_parity():

@@ -16,6 +16,7 @@ from torch import nn
 
 import fsdp2_compile as fc
 from fsdp2_compile.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from fsdp2_compile.free_memory import free_bytes
 from fsdp2_compile.shard import managed_params
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -179,6 +180,10 @@ def test_mp_policy_must_be_a_policy(fake_pg):
     (dict(prefetch_depth=-1), "prefetch_depth=-1"),
     (dict(memory_budget_bytes=-100), "memory_budget_bytes=-100: use a positive number of bytes"),
     (dict(memory_budget_bytes=0), "memory_budget_bytes=0"),
+    (dict(memory_budget_fraction=0.0), "memory_budget_fraction=0.0: use a fraction of the free memory in (0, 1]"),
+    (dict(memory_budget_fraction=1.5), "memory_budget_fraction=1.5"),
+    (dict(memory_budget_fraction="10%"), "memory_budget_fraction='10%'"),
+    (dict(memory_budget_fraction=0.2, memory_budget_bytes=1 << 30), "set memory_budget_bytes or memory_budget_fraction, not both"),
     (dict(buckets=True), "buckets=True"),
     (dict(buckets=0), "buckets=0"),
     (dict(compiler="xla"), "compiler='xla' is not one of"),
@@ -188,6 +193,17 @@ def test_compile_config_fields(kwargs, text):
     with pytest.raises((ValueError, TypeError)) as info:
         fc.CompileConfig(**kwargs)
     assert text in str(info.value)
+
+
+def test_a_memory_budget_fraction_needs_shard_compile():
+    # torch.compile(model, backend=...) has no mesh to measure and agree the free memory over
+    from fsdp2_compile.backend import fsdp2_backend
+
+    with raises(ValueError, "memory_budget_fraction is measured and agreed over the ranks by fsdp2_compile.shard_compile"):
+        fsdp2_backend(None, [], fc.CompileConfig(memory_budget_fraction=0.2))
+    with raises(ValueError, "free memory on 'mps' devices is not known here; use CompileConfig.memory_budget_bytes"):
+        free_bytes("mps")
+    assert free_bytes("cpu") > 0
 
 
 def test_compile_config_must_be_a_compile_config(fake_pg):

@@ -438,3 +438,16 @@ def rank_dependent_lengths(rank: int, world_size: int, lengths: list[list[int]])
     with torch.no_grad():
         full = {k: p.full_tensor() for k, p in model.named_parameters()}  # collective: every rank gathers
     return dict(losses=losses, forwards=forwards, full=full if rank == 0 else None)
+
+
+def memory_budget_agreement(rank: int, world_size: int, hsdp: bool) -> tuple:
+    """`CompileConfig(memory_budget_fraction=0.5)` resolved by `shard_compile`'s agreement when each rank sees a
+    different free memory ((rank + 1) KB here): every rank must get the same budget, the smallest."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fsdp2_compile import free_memory
+
+    free_memory.free_bytes = lambda device_type: (rank + 1) * 1000
+    mesh = init_device_mesh("cpu", (2, world_size // 2) if hsdp else (world_size,))
+    config = free_memory.resolve_memory_budget(fc.CompileConfig(memory_budget_fraction=0.5), mesh)
+    return config.memory_budget_bytes, config.memory_budget_fraction
