@@ -237,8 +237,8 @@ def fsdp2_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Com
     config = config or CompileConfig()
     if config.memory_budget_fraction is not None:
         raise ValueError(
-            "CompileConfig.memory_budget_fraction is measured and agreed over the ranks by fsdp2_compile.shard_compile; "
-            "with torch.compile(model, backend=...) use CompileConfig.memory_budget_bytes"
+            "CompileConfig.memory_budget_fraction is measured and agreed over the ranks by "
+            "fsdp2_compile.shard_compile; with torch.compile(model, backend=...) use CompileConfig.memory_budget_bytes"
         )
     release_freed_heap()  # what Dynamo's tracing freed, before AOTAutograd adds its own
     _check_sharded(gm, example_inputs)

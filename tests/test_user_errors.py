@@ -183,7 +183,8 @@ def test_mp_policy_must_be_a_policy(fake_pg):
     (dict(memory_budget_fraction=0.0), "memory_budget_fraction=0.0: use a fraction of the free memory in (0, 1]"),
     (dict(memory_budget_fraction=1.5), "memory_budget_fraction=1.5"),
     (dict(memory_budget_fraction="10%"), "memory_budget_fraction='10%'"),
-    (dict(memory_budget_fraction=0.2, memory_budget_bytes=1 << 30), "set memory_budget_bytes or memory_budget_fraction, not both"),
+    (dict(memory_budget_fraction=0.2, memory_budget_bytes=1 << 30),
+     "set memory_budget_bytes or memory_budget_fraction, not both"),
     (dict(buckets=True), "buckets=True"),
     (dict(buckets=0), "buckets=0"),
     (dict(compiler="xla"), "compiler='xla' is not one of"),
@@ -199,7 +200,7 @@ def test_a_memory_budget_fraction_needs_shard_compile():
     # torch.compile(model, backend=...) has no mesh to measure and agree the free memory over
     from fsdp2_compile.backend import fsdp2_backend
 
-    with raises(ValueError, "memory_budget_fraction is measured and agreed over the ranks by fsdp2_compile.shard_compile"):
+    with raises(ValueError, "memory_budget_fraction is measured and agreed over the ranks by fsdp2_compile.shard_comp"):
         fsdp2_backend(None, [], fc.CompileConfig(memory_budget_fraction=0.2))
     with raises(ValueError, "free memory on 'mps' devices is not known here; use CompileConfig.memory_budget_bytes"):
         free_bytes("mps")
