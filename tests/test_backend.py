@@ -1,7 +1,9 @@
-"""The "fsdp2" torch.compile backend reached by name (entry point), in fresh interpreters."""
+"""The "fsdp2" torch.compile backend reached by name (entry point) and what it does to every compile, in fresh
+interpreters."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -172,3 +174,14 @@ def test_full_collections_wait_while_torch_compiles_and_resume_after():
     assert lines[0] == "after (700, 10, 25)"
     assert lines[1].startswith("raised")
     assert lines[2] == "seen [(700, 10, 2147483647), (700, 10, 2147483647)] after (700, 10, 25)"
+
+
+def test_the_compile_profile_benchmark_reports_the_compile_phases():
+    # benchmarks/compile_profile.py (README: where compile time goes) runs a 1-layer GPT in a fresh interpreter
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "compile_profile.py")
+    proc = subprocess.run([sys.executable, script, "--layers", "1"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    [row] = [line for line in proc.stdout.splitlines() if line.startswith("| 1 |")]
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert float(cells[1].removesuffix(" s")) > 0 and float(cells[4]) > 0  # first step, Dynamo's tracing
