@@ -178,8 +178,8 @@ def test_full_collections_wait_while_torch_compiles_and_resume_after():
 
 def test_the_compile_profile_benchmark_reports_the_compile_phases():
     # benchmarks/compile_profile.py (README: where compile time goes) runs a 1-layer GPT in a fresh interpreter
-    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "compile_profile.py")
-    proc = subprocess.run([sys.executable, script, "--layers", "1"],
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "compile_profile.py"), "--layers", "1"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     [row] = [line for line in proc.stdout.splitlines() if line.startswith("| 1 |")]
