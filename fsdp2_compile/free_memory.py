@@ -50,7 +50,7 @@ def resolve_memory_budget(config: CompileConfig, mesh: DeviceMesh) -> CompileCon
         return config
     mine = int(config.memory_budget_fraction * free_bytes(mesh.device_type))
     agreed = torch.tensor([mine], dtype=torch.int64, device=mesh.device_type)
-    groups = dict.fromkeys([*(mesh.get_group(d) for d in range(mesh.ndim))])
+    groups = dict.fromkeys(mesh.get_group(d) for d in range(mesh.ndim))
     for name in root_mesh_groups(mesh):
         groups.setdefault(resolve_group(name))
     for group in groups:

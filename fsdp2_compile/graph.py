@@ -46,9 +46,10 @@ def _scattered(x: torch.Tensor, op: str, group_size: int, *_) -> torch.Tensor:
 
 
 def _reduced(grad: torch.Tensor, *args, **kwargs) -> torch.Tensor | None:
-    """`fsdp2::reduce_grad`'s shard, where it stays on the gradient's device (else None: the op's own fake)."""
+    """`fsdp2::reduce_grad`'s shard on the gradient's device; None (the op's own fake) where it names a device of
+    its own (`CPUOffloadPolicy`)."""
     a = ReduceGradArgs.bind((grad, *args), kwargs)
-    if a.out_device is not None and a.out_device != grad.fake_device:  # (`grad.device` reads meta in here)
+    if a.out_device is not None:
         return None
     return grad.new_empty((a.local_rows, *grad.shape[1:]), dtype=a.out_dtype)
 

@@ -317,7 +317,7 @@ def test_inserted_nodes_get_the_fake_values_the_fake_mode_would_give():
         assert shares(fast) == (op in (aten.view.default, aten.slice.Tensor)), op
     offloaded = (b, 3, 2, "g", torch.float32, torch.bfloat16, "w", "", 1, "")
     assert fake_output_by_meta_kernel(_META_OUTPUTS[torch.ops.fsdp2.reduce_grad.default], offloaded,
-                                      {"out_device": torch.device("meta")}) is None  # another device: the op's own fake
+                                      {"out_device": torch.device("meta")}) is None  # a device named: the op's own fake
     with FakeTensorMode():
         other = torch.empty(4)
     assert fake_output_by_meta_kernel(aten.cat.default, ([a.view(-1), other],), {}) is None  # two modes' tensors
