@@ -441,8 +441,9 @@ def rank_dependent_lengths(rank: int, world_size: int, lengths: list[list[int]])
 
 
 def memory_budget_agreement(rank: int, world_size: int, hsdp: bool) -> tuple:
-    """`CompileConfig(memory_budget_fraction=0.5)` resolved by `shard_compile`'s agreement when each rank sees a
-    different free memory ((rank + 1) KB here): every rank must get the same budget, the smallest."""
+    """`CompileConfig(memory_budget_fraction=0.5)` resolved as `shard_compile` resolves it (`resolve_memory_budget`)
+    when each rank sees a different free memory ((rank + 1) x 1000 bytes here): every rank must get the same
+    budget, the smallest."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from fsdp2_compile import free_memory
