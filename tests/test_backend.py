@@ -223,5 +223,5 @@ def test_dynamo_guard_latency_probe_skipped_for_fsdp2_frames_only():
         pytest.skip("/proc/self/clear_refs is not writable here")
     assert proc.returncode == 0, proc.stderr[-3000:]
     rises = dict(line.split() for line in proc.stdout.splitlines())
-    assert float(rises["eager"]) >= 30, rises  # torch still probes: this test measures what it claims to
-    assert float(rises["fsdp2"]) < 16, rises  # a fresh compile of another model, without the 32 MiB
+    assert float(rises["eager"]) >= 24, rises  # torch still probes: this test measures what it claims to (~32)
+    assert float(rises["fsdp2"]) < 12, rises  # a fresh compile of another model, without the 32 MiB (~2)
