@@ -43,8 +43,8 @@ def plan_row(name: str):
     import importlib
 
     from fsdp2_compile.config import MixedPrecisionPolicy
-    from fsdp2_compile.plan import make_plan
-    from fsdp2_compile.targets import call_factory, fake_group
+    from fsdp2_compile.planner.plan import make_plan
+    from fsdp2_compile.cli.model_loading import call_factory, fake_group
 
     desc, source, target, kwargs, world, profile, opts, *_ = ROWS[name]
     module, attr = target.split(":")

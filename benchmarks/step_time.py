@@ -33,8 +33,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 from gpt import GPT, GPTConfig, gpt_loss, make_batch  # noqa: E402
 
 import fsdp2_compile as fc  # noqa: E402
-from fsdp2_compile.backend import make_backend  # noqa: E402
-from fsdp2_compile.report import collectives, compiled_graphs  # noqa: E402
+from fsdp2_compile.api import make_backend  # noqa: E402
+from fsdp2_compile.compiler.report import collectives, compiled_graphs  # noqa: E402
 
 CONFIGS = {
     "plain": fc.CompileConfig(buckets="none", prefetch=False, schedule=False),

@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from gpt import GPT, GPTConfig, gpt_loss  # noqa: E402
 
 import fsdp2_compile as fc  # noqa: E402
-from fsdp2_compile.report import collectives, compiled_graphs  # noqa: E402
+from fsdp2_compile.compiler.report import collectives, compiled_graphs  # noqa: E402
 
 
 def pattern_batch(cfg: GPTConfig, batch: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -2,6 +2,6 @@
 
 import sys
 
-from .cli import main
+from fsdp2_compile.cli.main import main
 
 sys.exit(main())

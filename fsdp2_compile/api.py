@@ -1,22 +1,50 @@
-"""`shard_compile`: `shard` + compilation through the fsdp2 backend."""
+"""`shard_compile`: `shard` + compilation through the fsdp2 backend; the backend itself (`fsdp2_backend`, the
+`torch.compile(backend="fsdp2")` entry point) and `make_backend` for a non-default `CompileConfig`."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import functools
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from .backend import check_input_devices, make_backend
-from .config import CompileConfig, MixedPrecisionPolicy
-from .free_memory import resolve_memory_budget
-from .param_state import GradDeliveryRefresh
-from .shard import shard
-from .shard_checks import resolve_mesh
+from torch import fx
 
-__all__ = ["shard_compile"]
+from fsdp2_compile.compiler.backend import check_input_devices, compile_sharded
+from fsdp2_compile.compiler.report import GraphRecord, dump_requested
+from fsdp2_compile.config import CompileConfig, MixedPrecisionPolicy
+from fsdp2_compile.runtime.free_memory import resolve_memory_budget
+from fsdp2_compile.runtime.param_state import GradDeliveryRefresh
+from fsdp2_compile.runtime.sharding import shard
+from fsdp2_compile.runtime.traced_blocks import TRACES_BLOCKS_ONCE
+from fsdp2_compile.runtime.validation import resolve_mesh
+
+__all__ = ["fsdp2_backend", "make_backend", "shard_compile"]
+
+
+def _dump_if_requested(record: GraphRecord) -> None:
+    """Write the debug dump of a compiled graph when $FSDP2_COMPILE_DUMP asks for one (the drawing code is
+    imported only then)."""
+    if dump_requested():
+        from fsdp2_compile.debug.dump import dump_from_env
+
+        dump_from_env(record)
+
+
+def fsdp2_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], config: CompileConfig | None = None):
+    """torch.compile backend: lowers the fsdp2 ops of a captured graph of a sharded module into collectives."""
+    return compile_sharded(gm, example_inputs, config, on_record=_dump_if_requested)
+
+
+setattr(fsdp2_backend, TRACES_BLOCKS_ONCE, True)
+
+
+def make_backend(config: CompileConfig) -> Callable:
+    """The backend with a non-default config (what `shard_compile` passes to torch.compile)."""
+    return functools.partial(fsdp2_backend, config=config)
 
 
 def shard_compile(

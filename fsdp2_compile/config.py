@@ -71,7 +71,7 @@ class CompileConfig:
     keep_gathered: int | float | None = None
     """Selective unsharding: a budget for gathered parameters kept from forward to backward instead of resharded
     and gathered again — bytes (int), or a fraction (float in (0, 1]) of the resharded parameters' gathered bytes.
-    The last buckets of the forward are kept first (`keep_gathered.py`). None (the default): what
+    The last buckets of the forward are kept first (`selective_unshard.py`). None (the default): what
     `memory_budget_bytes` leaves, else nothing (FSDP2's behaviour)."""
     schedule: bool = True
     """Let the cost-model scheduler pick each all-gather's start (within `prefetch_depth` and the budget)."""

@@ -21,8 +21,8 @@ from collections import defaultdict
 import torch
 from torch import fx
 
-from fsdp2_compile.graph import ancestors_after, insert_call, insert_op, positions, stable_topological_sort, val
-from fsdp2_compile.ir import (
+from fsdp2_compile.core.graph import ancestors_after, insert_call, insert_op, positions, stable_topological_sort, val
+from fsdp2_compile.core.ir import (
     BUCKET,
     PARAMS,
     PREFETCH,
@@ -37,7 +37,7 @@ from fsdp2_compile.ir import (
     fsdp_collective_kind,
     nbytes,
 )
-from fsdp2_compile.pass_api import Fact, PassContext, contract
+from fsdp2_compile.compiler.pass_api import Fact, PassContext, contract
 
 aten = torch.ops.aten
 AG, RS, AR = AllGatherArgs.op, ReduceScatterArgs.op, AllReduceArgs.op

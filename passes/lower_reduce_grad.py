@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from fsdp2_compile.graph import insert_call, insert_contiguous, insert_op, nodes_calling, val
-from fsdp2_compile.ir import (
+from fsdp2_compile.core.graph import insert_call, insert_contiguous, insert_op, nodes_calling, val
+from fsdp2_compile.core.ir import (
     REDUCE_GRAD,
     AddPendingGradArgs,
     AllReduceArgs,
@@ -28,8 +28,8 @@ from fsdp2_compile.ir import (
     Tags,
     WaitArgs,
 )
-from fsdp2_compile.ops import divide_factors, padded_rows
-from fsdp2_compile.pass_api import Fact, PassContext, contract
+from fsdp2_compile.core.ops import divide_factors, padded_rows
+from fsdp2_compile.compiler.pass_api import Fact, PassContext, contract
 
 aten = torch.ops.aten
 convert = torch.ops.prims.convert_element_type.default

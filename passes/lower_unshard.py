@@ -15,10 +15,10 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from fsdp2_compile.graph import fold_repeated_unshards, insert_call, insert_contiguous, insert_op, nodes_calling, val
-from fsdp2_compile.ir import PREFETCH, UNSHARD, AllGatherArgs, ReleaseUnshardedArgs, Role, Tags, UnshardArgs, WaitArgs
-from fsdp2_compile.ops import padded_rows
-from fsdp2_compile.pass_api import Fact, PassContext, contract
+from fsdp2_compile.core.graph import fold_repeated_unshards, insert_call, insert_contiguous, insert_op, nodes_calling, val
+from fsdp2_compile.core.ir import PREFETCH, UNSHARD, AllGatherArgs, ReleaseUnshardedArgs, Role, Tags, UnshardArgs, WaitArgs
+from fsdp2_compile.core.ops import padded_rows
+from fsdp2_compile.compiler.pass_api import Fact, PassContext, contract
 
 aten = torch.ops.aten
 

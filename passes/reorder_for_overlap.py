@@ -17,10 +17,10 @@ import logging
 
 from torch import fx
 
-from fsdp2_compile.ir import Role
-from fsdp2_compile.keep_gathered import KEPT_META
-from fsdp2_compile.overlap import anchors_at, emit_order, find_units, graph_start, memory_budget
-from fsdp2_compile.pass_api import Fact, PassContext, contract
+from fsdp2_compile.core.ir import Role
+from fsdp2_compile.compiler.selective_unshard import KEPT_META
+from fsdp2_compile.compiler.overlap import anchors_at, emit_order, find_units, graph_start, memory_budget
+from fsdp2_compile.compiler.pass_api import Fact, PassContext, contract
 
 
 log = logging.getLogger("fsdp2_compile")

@@ -127,7 +127,7 @@ def _case(fn: Callable[[], object]) -> dict:
 
 def _raise_in_compile(rank: int) -> None:
     """Rank 1's pass pipeline raises (an extra pass appended on rank 1 only)."""
-    from fsdp2_compile import pipeline
+    from fsdp2_compile.compiler import pipeline
 
     def broken_pass(gm, ctx):
         raise ValueError(f"injected failure in a pass on rank {rank}\nsecond line, not published")

@@ -9,8 +9,8 @@ from models import batch, local_slice, loss_fn, make_model, make_optimizer
 from workers import _gpt_steps
 
 import fsdp2_compile as fc
-from fsdp2_compile.ir import PARAMS, CollectiveArgs, fsdp_collective_kind, nbytes, val
-from fsdp2_compile.report import clear_compiled_graphs, collectives, compiled_graphs
+from fsdp2_compile.core.ir import PARAMS, CollectiveArgs, fsdp_collective_kind, nbytes, val
+from fsdp2_compile.compiler.report import clear_compiled_graphs, collectives, compiled_graphs
 
 STEPS = 4
 
@@ -250,7 +250,7 @@ def optimizer_in_backward(rank: int, world_size: int, variant: str) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from fsdp2_compile.ir import BUCKET, DELIVER_GRAD, WAIT, DeliverGradArgs, Role, WaitArgs
+    from fsdp2_compile.core.ir import BUCKET, DELIVER_GRAD, WAIT, DeliverGradArgs, Role, WaitArgs
 
     hsdp = variant.startswith("hsdp")
     mesh = init_device_mesh("cpu", (2, world_size // 2) if hsdp else (world_size,),

@@ -14,9 +14,9 @@ import xml.etree.ElementTree as ET
 import pytest
 import torch
 
-from fsdp2_compile.dump import size_text
-from fsdp2_compile.pipeline import PASSES
-from fsdp2_compile.plan import sharded_bytes, analytical_bytes, shard_for_plan
+from fsdp2_compile.debug.sizes import size_text
+from fsdp2_compile.compiler.pipeline import PASSES
+from fsdp2_compile.planner.plan import sharded_bytes, analytical_bytes, shard_for_plan
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -87,9 +87,9 @@ def test_summary_counts_match_the_compiled_graphs(fake_pg, tmp_path, monkeypatch
     import cli_factories
 
     import fsdp2_compile as fc
-    from fsdp2_compile.dump import pass_stats
-    from fsdp2_compile.plan import hsdp_mesh
-    from fsdp2_compile.report import clear_compiled_graphs, collectives, compiled_graphs
+    from fsdp2_compile.debug.dump import pass_stats
+    from fsdp2_compile.planner.tensor_parallel import hsdp_mesh
+    from fsdp2_compile.compiler.report import clear_compiled_graphs, collectives, compiled_graphs
 
     monkeypatch.setenv("FSDP2_COMPILE_DUMP", str(tmp_path))
     clear_compiled_graphs()
@@ -127,8 +127,8 @@ def test_snapshots_carry_exact_provenance_and_bytes(fake_pg):
     import cli_factories
 
     import fsdp2_compile as fc
-    from fsdp2_compile.dump import annotate, pass_stats
-    from fsdp2_compile.report import clear_compiled_graphs, compiled_graphs
+    from fsdp2_compile.debug.dump import annotate, pass_stats
+    from fsdp2_compile.compiler.report import clear_compiled_graphs, compiled_graphs
 
     world = 4  # the fake group's size
     model, (idx,) = cli_factories.tiny()
@@ -258,8 +258,8 @@ def test_plan_hsdp_shards_over_n_over_r_and_adds_the_all_reduces():
 
 
 def test_plan_text_names_the_mesh():
-    from fsdp2_compile.plan import format_plan
-    from fsdp2_compile.plan import Plan
+    from fsdp2_compile.planner.plan import format_plan
+    from fsdp2_compile.planner.plan import Plan
 
     bytes_ = {"params": 10, "grads": 10, "optimizer": 20, "gathered_peak": 1, "activations": 1, "total": 42}
     analytical = {"params": 10.0, "grads": 10.0, "optimizer": 20.0}
@@ -282,7 +282,7 @@ def test_plan_text_names_the_mesh():
     ],
 )
 def test_replicate_usage_errors(command, world_size, replicate, message, capsys):
-    from fsdp2_compile.cli import main
+    from fsdp2_compile.cli.main import main
 
     code = main([command, f"{FACTORIES}:tiny", "--world-size", world_size, "--replicate", replicate])
     captured = capsys.readouterr()
@@ -321,7 +321,7 @@ def test_help_does_not_import_torch():
     """`--help` answers from argparse alone: neither torch nor the compiler is imported (what makes it fast)."""
     code = (
         "import sys\n"
-        "from fsdp2_compile.cli import main\n"
+        "from fsdp2_compile.cli.main import main\n"
         "for argv in (['--help'], ['dump', '--help'], ['plan', '--help']):\n"
         "    try:\n"
         "        main(argv)\n"
@@ -330,7 +330,7 @@ def test_help_does_not_import_torch():
         "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('fsdp2_compile.')))\n"
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
-    assert r.stdout.splitlines()[-1] == "['fsdp2_compile.cli', 'fsdp2_compile.targets']"
+    assert r.stdout.splitlines()[-1] == "['fsdp2_compile.cli.main', 'fsdp2_compile.cli.model_loading']"
 
 
 def test_unwritable_out_fails_before_compiling(tmp_path):
@@ -344,7 +344,7 @@ def test_unwritable_out_fails_before_compiling(tmp_path):
 
 
 def test_large_world_size_warns_with_the_memory(capsys):
-    from fsdp2_compile.cli import BYTES_PER_RANK, main, memory_estimate
+    from fsdp2_compile.cli.main import BYTES_PER_RANK, main, memory_estimate
 
     code = main(["plan", "no_such_module_xyz:make", "--world-size", "1000000"])  # warns, then the bad TARGET
     err = capsys.readouterr().err
@@ -363,7 +363,7 @@ class _Terminal(io.StringIO):
 @pytest.mark.parametrize("terminal", [False, True], ids=["pipe", "terminal"])
 def test_progress(terminal):
     """Plain lines with elapsed seconds on a pipe; a tqdm bar on a terminal (when tqdm is installed)."""
-    from fsdp2_compile.cli import Progress
+    from fsdp2_compile.cli.main import Progress
 
     if terminal:
         pytest.importorskip("tqdm")
@@ -395,14 +395,14 @@ def test_progress(terminal):
     ],
 )
 def test_tp_usage_errors(args, message, capsys):
-    from fsdp2_compile.cli import main
+    from fsdp2_compile.cli.main import main
 
     code = main(["plan", f"{FACTORIES}:tp_mlp", *args])
     assert code == 2 and message in capsys.readouterr().err
 
 
 def test_tp_default_plan_that_finds_no_linear_pair_is_a_usage_error(capsys, tmp_path):
-    from fsdp2_compile.cli import main
+    from fsdp2_compile.cli.main import main
 
     code = main(["dump", f"{FACTORIES}:tiny", "--world-size", "4", "--tp", "2", "--out", str(tmp_path), "-q"])
     err = capsys.readouterr().err
@@ -464,7 +464,7 @@ def test_dump_shows_which_buckets_selective_unsharding_keeps_and_the_bytes_saved
 
 
 def test_keep_gathered_usage_errors(capsys):
-    from fsdp2_compile.cli import main
+    from fsdp2_compile.cli.main import main
 
     for bad in ("1.5", "-3", "lots"):
         assert main(["dump", f"{FACTORIES}:tiny", "--world-size", "2", "--keep-gathered", bad]) == 2

@@ -17,7 +17,7 @@ def compile_tiny(mp: bool = False):
     import torch
 
     import fsdp2_compile as fc
-    from fsdp2_compile.report import clear_compiled_graphs, compiled_graphs
+    from fsdp2_compile.compiler.report import clear_compiled_graphs, compiled_graphs
 
     clear_compiled_graphs()
     model, (idx,) = cli_factories.tiny()
@@ -36,8 +36,8 @@ def compile_tiny(mp: bool = False):
 def test_compact_view_rows(fake_pg, mp):
     """One row per collective and wait, casts of a bucket in one row, consecutive compute merged with no view op
     named, every parameter shard input named by its parameter; far fewer rows than nodes."""
-    from fsdp2_compile.graph_view import compact_rows, input_params
-    from fsdp2_compile.ir import WAIT, collective_kind
+    from fsdp2_compile.debug.graph_view import compact_rows, input_params
+    from fsdp2_compile.core.ir import WAIT, collective_kind
 
     model, records = compile_tiny(mp)
     names = {n for n, _ in model.named_parameters()}
@@ -67,7 +67,7 @@ def test_compact_view_rows(fake_pg, mp):
 
 def test_svg_labels_fit_their_boxes(fake_pg, tmp_path):
     """The built-in SVG: valid XML, each text's pinned width (textLength) inside its box, no label cut short."""
-    from fsdp2_compile.graph_view import compact_rows, text_width, write_dot, write_svg
+    from fsdp2_compile.debug.graph_view import compact_rows, text_width, write_dot, write_svg
 
     _, records = compile_tiny()
     gm = records[1].gm
@@ -101,7 +101,7 @@ def test_compile_logs_one_line_at_start_and_end(fake_pg, caplog):
 
 
 def test_unwritable_dump_folder_warns_once_and_training_goes_on(fake_pg, tmp_path, monkeypatch, caplog):
-    from fsdp2_compile.report import dump_requested
+    from fsdp2_compile.compiler.report import dump_requested
 
     blocker = tmp_path / "a_file"
     blocker.write_text("not a folder")
@@ -117,13 +117,13 @@ def test_unwritable_dump_folder_warns_once_and_training_goes_on(fake_pg, tmp_pat
 @pytest.mark.parametrize("n, text", [(0, "0 B"), (512, "512 B"), (3 * 1024 + 256, "3.25 KiB"),
                                      (1.5 * 2**20, "1.50 MiB"), (2 * 2**30, "2.00 GiB")])
 def test_size_text(n, text):
-    from fsdp2_compile.dump import size_text
+    from fsdp2_compile.debug.sizes import size_text
 
     assert size_text(n) == text
 
 
 def test_summary_sizes_fit(fake_pg):
-    from fsdp2_compile.dump import summarize
+    from fsdp2_compile.debug.dump import summarize
 
     _, records = compile_tiny()
     summary = summarize(records)
@@ -140,8 +140,8 @@ def compile_tp():
     from torch.distributed.device_mesh import init_device_mesh
 
     import fsdp2_compile as fc
-    from fsdp2_compile.planner_tp import apply_tp, default_tp_plan
-    from fsdp2_compile.report import clear_compiled_graphs, compiled_graphs
+    from fsdp2_compile.planner.tensor_parallel import apply_tp, default_tp_plan
+    from fsdp2_compile.compiler.report import clear_compiled_graphs, compiled_graphs
 
     import torch
 
@@ -167,9 +167,9 @@ def compile_tp():
 def test_tp_collectives_have_their_own_colour_rows_and_summary_column(fake_pg, tmp_path):
     """A real FSDP + TP graph: TP's all-reduces (one per block each way) are drawn in their own colour with their own
     legend entry, and counted in the summary's tp column, never in FSDP's all_reduce column."""
-    from fsdp2_compile.dump import pass_stats, summarize, write_graph
-    from fsdp2_compile.graph_view import COLOURS, compact_rows
-    from fsdp2_compile.report import collectives, is_tp
+    from fsdp2_compile.debug.dump import pass_stats, summarize, write_graph
+    from fsdp2_compile.debug.graph_view import COLOURS, compact_rows
+    from fsdp2_compile.compiler.report import collectives, is_tp
 
     records = compile_tp()
     assert [r.kind for r in records] == ["forward", "backward"]

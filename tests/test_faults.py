@@ -1,4 +1,4 @@
-"""Faults around the cross-rank schedule check (fsdp2_compile.consistency), on spawned gloo ranks whose process
+"""Faults around the cross-rank schedule check (fsdp2_compile.compiler.rank_consistency), on spawned gloo ranks whose process
 group times out after 20 s (so the check waits at most 15 s): every rank ends within a bound, and every surviving
 rank's error names the cause.
 

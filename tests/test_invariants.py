@@ -8,10 +8,10 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from fsdp2_compile.config import CompileConfig
-from fsdp2_compile.invariants import UnsafeGraphError, check_collectives_safe
-from fsdp2_compile.ops import KEEP_ALIVE, REDUCE_GRAD, UNSHARD
+from fsdp2_compile.compiler.invariants import UnsafeGraphError, check_collectives_safe
+from fsdp2_compile.core.ops import KEEP_ALIVE, REDUCE_GRAD, UNSHARD
 from fsdp2_compile.passes import keep_inputs_until_wait
-from fsdp2_compile.pipeline import PassContext, run_pipeline
+from fsdp2_compile.compiler.pipeline import PassContext, run_pipeline
 
 funcol = torch.ops._c10d_functional
 fp32 = torch.float32

@@ -7,11 +7,11 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from fsdp2_compile.config import CompileConfig
-from fsdp2_compile.graph import PARAMS
-from fsdp2_compile.ops import REDUCE_GRAD, UNSHARD
+from fsdp2_compile.core.graph import PARAMS
+from fsdp2_compile.core.ops import REDUCE_GRAD, UNSHARD
 from fsdp2_compile.passes import bucket_collectives, lower_reduce_grad, lower_unshard, reorder_for_overlap, schedule
-from fsdp2_compile.pipeline import PassContext, run_pipeline
-from fsdp2_compile.report import collectives
+from fsdp2_compile.compiler.pipeline import PassContext, run_pipeline
+from fsdp2_compile.compiler.report import collectives
 
 funcol = torch.ops._c10d_functional
 AG, RS, WAIT = funcol.all_gather_into_tensor.default, funcol.reduce_scatter_tensor.default, funcol.wait_tensor.default
@@ -127,7 +127,7 @@ def test_the_first_gathers_start_at_the_graph_start_not_after_the_compute_before
     """No bucket precedes a graph's first gather, so the graph's start stands for it: in a backward the first
     block's gather overlaps the head's gradient instead of starting when it is done. A budget of one bucket
     still holds: the second gather then waits for the first one's use."""
-    from fsdp2_compile.cost_model import PROFILES
+    from fsdp2_compile.core.hardware import PROFILES
 
     one_bucket = 16 * 16 * 4
     for config, both_early in ((CompileConfig(), True), (CompileConfig(memory_budget_bytes=one_bucket), False)):
@@ -143,7 +143,7 @@ def test_the_first_gathers_start_at_the_graph_start_not_after_the_compute_before
 
 
 def test_a_memory_budget_keeps_gathered_only_what_the_prefetch_window_leaves():
-    from fsdp2_compile.keep_gathered import keep_amount
+    from fsdp2_compile.compiler.selective_unshard import keep_amount
 
     assert keep_amount(CompileConfig(), 100) is None  # FSDP2's behaviour
     assert keep_amount(CompileConfig(keep_gathered=0.25, memory_budget_bytes=10_000), 100) == 0.25  # explicit wins
@@ -191,7 +191,8 @@ def test_schedules_are_identical_for_identical_inputs_and_simulated(fake_pg):
 
 
 def test_scheduler_never_picks_an_order_it_estimates_slower(fake_pg):
-    from fsdp2_compile.cost_model import PROFILES, simulate
+    from fsdp2_compile.core.hardware import PROFILES
+    from fsdp2_compile.compiler.cost_model import simulate
 
     for name, profile in PROFILES.items():
         ctx = PassContext("forward", profile=profile)
@@ -212,7 +213,8 @@ def test_scheduler_restores_the_structural_order_when_its_own_is_estimated_slowe
     import dataclasses
     import importlib
 
-    from fsdp2_compile.cost_model import PROFILES, simulate
+    from fsdp2_compile.core.hardware import PROFILES
+    from fsdp2_compile.compiler.cost_model import simulate
 
     schedule_module = importlib.import_module("fsdp2_compile.passes.schedule")
 
@@ -237,7 +239,8 @@ def test_scheduler_restores_the_structural_order_when_its_own_is_estimated_slowe
 def test_hsdp_reduce_scatter_then_all_reduce_per_bucket_overlapping_the_next_gradient(fake_pg):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from fsdp2_compile.cost_model import PROFILES, collective_time
+    from fsdp2_compile.core.hardware import PROFILES
+    from fsdp2_compile.compiler.cost_model import collective_time
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     shard_group, replicas = mesh.get_group("shard").group_name, mesh.get_group("replicate").group_name
@@ -279,7 +282,8 @@ def test_cost_model_prefetches_only_as_far_as_hides_the_gather(fake_pg):
     Where communication is slow (1 Gbit/s), one bucket's compute does not hide it and both orders are the same."""
     import dataclasses
 
-    from fsdp2_compile.cost_model import PROFILES, simulate
+    from fsdp2_compile.core.hardware import PROFILES
+    from fsdp2_compile.compiler.cost_model import simulate
 
     slow_compute = dataclasses.replace(PROFILES["cpu-gloo-loopback"], name="slow-compute", flops_per_s=1e6)
     for profile, differs in ((slow_compute, True), (PROFILES["cpu-gloo-1gbit"], False)):

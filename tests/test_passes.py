@@ -8,10 +8,10 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from fsdp2_compile.graph import PARAMS, ROLE
-from fsdp2_compile.ops import REDUCE_GRAD, UNSHARD
+from fsdp2_compile.core.graph import PARAMS, ROLE
+from fsdp2_compile.core.ops import REDUCE_GRAD, UNSHARD
 from fsdp2_compile.config import CompileConfig
-from fsdp2_compile.ir import (
+from fsdp2_compile.core.ir import (
     AllGatherArgs,
     CollectiveArgs,
     ReduceGradArgs,
@@ -21,7 +21,7 @@ from fsdp2_compile.ir import (
     collective_kind,
     nbytes,
 )
-from fsdp2_compile.pass_api import Fact, PassOrderError, check_contracts, provides, requires
+from fsdp2_compile.compiler.pass_api import Fact, PassOrderError, check_contracts, provides, requires
 from fsdp2_compile.passes import (
     bucket_collectives,
     combine_tied_grads,
@@ -29,8 +29,8 @@ from fsdp2_compile.passes import (
     lower_reduce_grad,
     lower_unshard,
 )
-from fsdp2_compile.pipeline import PASSES, PassContext, run_pipeline
-from fsdp2_compile.report import collectives
+from fsdp2_compile.compiler.pipeline import PASSES, PassContext, run_pipeline
+from fsdp2_compile.compiler.report import collectives
 
 aten = torch.ops.aten
 funcol = torch.ops._c10d_functional
@@ -288,7 +288,7 @@ def test_inserted_nodes_get_the_fake_values_the_fake_mode_would_give():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from fsdp2_compile._torch_private import fake_output_by_meta_kernel
-    from fsdp2_compile.graph import _META_OUTPUTS
+    from fsdp2_compile.core.graph import _META_OUTPUTS
 
     aten, c10d = torch.ops.aten, torch.ops._c10d_functional
     mode = FakeTensorMode()

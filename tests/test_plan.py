@@ -15,9 +15,10 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import cli_factories  # noqa: E402
 
-from fsdp2_compile.plan import make_plan, size_text  # noqa: E402
-from fsdp2_compile.planner_trace import trace_step  # noqa: E402
-from fsdp2_compile.targets import call_factory, fake_group  # noqa: E402
+from fsdp2_compile.debug.sizes import size_text  # noqa: E402
+from fsdp2_compile.planner.plan import make_plan  # noqa: E402
+from fsdp2_compile.planner.trace import trace_step  # noqa: E402
+from fsdp2_compile.cli.model_loading import call_factory, fake_group  # noqa: E402
 
 T, D, H = 8, 8, 32  # tokens (batch 2 x seq 4), width, hidden width
 F32 = 4
@@ -168,8 +169,8 @@ def test_a_factory_that_checkpoints_is_planned_as_given():
 
 def test_sizes_print_in_the_unit_that_fits():
     assert size_text(512) == "512 B"
-    assert size_text(3 * 2**20) == "3.000 MiB"
-    assert size_text(1.5 * 2**30) == "1.500 GiB"
+    assert size_text(3 * 2**20) == "3.00 MiB"
+    assert size_text(1.5 * 2**30) == "1.50 GiB"
 
 
 def test_plan_against_the_2_rank_run_measured_here():
@@ -275,10 +276,10 @@ def test_selective_unsharding_plans_what_the_pipeline_compiles():
     """`keep_gathered=0.25` on 4 blocks at 8 ranks: the plan (1- and 2-block copies, scaled) keeps the bucket the
     compiler keeps when it compiles the whole model with the same setting, and its bytes per step are that
     compile's; the bytes it saves are the kept buckets' backward all-gathers, and the step is no slower."""
-    from fsdp2_compile.backend import make_backend
+    from fsdp2_compile.api import make_backend
     from fsdp2_compile.config import CompileConfig
-    from fsdp2_compile.plan import shard_for_plan, wire_bytes
-    from fsdp2_compile.report import clear_compiled_graphs, compiled_graphs
+    from fsdp2_compile.planner.plan import shard_for_plan, wire_bytes
+    from fsdp2_compile.compiler.report import clear_compiled_graphs, compiled_graphs
 
     plain, kept = _plan(tiny_layers), _plan(tiny_layers, keep_gathered=0.25)
     with fake_group(8):

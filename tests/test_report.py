@@ -11,13 +11,13 @@ import torch
 from torch import nn
 
 import fsdp2_compile as fc
-from fsdp2_compile import report
+from fsdp2_compile.compiler import report
 
 
 def test_the_compile_path_imports_no_drawing_code():
     code = (
-        "import sys, fsdp2_compile, fsdp2_compile.backend, fsdp2_compile.api, fsdp2_compile.pipeline\n"
-        "assert 'fsdp2_compile.dump' not in sys.modules, 'the compile path imported dump.py'\n"
+        "import sys, fsdp2_compile, fsdp2_compile.compiler.backend, fsdp2_compile.api, fsdp2_compile.compiler.pipeline\n"
+        "assert 'fsdp2_compile.debug.dump' not in sys.modules, 'the compile path imported dump.py'\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -59,8 +59,8 @@ def test_fifty_recompiles_keep_the_report_bounded(fake_pg, monkeypatch, caplog):
 def test_the_dump_simulates_each_graph_with_its_schedulers_profile(fake_pg):
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from fsdp2_compile.cost_model import PROFILES
-    from fsdp2_compile.dump import summarize
+    from fsdp2_compile.core.hardware import PROFILES
+    from fsdp2_compile.debug.dump import summarize
 
     gm = make_fx(lambda x: (x @ x).sum(), tracing_mode="fake")(torch.randn(4, 4))
     record = report.GraphRecord("forward", gm, profile=PROFILES["h100-nvlink"])

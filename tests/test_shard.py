@@ -10,7 +10,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import fsdp2_compile as fc
-from fsdp2_compile.gathered_copy import GatheredCopy
+from fsdp2_compile.runtime.read_only_param import GatheredCopy
 
 
 def test_parameters_become_dim0_sharded_dtensors_with_original_names(fake_pg):
@@ -154,7 +154,7 @@ def test_two_dim_mesh_without_dim_names_is_refused(fake_pg):
 
 
 def test_set_requires_gradient_sync_recurses_like_fsdp2(fake_pg):
-    from fsdp2_compile.shard import managed_params
+    from fsdp2_compile.runtime.sharding import managed_params
 
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
     fc.shard(model[0])
@@ -170,7 +170,7 @@ def test_set_requires_gradient_sync_recurses_like_fsdp2(fake_pg):
 
 def _group_reshards(module: nn.Module) -> dict[str, bool]:
     """Ours: each group (bucket) -> whether its parameters reshard after forward."""
-    from fsdp2_compile.shard import managed_params
+    from fsdp2_compile.runtime.sharding import managed_params
 
     return {info.bucket: info.reshard_after_forward for _, _, info in managed_params(module)}
 

@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import fsdp2_compile as fc
-shard_module = __import__("importlib").import_module("fsdp2_compile.shard")
+shard_module = __import__("importlib").import_module("fsdp2_compile.runtime.sharding")
 
 MESH_GROUPS = shard_module._mesh_groups
 RECIPE = "init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp'))"

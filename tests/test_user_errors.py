@@ -16,8 +16,8 @@ from torch import nn
 
 import fsdp2_compile as fc
 from fsdp2_compile.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from fsdp2_compile.free_memory import free_bytes
-from fsdp2_compile.shard import managed_params
+from fsdp2_compile.runtime.free_memory import free_bytes
+from fsdp2_compile.runtime.sharding import managed_params
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -198,7 +198,7 @@ def test_compile_config_fields(kwargs, text):
 
 def test_a_memory_budget_fraction_needs_shard_compile():
     # torch.compile(model, backend=...) has no mesh to measure and agree the free memory over
-    from fsdp2_compile.backend import fsdp2_backend
+    from fsdp2_compile.api import fsdp2_backend
 
     with raises(ValueError, "memory_budget_fraction is measured and agreed over the ranks by fsdp2_compile.shard_comp"):
         fsdp2_backend(None, [], fc.CompileConfig(memory_budget_fraction=0.2))

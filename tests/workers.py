@@ -11,7 +11,7 @@ from models import batch, local_slice, loss_fn, make_model, make_optimizer
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import fsdp2_compile as fc
-from fsdp2_compile.report import clear_compiled_graphs, collectives, compiled_graphs
+from fsdp2_compile.compiler.report import clear_compiled_graphs, collectives, compiled_graphs
 
 _funcol = torch.ops._c10d_functional
 
@@ -402,8 +402,8 @@ def unpublished_schedule(rank: int, world_size: int, recompiling: bool = False) 
     rank 0 after the first compilation)."""
     from unittest import mock
 
-    import fsdp2_compile.consistency as consistency
-    from fsdp2_compile.consistency import check_same_schedule
+    import fsdp2_compile.compiler.rank_consistency as consistency
+    from fsdp2_compile.compiler.rank_consistency import check_same_schedule
 
     message = "no error"
     if recompiling:
@@ -446,7 +446,7 @@ def memory_budget_agreement(rank: int, world_size: int, hsdp: bool) -> tuple:
     budget, the smallest."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from fsdp2_compile import free_memory
+    from fsdp2_compile.runtime import free_memory
 
     free_memory.free_bytes = lambda device_type: (rank + 1) * 1000
     mesh = init_device_mesh("cpu", (2, world_size // 2) if hsdp else (world_size,))

@@ -1,0 +1,266 @@
+"""The torch.compile backend "fsdp2": Dynamo graph → AOTAutograd joint graph → partition → pass pipeline.
+
+The partitioner is torch's min-cut partitioner, after tagging each `fsdp2::unshard` node MUST_RECOMPUTE
+(`reshard_after_forward=True`: no gathered parameter is saved for backward, backward gathers again what it needs)
+or MUST_SAVE (`False`: gathered once, kept until backward).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import operator
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import fx, nn
+from torch.distributed.tensor import DTensor
+
+from fsdp2_compile._torch_private import (
+    CheckpointPolicy,
+    FakeScriptObject,
+    aot_module_simplified,
+    boxed_call,
+    current_compile_id,
+    has_post_accumulate_grad_hooks,
+    inductor_compile,
+    inductor_decompositions,
+    min_cut_partition,
+    subgraph_schemas_reused,
+)
+from fsdp2_compile.compiler.compile_gc import defer_full_collections_while_compiling
+from fsdp2_compile.compiler.block_gathers import gather_again_in_backward, gather_outside_blocks
+from fsdp2_compile.config import CompileConfig
+from fsdp2_compile.compiler.rank_consistency import rank_check
+from fsdp2_compile.core.hardware import PROFILES, HardwareProfile
+from fsdp2_compile.runtime.link_profile import measured_profile
+from fsdp2_compile.runtime.grad_delivery import one_unshard_per_delivered_param
+from fsdp2_compile.core.graph import nodes_calling
+from fsdp2_compile.compiler.group_split import split_reduce_groups, split_unshard_groups
+from fsdp2_compile.compiler.guard_probe import compiled_by_fsdp2, skip_probe_for_fsdp2_frames
+from fsdp2_compile.runtime.heap_release import release_freed_heap
+from fsdp2_compile.core.ir import REDUCE_GRAD, UNSHARD, ReduceGradArgs, UnshardArgs
+from fsdp2_compile.compiler.selective_unshard import KEPT_META, KeptGathered, buckets_to_keep
+from fsdp2_compile.runtime.param_state import infos_of_values
+from fsdp2_compile.compiler.pipeline import PassContext, run_pipeline
+from fsdp2_compile.compiler.post_forward import gather_backward_from_post_forward_shards
+from fsdp2_compile.compiler.report import GraphRecord, collectives, record_graph
+from fsdp2_compile.runtime.sharding import is_known_param
+from fsdp2_compile.compiler.unsharded_after_backward import keep_unsharded_after_backward
+
+__all__ = ["check_input_devices", "compile_sharded"]
+
+log = logging.getLogger("fsdp2_compile")
+
+
+def _check_sharded(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:
+    """Refuse graphs that read parameters `shard` does not manage (the module was never sharded)."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node, value in zip(placeholders, example_inputs):
+        if isinstance(value, nn.Parameter) and not isinstance(value, DTensor) and not is_known_param(value):
+            source = getattr(node.meta.get("grapharg"), "source", None)
+            name = source.name if source is not None else node.name
+            raise RuntimeError(
+                f"torch.compile(backend='fsdp2'): parameter {name} (shape {tuple(value.shape)}) is not sharded; "
+                "call fsdp2_compile.shard(model, mesh) (or use fsdp2_compile.shard_compile) before compiling"
+            )
+
+
+def _check_hooks_delivered(example_inputs: Sequence[Any]) -> None:
+    """Refuse what would be silently wrong: a parameter with post-accumulate-grad hooks (FSDP2's optimizer in
+    backward) compiled without delivering its gradient itself — `torch.compile(model, backend="fsdp2")` does not
+    look for hooks, `shard_compile` does — while its gradient is not reduced (sync off, or HSDP's all-reduce off):
+    autograd would run the hooks with a zero gradient, where FSDP2 runs none."""
+    for value, info in zip(example_inputs, infos_of_values(example_inputs)):
+        if info is None or info.grad_key or not value.requires_grad or not has_post_accumulate_grad_hooks(value):
+            continue
+        if not info.requires_gradient_sync or (info.replicate_size > 1 and not info.requires_all_reduce):
+            raise RuntimeError(
+                f"fsdp2_compile: parameter '{info.fqn}' has post-accumulate-grad hooks (optimizer in backward) and "
+                "its gradient is not reduced in this backward (set_requires_gradient_sync(False) or "
+                "set_requires_all_reduce(False)); torch.compile(model, backend='fsdp2') does not see hooks, so "
+                "autograd would run them with a zero gradient, where FSDP2 runs none. Compile with "
+                "fsdp2_compile.shard_compile(model), which runs them only after a reduction, as FSDP2 does"
+            )
+
+
+def check_input_devices(inputs: Iterable[tuple[str, Any]], param_device: torch.device | None) -> None:
+    """Refuse input tensors the sharded parameters cannot compute with: on the meta device (no data) while the
+    parameters hold data, or off the CPU while the parameters (and the mesh) are on the CPU. `inputs` are
+    (name, value) pairs; values that are not tensors, and parameters, are skipped."""
+    if param_device is None:
+        return
+    for name, value in inputs:
+        if not isinstance(value, torch.Tensor) or isinstance(value, nn.Parameter):
+            continue
+        device = value.device
+        if device.type == param_device.type:
+            continue
+        if device.type == "meta" or param_device.type == "cpu":
+            raise ValueError(
+                f"fsdp2_compile: input {name} (shape {tuple(value.shape)}, {value.dtype}) is on device '{device}' "
+                f"but the sharded parameters are on '{param_device}'; move it there before calling the model, "
+                f"e.g. {name}.to('{param_device.type}')"
+                + (" (a meta tensor has no data: create it on that device)" if device.type == "meta" else "")
+            )
+
+
+def _param_device(example_inputs: Sequence[Any]) -> torch.device | None:
+    for value in example_inputs:
+        if isinstance(value, nn.Parameter):
+            return value.device
+    return None
+
+
+def _check_graph_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:
+    """Meta tensors among a graph's non-parameter inputs, when its parameters hold data, are always a mistake."""
+    device = _param_device(example_inputs)
+    if device is None or device.type == "meta":
+        return
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    named = []
+    for node, value in zip(placeholders, example_inputs):
+        source = getattr(node.meta.get("grapharg"), "source", None)
+        if isinstance(value, torch.Tensor) and value.device.type == "meta":
+            named.append((source.name if source is not None else node.name, value))
+    check_input_devices(named, device)
+
+
+def _tag_unshards(joint: fx.GraphModule, config: CompileConfig) -> KeptGathered | None:
+    """Gathered parameters are recomputed in backward (resharded after forward) unless their module says not to
+    or selective unsharding keeps their bucket; returns selective unsharding's decision."""
+    decision = buckets_to_keep(joint.graph, config)
+    kept = decision.buckets if decision is not None else ()
+    for node in nodes_calling(joint.graph, UNSHARD):
+        call = UnshardArgs.of(node)
+        reshard = call.reshard_after_forward and call.bucket not in kept
+        node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE if reshard else CheckpointPolicy.MUST_SAVE
+    return decision
+
+
+def _is_opaque(node: Any) -> bool:
+    return isinstance(node, fx.Node) and isinstance(node.meta.get("val"), FakeScriptObject)
+
+
+def _rng_states_before_opaques(fw: fx.GraphModule, bw: fx.GraphModule) -> None:
+    """Work around torch 2.13 with activation checkpointing: the partitioner saves the RNG state of recomputed
+    seeded ops (CPU SDPA is one) after the saved opaque objects (DTensor's DeviceMesh), where AOTAutograd's runtime
+    expects only non-tensors ("expected all tensors_saved_with_vc_check to be Tensors"). Move those states before
+    the first opaque object, among the forward's outputs and the backward's inputs alike."""
+    output = fw.graph.output_node()
+    [outs] = output.args
+    outs = list(outs)
+
+    def is_rng_state(o: Any) -> bool:  # getitem(run_and_save_rng_state(...), 0)
+        if not (isinstance(o, fx.Node) and o.target is operator.getitem):
+            return False
+        source, index = o.args
+        return index == 0 and source.target is torch.ops.higher_order.run_and_save_rng_state
+
+    rng = [o for o in outs if is_rng_state(o)]
+    if not rng or not any(_is_opaque(o) for o in outs):
+        return
+    rest = [o for o in outs if not any(o is r for r in rng)]
+    at = next(i for i, o in enumerate(rest) if _is_opaque(o))
+    output.args = (tuple(rest[:at] + rng + rest[at:]),)
+    placeholders = list(bw.graph.find_nodes(op="placeholder"))
+    first_opaque = next(p for p in placeholders if _is_opaque(p))
+    for p in placeholders:
+        if p.name.startswith("rng_state_output"):
+            first_opaque.prepend(p)
+    fw.recompile()
+    bw.recompile()
+
+
+def _partition(joint: fx.GraphModule, joint_inputs: Any, *, config: CompileConfig, **kwargs: Any):
+    split_unshard_groups(joint)
+    gather_again_in_backward(joint)
+    decision = _tag_unshards(joint, config)
+    fw, bw = min_cut_partition(joint, joint_inputs, **kwargs)
+    split_reduce_groups(bw)
+    if decision is not None:
+        fw.meta[KEPT_META] = bw.meta[KEPT_META] = decision
+    _rng_states_before_opaques(fw, bw)
+    gather_backward_from_post_forward_shards(fw, bw, kwargs["num_fwd_outputs"])
+    keep_unsharded_after_backward(fw, bw)
+    return fw, bw
+
+
+def resolve_profile(config: CompileConfig, gm: fx.GraphModule) -> HardwareProfile:
+    """The named profile, or the one `shard` measured on the graph's process group (else the loopback one)."""
+    if config.hardware is not None:
+        if config.hardware not in PROFILES:
+            raise ValueError(f"CompileConfig.hardware={config.hardware!r} is not one of {sorted(PROFILES)}")
+        return PROFILES[config.hardware]
+    op = next((n for n in gm.graph.nodes if n.target in (UNSHARD, REDUCE_GRAD)), None)
+    if op is None:
+        return PROFILES["cpu-gloo-loopback"]
+    group = (UnshardArgs if op.target is UNSHARD else ReduceGradArgs).of(op).group_name
+    return measured_profile(group) or PROFILES["cpu-gloo-loopback"]
+
+
+def _compiler(kind: str, config: CompileConfig, on_record: Callable[[GraphRecord], None] | None
+              ) -> Callable[[fx.GraphModule, Any], Callable]:
+    def compile_graph(gm: fx.GraphModule, example_inputs: Any) -> Callable:
+        start = time.perf_counter()
+        log.info("compiling %s graph: %d nodes", kind, len(gm.graph.nodes))
+        # a failure in here is published to the graph's peers, which then stop naming it instead of waiting
+        with rank_check(gm, kind, config) as check_same_schedule:
+            split_unshard_groups(gm)  # an inference graph (the others were split before partitioning)
+            ctx = PassContext(kind=kind, config=config, profile=resolve_profile(config, gm))
+            log.info("%s graph: cost-model profile %s (%s)", kind, ctx.profile.name, ctx.profile.source)
+            gm = run_pipeline(gm, ctx, recompile=config.compiler == "inductor")  # else `boxed_call` generates it
+            check_same_schedule(gm)
+        record = GraphRecord(kind, gm, ctx.snapshots, ctx.timeline, current_compile_id(), ctx.profile,
+                             gm.meta.get(KEPT_META))
+        record_graph(record)
+        if on_record is not None:
+            on_record(record)
+        if config.compiler == "inductor":
+            compiled = inductor_compile(gm, example_inputs, is_backward=kind == "backward",
+                                        is_inference=kind == "inference")
+        else:
+            compiled = boxed_call(gm)
+        counts = Counter(c.kind for c in collectives(gm))
+        log.info("compiled %s graph in %.1f s: %d nodes, %d all_gather, %d reduce_scatter, %d all_reduce (%s)", kind,
+                 time.perf_counter() - start, len(gm.graph.nodes), counts["all_gather"], counts["reduce_scatter"],
+                 counts["all_reduce"], config.compiler)
+        return compiled
+
+    return compile_graph
+
+
+def compile_sharded(gm: fx.GraphModule, example_inputs: Sequence[Any], config: CompileConfig | None = None,
+                    on_record: Callable[[GraphRecord], None] | None = None):
+    """What the fsdp2 backend does (`api.fsdp2_backend`): lowers the fsdp2 ops of a captured graph of a sharded
+    module into collectives. `on_record` is called with each compiled graph's record (the debug dump)."""
+    config = config or CompileConfig()
+    if config.memory_budget_fraction is not None:
+        raise ValueError(
+            "CompileConfig.memory_budget_fraction is measured and agreed over the ranks by "
+            "fsdp2_compile.shard_compile; with torch.compile(model, backend=...) use CompileConfig.memory_budget_bytes"
+        )
+    release_freed_heap()  # what Dynamo's tracing freed, before AOTAutograd adds its own
+    compiled_by_fsdp2()
+    _check_sharded(gm, example_inputs)
+    _check_graph_inputs(gm, example_inputs)
+    _check_hooks_delivered(example_inputs)
+    gather_outside_blocks(gm, example_inputs)
+    one_unshard_per_delivered_param(gm)
+    with subgraph_schemas_reused():
+        return aot_module_simplified(
+            gm,
+            example_inputs,
+            fw_compiler=_compiler("forward", config, on_record),
+            bw_compiler=_compiler("backward", config, on_record),
+            inference_compiler=_compiler("inference", config, on_record),
+            partition_fn=functools.partial(_partition, config=config),
+            decompositions=inductor_decompositions() if config.compiler == "inductor" else None,
+        )
+
+
+defer_full_collections_while_compiling()
+skip_probe_for_fsdp2_frames()

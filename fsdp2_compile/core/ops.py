@@ -1,0 +1,410 @@
+"""The custom ops the capture sees: `fsdp2::unshard` and its autograd twin `fsdp2::reduce_grad`, the two that
+gradient accumulation without sync uses, `fsdp2::stash_grad` / `fsdp2::add_pending_grad`, the two that keep
+parameters gathered after backward, `fsdp2::keep_unsharded` / `fsdp2::release_unsharded`, `fsdp2::deliver_grad`,
+which hands a reduced gradient to its parameter inside backward (optimizer in backward), and `fsdp2::keep_alive`.
+
+`unshard(shard)` returns the full parameter (all ranks' shards, cast to `param_dtype`); its backward is
+`reduce_grad(grad)`, which returns this rank's shard of the averaged gradient in the parameter's dtype.
+With gradient sync off (`set_requires_gradient_sync(False)`, as in FSDP2) the backward instead adds the unsharded
+gradient to one kept on this rank (`stash_grad`, no communication) and gives the shard a zero gradient; the next
+synced backward adds what was kept before reducing (`add_pending_grad`). Reduction is linear, so the result is
+the reduction of the summed gradients.
+Both run eagerly (through the functional collectives, so eager and compiled runs issue the same collectives)
+and have fake implementations, so Dynamo/AOTAutograd trace them as single opaque nodes that the lowering
+passes later expand into cast / pad / collective / wait / unpad nodes.
+
+Every argument besides the tensor is static metadata, carried in the op so each node names its parameter
+(`fqn`) and its FSDP group (`bucket`: the module `shard` was called on), and the partitioner can read
+`reshard_after_forward` off the node itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from types import SimpleNamespace
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from fsdp2_compile.core.op_args import op_view
+
+__all__ = [
+    "ADD_PENDING_GRAD",
+    "AddPendingGradArgs",
+    "DeliverGradArgs",
+    "KeepAliveArgs",
+    "KeepUnshardedArgs",
+    "ReduceGradArgs",
+    "ReleaseUnshardedArgs",
+    "StashGradArgs",
+    "UnshardArgs",
+    "DELIVER_GRAD",
+    "GRAD_RECEIVERS",
+    "KEEP_ALIVE",
+    "KEEP_UNSHARDED",
+    "KEPT_UNSHARDED",
+    "RELEASE_UNSHARDED",
+    "REDUCE_GRAD",
+    "STASH_GRAD",
+    "UNSHARD",
+    "add_pending_grad",
+    "deliver_grad",
+    "discard_pending_grad",
+    "keep_alive",
+    "keep_unsharded",
+    "release_all_unsharded",
+    "release_unsharded",
+    "pad_rows",
+    "padded_rows",
+    "reduce_grad",
+    "stash_grad",
+    "unshard",
+]
+
+_funcol = torch.ops._c10d_functional
+
+
+def padded_rows(dim0: int, world_size: int) -> int:
+    """Rows of every rank's padded shard: ceil(dim0 / world_size), the chunk size of `torch.chunk`."""
+    return -(-dim0 // world_size)
+
+
+def pad_rows(t: Tensor, rows: int) -> Tensor:
+    """`t` zero-padded on dim 0 to `rows` rows (returned as is when it already has them)."""
+    missing = rows - t.shape[0]
+    if missing == 0:
+        return t
+    return torch.constant_pad_nd(t, [0, 0] * (t.dim() - 1) + [0, missing])
+
+
+@torch.library.custom_op("fsdp2::unshard", mutates_args=())
+def unshard(
+    shard: Tensor,
+    dim0: int,
+    world_size: int,
+    group_name: str,
+    param_dtype: torch.dtype | None,
+    reduce_dtype: torch.dtype,
+    fqn: str,
+    bucket: str,
+    reshard_after_forward: bool,
+    replicate_size: int = 1,
+    replicate_group_name: str = "",
+    requires_grad_sync: bool = True,
+    pending_key: str = "",
+    prefetch_forward: str = "",
+    prefetch_backward: str = "",
+    grad_divide_factor: float = 0.0,
+    force_sum_reduction: bool = False,
+    requires_all_reduce: bool = True,
+    partial_key: str = "",
+    post_forward_size: int = 0,
+    post_forward_group_name: str = "",
+    compute_device: torch.device | None = None,
+    reshard_after_backward: bool = True,
+    kept_key: str = "",
+    grad_key: str = "",
+    gathered: Tensor | None = None,
+    grad_anchor: Tensor | None = None,
+) -> Tensor:
+    """All-gather a dim-0 shard into the full parameter of `dim0` rows, cast to `param_dtype` first.
+    Only the backward uses the rest: `replicate_*` name the HSDP replicate group (`1` / `""` without one);
+    `requires_grad_sync=False` keeps the gradient unsharded under `pending_key` instead of reducing it, and a
+    synced backward with a `pending_key` adds what was kept first. `prefetch_*`: comma-separated buckets whose
+    all-gathers the scheduler issues right before this parameter's bucket is used (explicit prefetching).
+    `grad_divide_factor` (0: average): the gradient is summed over the ranks after each is multiplied by 1/it.
+    `force_sum_reduction` (`set_force_sum_reduction_for_comms`): sum-only collectives (`divide_factors`).
+    HSDP: `requires_all_reduce=False` keeps the reduce-scattered shard under `partial_key` instead of all-reducing
+    it; a backward with the all-reduce adds what was kept first. `post_forward_*` (`reshard_after_forward=int`):
+    the smaller group compiled backwards gather from (`post_forward.py`); eager runs gather from the whole group.
+    `compute_device` (`CPUOffloadPolicy` on an accelerator mesh): where the CPU shard is copied before all else.
+    `reshard_after_backward=False`: backward keeps the gathered parameter under `kept_key`; the next forward
+    passes it as `gathered` and gathers nothing (`unsharded_after_backward.py`). `grad_key` (with `grad_anchor`,
+    a parameter with post-accumulate-grad hooks): backward hands the reduced gradient to the parameter itself and
+    runs its hooks (`deliver_grad`), as FSDP2 does after each reduce-scatter; the shard gets no gradient."""
+    if gathered is not None:
+        return gathered.clone()
+    x = shard if compute_device is None else shard.to(compute_device, non_blocking=True)
+    x = x if param_dtype is None else x.to(param_dtype)
+    x = pad_rows(x, padded_rows(dim0, world_size)).contiguous()
+    full = _funcol.wait_tensor(_funcol.all_gather_into_tensor(x, world_size, group_name))
+    return full[:dim0].clone() if full.shape[0] != dim0 else full
+
+
+@unshard.register_fake
+def _(*args, **kwargs):
+    a = UnshardArgs.bind(args, kwargs)
+    return a.shard.new_empty((a.dim0, *a.shard.shape[1:]), dtype=a.param_dtype or a.shard.dtype,
+                             device=a.compute_device or a.shard.device)
+
+
+class DivideFactors(NamedTuple):
+    """How a gradient is reduced: times `scale`, divided by `pre`, reduced with `op` ("avg" or "sum"), the result
+    divided by `post` (None: not done)."""
+
+    scale: float | None
+    pre: float | None
+    op: str
+    post: float | None
+
+
+def divide_factors(reduce_dtype: torch.dtype, world_size: int, replicate_size: int, divide_factor: float,
+                   force_sum: bool) -> DivideFactors:
+    """FSDP2's rule (`_get_gradient_divide_factors`). fp32 / bf16 without `force_sum`: the collective averages,
+    or with a divide factor f each rank's gradient is multiplied by 1/f and summed. Otherwise only sums: in a
+    dtype other than fp32 / bf16 (fp16: overflow) each rank divides by the largest power of two p with p*p < f
+    (f: the divide factor, else the data-parallel size) first and the sum is divided by f/p; with `force_sum`
+    in fp32 / bf16 the sum is divided by f."""
+    exact = reduce_dtype in (torch.float32, torch.bfloat16)
+    if exact and not force_sum:
+        return DivideFactors(1.0 / divide_factor, None, "sum", None) if divide_factor else DivideFactors(None, None, "avg", None)
+    factor = divide_factor or float(world_size * replicate_size)
+    if exact:
+        return DivideFactors(None, None, "sum", factor if factor != 1 else None)
+    pre = 1
+    while factor % pre == 0 and factor / pre > pre:
+        pre *= 2
+    post = factor / pre
+    return DivideFactors(None, pre if pre != 1 else None, "sum", post if post != 1 else None)
+
+
+@torch.library.custom_op("fsdp2::reduce_grad", mutates_args=())
+def reduce_grad(
+    grad: Tensor,
+    local_rows: int,
+    world_size: int,
+    group_name: str,
+    reduce_dtype: torch.dtype,
+    out_dtype: torch.dtype,
+    fqn: str,
+    bucket: str,
+    replicate_size: int,
+    replicate_group_name: str,
+    divide_factor: float = 0.0,
+    requires_all_reduce: bool = True,
+    partial_key: str = "",
+    out_device: torch.device | None = None,
+    force_sum_reduction: bool = False,
+) -> Tensor:
+    """Average a full gradient over the group and return this rank's `local_rows`-row shard in `out_dtype`.
+    With an HSDP replicate group (`replicate_size > 1`) the shard is then averaged over that group too. With a
+    `divide_factor`, each rank's gradient is multiplied by 1 / divide_factor and the results are summed instead.
+    HSDP without the all-reduce (`requires_all_reduce=False`): the reduced shard is kept under `partial_key` (a
+    zero shard back); the next reduction with the all-reduce adds it first. `out_device`: where the result goes
+    (`CPUOffloadPolicy`: back to the CPU shard's device). How each rank's part is scaled and summed:
+    `divide_factors`."""
+    x = grad.to(reduce_dtype)
+    d = divide_factors(reduce_dtype, world_size, replicate_size, divide_factor, force_sum_reduction)
+    if d.scale is not None:
+        x = x * d.scale
+    if d.pre is not None:
+        x = x / d.pre
+    x = pad_rows(x, padded_rows(grad.shape[0], world_size) * world_size).contiguous()
+    out = _funcol.wait_tensor(_funcol.reduce_scatter_tensor(x, d.op, world_size, group_name))
+    if replicate_size > 1 and not requires_all_reduce:
+        return torch.ops.fsdp2.stash_grad(out, partial_key, reduce_dtype, out.shape[0], reduce_dtype, fqn)[
+            :local_rows].to(out_dtype).clone()
+    if replicate_size > 1:
+        if partial_key:
+            out = torch.ops.fsdp2.add_pending_grad(out, partial_key, reduce_dtype, fqn)
+        out = _funcol.wait_tensor(_funcol.all_reduce(out, d.op, replicate_group_name))
+    if d.post is not None:
+        out = out / d.post
+    return out[:local_rows].to(out_dtype).to(out_device or out.device).clone()
+
+
+@reduce_grad.register_fake
+def _(*args, **kwargs):
+    a = ReduceGradArgs.bind(args, kwargs)
+    return a.grad.new_empty((a.local_rows, *a.grad.shape[1:]), dtype=a.out_dtype, device=a.out_device or a.grad.device)
+
+
+_PENDING_GRADS: dict[str, Tensor] = {}
+"""Unsharded gradients accumulated while gradient sync is off, by `pending_key` (HSDP: shards kept without their
+all-reduce, by `partial_key`)."""
+
+
+def discard_pending_grad(key: str) -> None:
+    """Drop the gradient kept under `key`, if any (`FSDPModule.reset_iter_state`)."""
+    _PENDING_GRADS.pop(key, None)
+
+
+@torch.library.custom_op("fsdp2::stash_grad", mutates_args=())
+def stash_grad(
+    grad: Tensor, pending_key: str, reduce_dtype: torch.dtype, local_rows: int, out_dtype: torch.dtype, fqn: str
+) -> Tensor:
+    """Add `grad` (in `reduce_dtype`) to the unsharded gradient kept under `pending_key`; a zero shard back.
+    Side effect: it writes module-level state (`_PENDING_GRADS`) that no argument shows, so the op is marked with
+    `torch.fx.node.has_side_effect` (never dead-code eliminated, never reordered as pure). `fqn` names the
+    parameter (for reports; the key is opaque)."""
+    kept = _PENDING_GRADS.get(pending_key)
+    _PENDING_GRADS[pending_key] = grad.to(reduce_dtype, copy=True) if kept is None else kept + grad
+    return grad.new_zeros((local_rows, *grad.shape[1:]), dtype=out_dtype)
+
+
+@stash_grad.register_fake
+def _(grad, pending_key, reduce_dtype, local_rows, out_dtype, fqn):
+    return grad.new_empty((local_rows, *grad.shape[1:]), dtype=out_dtype)
+
+
+@torch.library.custom_op("fsdp2::add_pending_grad", mutates_args=())
+def add_pending_grad(grad: Tensor, pending_key: str, reduce_dtype: torch.dtype, fqn: str) -> Tensor:
+    """`grad` in `reduce_dtype`, plus (and releasing) the gradient kept under `pending_key`, if any.
+    Side effect: it reads and clears module-level state (`_PENDING_GRADS`), so the op is marked with
+    `torch.fx.node.has_side_effect`. `fqn` names the parameter."""
+    kept = _PENDING_GRADS.pop(pending_key, None)
+    return grad.to(reduce_dtype, copy=True) if kept is None else kept + grad
+
+
+@add_pending_grad.register_fake
+def _(grad, pending_key, reduce_dtype, fqn):
+    return grad.new_empty(grad.shape, dtype=reduce_dtype)
+
+
+GRAD_RECEIVERS: dict[str, Callable[[Tensor], None]] = {}
+"""By `grad_key`: what takes a parameter's reduced gradient shard (sets or adds to its `.grad`, runs its
+post-accumulate-grad hooks; `grad_delivery.py`)."""
+
+
+@torch.library.custom_op("fsdp2::deliver_grad", mutates_args=())
+def deliver_grad(grad: Tensor, grad_key: str, fqn: str) -> Tensor:
+    """Hand a copy of the reduced gradient shard `grad` to the parameter registered under `grad_key` (a copy: the
+    compiled graph may reuse `grad`'s memory once this op has run); returns a zero scalar, the gradient of the
+    grad anchor, which keeps this op in the backward graph. Side effect: the parameter's `.grad` and whatever its
+    hooks do (an optimizer step), so the op is marked with `torch.fx.node.has_side_effect`."""
+    GRAD_RECEIVERS[grad_key](grad.detach().clone())
+    return grad.new_zeros(())
+
+
+@deliver_grad.register_fake
+def _(grad, grad_key, fqn):
+    return grad.new_empty(())
+
+
+def unshard_backward_context(a, n_inputs: int) -> SimpleNamespace:
+    """What `fsdp2::unshard`'s backward needs of a call with `n_inputs` inputs and arguments `a` (`UnshardArgs`)."""
+    return SimpleNamespace(
+        sync=a.requires_grad_sync, pending_key=a.pending_key, fqn=a.fqn,
+        grad_key=a.grad_key if a.grad_anchor is not None else "",
+        reduce=ReduceGradArgs(
+            grad=None, local_rows=a.shard.shape[0], world_size=a.world_size, group_name=a.group_name,
+            reduce_dtype=a.reduce_dtype, out_dtype=a.shard.dtype, fqn=a.fqn, bucket=a.bucket,
+            replicate_size=a.replicate_size, replicate_group_name=a.replicate_group_name,
+            divide_factor=a.grad_divide_factor, requires_all_reduce=a.requires_all_reduce, partial_key=a.partial_key,
+            out_device=a.shard.device if a.compute_device is not None else None,
+            force_sum_reduction=a.force_sum_reduction,
+        ),
+        n_inputs=n_inputs,
+    )
+
+
+def _run(op, *args):
+    return op(*args)
+
+
+def shard_grad(facts: SimpleNamespace, grad: Tensor, call: Callable = _run):
+    """The gradient of an `fsdp2::unshard` call's shard (`facts`: `unshard_backward_context`) for `grad`, the full
+    parameter's: kept unsharded with gradient sync off (`stash_grad`), else [what was kept added, then] reduced.
+    `call(op, *args)` runs each op (the default), or inserts it in a graph (`group_split.split_reduce_groups`)."""
+    r = facts.reduce
+    if not facts.sync:
+        return call(STASH_GRAD, grad, facts.pending_key, r.reduce_dtype, r.local_rows, r.out_dtype, facts.fqn)
+    if facts.pending_key:
+        grad = call(ADD_PENDING_GRAD, grad, facts.pending_key, r.reduce_dtype, facts.fqn)
+    return call(REDUCE_GRAD, *r.replace(grad=grad).as_args())
+
+
+def unshard_backward(facts: SimpleNamespace, grad: Tensor) -> tuple:
+    """The gradients of an `fsdp2::unshard` call's inputs (`facts`: `unshard_backward_context`) for `grad`."""
+    reduced = shard_grad(facts, grad)
+    if not facts.grad_key:
+        return (reduced,) + (None,) * (facts.n_inputs - 1)  # no gradient for the static arguments
+    # Delivered (FSDP2 runs the hooks only when a gradient was reduced and all-reduced), the shard gets none.
+    r = facts.reduce
+    delivered = facts.sync and (r.replicate_size == 1 or r.requires_all_reduce)
+    anchor = torch.ops.fsdp2.deliver_grad(reduced, facts.grad_key, facts.fqn) if delivered else reduced.new_zeros(())
+    return (None,) * (facts.n_inputs - 1) + (anchor,)
+
+
+def _unshard_setup_context(ctx, inputs, output) -> None:
+    ctx.facts = unshard_backward_context(UnshardArgs.bind(inputs), len(inputs))  # torch fills in the defaults
+
+
+def _unshard_backward(ctx, grad: Tensor):
+    return unshard_backward(ctx.facts, grad)
+
+
+unshard.register_autograd(_unshard_backward, setup_context=_unshard_setup_context)
+
+
+KEPT_UNSHARDED: dict[str, Tensor] = {}
+"""Gathered parameters kept after backward (`set_reshard_after_backward(False)`), by `kept_key`."""
+
+
+@torch.library.custom_op("fsdp2::keep_unsharded", mutates_args=())
+def keep_unsharded(full: Tensor, kept_key: str) -> None:
+    """Keep a copy of the gathered parameter `full` under `kept_key` for the next forward (a copy: the compiled
+    graph may reuse `full`'s memory once this op has run). Side effect: writes `KEPT_UNSHARDED`."""
+    KEPT_UNSHARDED[kept_key] = full.detach().clone()
+
+
+@keep_unsharded.register_fake
+def _(full, kept_key):
+    return None
+
+
+@torch.library.custom_op("fsdp2::release_unsharded", mutates_args=())
+def release_unsharded(kept_key: str) -> None:
+    """Drop the gathered parameter kept under `kept_key` (its forward has taken it). Side effect: writes
+    `KEPT_UNSHARDED`."""
+    KEPT_UNSHARDED.pop(kept_key, None)
+
+
+@release_unsharded.register_fake
+def _(kept_key):
+    return None
+
+
+def release_all_unsharded() -> None:
+    """Drop every kept gathered parameter (they are stale once an optimizer steps)."""
+    KEPT_UNSHARDED.clear()
+
+
+@torch.library.custom_op("fsdp2::keep_alive", mutates_args=())
+def keep_alive(tensors: list[Tensor]) -> None:
+    """Does nothing: a use of `tensors` placed right after a collective's wait, so the generated code keeps the
+    collective's input alive until the collective is done (see `passes/keep_inputs_until_wait.py`)."""
+
+
+@keep_alive.register_fake
+def _(tensors):
+    return None
+
+UNSHARD = torch.ops.fsdp2.unshard.default
+REDUCE_GRAD = torch.ops.fsdp2.reduce_grad.default
+KEEP_ALIVE = torch.fx.node.has_side_effect(torch.ops.fsdp2.keep_alive.default)
+STASH_GRAD = torch.fx.node.has_side_effect(torch.ops.fsdp2.stash_grad.default)
+"""Writes `_PENDING_GRADS`: marked side-effecting, so no pass or DCE drops or treats it as pure."""
+ADD_PENDING_GRAD = torch.fx.node.has_side_effect(torch.ops.fsdp2.add_pending_grad.default)
+"""Reads and clears `_PENDING_GRADS`: marked side-effecting like `STASH_GRAD`."""
+KEEP_UNSHARDED = torch.fx.node.has_side_effect(torch.ops.fsdp2.keep_unsharded.default)
+RELEASE_UNSHARDED = torch.fx.node.has_side_effect(torch.ops.fsdp2.release_unsharded.default)
+DELIVER_GRAD = torch.fx.node.has_side_effect(torch.ops.fsdp2.deliver_grad.default)
+
+UnshardArgs = op_view("UnshardArgs", UNSHARD, "Arguments of `fsdp2::unshard`: a parameter's shard and its static facts.")
+ReduceGradArgs = op_view("ReduceGradArgs", REDUCE_GRAD, "Arguments of `fsdp2::reduce_grad` (unshard's backward).")
+StashGradArgs = op_view("StashGradArgs", STASH_GRAD, "Arguments of `fsdp2::stash_grad` (backward, sync off).")
+AddPendingGradArgs = op_view(
+    "AddPendingGradArgs", ADD_PENDING_GRAD, "Arguments of `fsdp2::add_pending_grad` (synced backward after unsynced ones)."
+)
+KeepAliveArgs = op_view("KeepAliveArgs", KEEP_ALIVE, "Arguments of `fsdp2::keep_alive`: a wait and its collective's inputs.")
+KeepUnshardedArgs = op_view(
+    "KeepUnshardedArgs", KEEP_UNSHARDED, "Arguments of `fsdp2::keep_unsharded` (backward, reshard_after_backward off)."
+)
+DeliverGradArgs = op_view(
+    "DeliverGradArgs", DELIVER_GRAD, "Arguments of `fsdp2::deliver_grad` (backward, a parameter with hooks)."
+)
+ReleaseUnshardedArgs = op_view(
+    "ReleaseUnshardedArgs", RELEASE_UNSHARDED, "Arguments of `fsdp2::release_unsharded` (a forward took a kept parameter)."
+)

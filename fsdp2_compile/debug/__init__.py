@@ -1,0 +1,1 @@
+"""How what the compiler recorded is drawn: the dump folder, compact graph views."""

@@ -1,0 +1,186 @@
+"""`FSDPModule`: the class every module passed to `shard` gets mixed in, with FSDP2's methods of the same names and
+meanings (settings that change the compiled graph are read while Dynamo traces, so a change recompiles)."""
+
+from __future__ import annotations
+
+from fsdp2_compile.runtime.grad_delivery import discard_pending_hooks
+from fsdp2_compile.runtime.param_state import SHARDED_MODULES, ParamInfo, is_sharded, state_of
+
+__all__ = ["FSDPModule", "UnshardHandle"]
+
+
+def _check_bool(method: str, name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{method}({name}={value!r}): use True or False")
+
+
+class UnshardHandle:
+    """What `FSDPModule.unshard(async_op=True)` returns; `wait()` returns at once (see `unshard`)."""
+
+    def wait(self) -> None:
+        return None
+
+
+class FSDPModule:
+    """The class every module passed to `shard` gets mixed in (`isinstance(m, FSDPModule)`), with FSDP2's methods
+    of the same names and meanings. Settings that change the compiled graph (gradient sync, resharding after
+    forward) are read while Dynamo traces, so a change after compilation recompiles (Dynamo guards on them) and,
+    set alike on every rank, the ranks agree."""
+
+    def _param_infos(self, recurse: bool) -> list[ParamInfo]:
+        modules = [m for m in self.modules() if is_sharded(m)] if recurse else [self]
+        return list({id(i): i for m in modules for i in state_of(m).infos}.values())
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """FSDP2's gradient-accumulation switch. False: backward reduces no gradient; each rank keeps the
+        unsharded gradients of this module's parameters (their `.grad` gets zeros), and the next backward with
+        sync on adds them before the reduce-scatter, so micro-batches with sync off, then one with it on, equal
+        one large batch. `recurse=False`: only the parameters of this module's own `shard` call."""
+        _check_bool("set_requires_gradient_sync", "requires_gradient_sync", requires_gradient_sync)
+        for info in self._param_infos(recurse):
+            info.set_requires_gradient_sync(requires_gradient_sync)
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        """True: forward frees each gathered parameter after use and backward gathers it again; False: forward
+        keeps it for backward (no second all-gather, more memory). As in FSDP2, a bool only: an int given to
+        `shard` is replaced (True gathers from the whole shard group again)."""
+        _check_bool("set_reshard_after_forward", "reshard_after_forward", reshard_after_forward)
+        for info in self._param_infos(recurse):
+            info.reshard_after_forward, info.auto_reshard = reshard_after_forward, False
+            info.post_forward_size, info.post_forward_group_name = 0, ""
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        """False: parameters stay gathered after backward and the next forward gathers nothing (gradient
+        accumulation: more memory, less communication); True (the default) frees them. Kept parameters are
+        dropped before any optimizer step and by `reshard()`; a change recompiles."""
+        _check_bool("set_reshard_after_backward", "reshard_after_backward", reshard_after_backward)
+        for info in self._param_infos(recurse):
+            info.set_reshard_after_backward(reshard_after_backward)
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Accepted for FSDP2 compatibility with FSDP2-equal results: every compiled backward waits for its own
+        reductions before it returns, which is what FSDP2 does on the last backward."""
+        _check_bool("set_is_last_backward", "is_last_backward", is_last_backward)
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP gradient accumulation with reduce-scatter only: False keeps each backward's reduce-scattered
+        gradient on this rank (the parameters' `.grad` get zeros), and the next backward with the all-reduce adds
+        them before all-reducing over the replicas. No effect on a 1-D mesh."""
+        _check_bool("set_requires_all_reduce", "requires_all_reduce", requires_all_reduce)
+        for info in self._param_infos(recurse):
+            info.requires_all_reduce = requires_all_reduce
+            if not requires_all_reduce and not info.partial_key:
+                info.partial_key = f"{info.fqn}@{id(info):x}/partial"
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """This module's group (not its children's, as in FSDP2): each rank's gradient is multiplied by 1 / factor
+        and the results are summed over the data-parallel ranks (reduce-scatter, then the HSDP all-reduce),
+        instead of averaged; a factor equal to the shard group's size on a 1-D mesh is the default average."""
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
+            raise ValueError(f"{type(self).__name__}.set_gradient_divide_factor({factor!r}): use a positive number")
+        for info in self._param_infos(recurse=False):
+            default = info.replicate_size == 1 and factor == info.world_size
+            info.grad_divide_factor = "" if default else repr(float(factor))
+
+    set_reduce_scatter_divide_factor = set_gradient_divide_factor
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """This module's group, as in FSDP2: the collectives only sum, the average (or the gradient divide factor)
+        is a division after them (`ops.divide_factors`, FSDP2's rule); a change recompiles."""
+        _check_bool("set_force_sum_reduction_for_comms", "enable", enable)
+        for info in self._param_infos(recurse=False):
+            info.force_sum_reduction = enable
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """Accepted with FSDP2's results: a compiled backward gathers only the parameters its graph uses (an
+        embedding's weight is not gathered again), so False changes nothing."""
+        _check_bool("set_unshard_in_backward", "unshard_in_backward", unshard_in_backward)
+
+    def set_post_optim_event(self, event: object) -> None:
+        """Accepted with FSDP2's results: a compiled forward's all-gathers are issued in the order of the stream
+        it runs on, after the optimizer step that came before it, so there is no event to wait for."""
+
+    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
+        """False (FSDP2's default) only: a compiled graph reduces the gradients its ranks all compute; ranks that use
+        different parameters compile different graphs, which the rank-consistency check refuses, naming both."""
+        _check_bool("set_reduce_scatter_unused_params", "reduce_scatter_unused_params", reduce_scatter_unused_params)
+        if reduce_scatter_unused_params:
+            raise NotImplementedError(
+                f"{type(self).__name__}.set_reduce_scatter_unused_params(True) is not supported by fsdp2_compile: "
+                "every rank must use the same parameters in a step (make unused branches run with zero weight instead)"
+            )
+
+    def _unsupported(self, method: str, why: str) -> None:
+        raise NotImplementedError(f"{type(self).__name__}.{method} is not supported by fsdp2_compile: {why}")
+
+    def set_all_reduce_hook(self, hook: object, *, stream: object = None) -> None:
+        self._unsupported("set_all_reduce_hook", "the reductions are nodes of the compiled graph; run a "
+                          "post-accumulate-grad hook on the parameters instead (it gets the reduced shard)")
+
+    def set_custom_all_gather(self, comm: object) -> None:
+        self._unsupported("set_custom_all_gather", "the compiler inserts and buckets the all-gathers itself")
+
+    def set_custom_reduce_scatter(self, comm: object) -> None:
+        self._unsupported("set_custom_reduce_scatter", "the compiler inserts and buckets the reduce-scatters itself")
+
+    def _no_effect(self, *args: object, **kwargs: object) -> None:
+        """FSDP2's communication-buffer and stream settings (`set_reduce_scatter_max_input_buffers`,
+        `set_allocate_memory_from_process_group_for_comm`, `set_symm_mem_for_comm`,
+        `set_separate_reduce_scatter_group`): accepted; they change no result, and the compiled graph's scheduler
+        places its collectives and buffers itself."""
+
+    set_reduce_scatter_max_input_buffers = set_allocate_memory_from_process_group_for_comm = _no_effect
+    set_symm_mem_for_comm = set_separate_reduce_scatter_group = _no_effect
+
+    def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """In forward, issue the all-gathers of `modules`' groups right before this module's group is used (the
+        scheduler places the others itself; explicit ones take precedence and ignore the memory budget)."""
+        targets = self._prefetch_targets("set_modules_to_forward_prefetch", modules)
+        for info in self._param_infos(recurse=False):
+            info.prefetch_forward = targets
+
+    def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """In backward, issue the all-gathers of `modules`' groups right before this module's group is used."""
+        targets = self._prefetch_targets("set_modules_to_backward_prefetch", modules)
+        for info in self._param_infos(recurse=False):
+            info.prefetch_backward = targets
+
+    def _prefetch_targets(self, method: str, modules: object) -> tuple[ParamInfo, ...]:
+        if not isinstance(modules, (list, tuple)):
+            raise TypeError(f"{type(self).__name__}.{method}(modules) takes a list of modules, got {type(modules).__name__}")
+        for i, m in enumerate(modules):
+            if not isinstance(m, FSDPModule):
+                raise TypeError(
+                    f"{type(self).__name__}.{method}: modules[{i}] ({type(m).__name__}) was not passed to "
+                    "fsdp2_compile.shard; only sharded modules have all-gathers to prefetch"
+                )
+        return tuple(state_of(m).infos[0] for m in modules if state_of(m).infos)
+
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """FSDP2-equal results without a separate gather: reading `module.weight` outside a compiled forward
+        always returns the gathered parameter, and compiled graphs gather (prefetched) inside themselves."""
+        _check_bool("unshard", "async_op", async_op)
+        return UnshardHandle() if async_op else None
+
+    def reset_iter_state(self) -> None:
+        """FSDP2's recovery after an exception aborted a forward or backward: call it on the root (the outermost
+        sharded module), then run the next iteration. What the failed iteration left is discarded, as FSDP2
+        documents it: gradients kept by `set_requires_gradient_sync(False)` micro-batches (restart the
+        accumulation), HSDP shards kept without their all-reduce, parameters kept gathered by
+        `set_reshard_after_backward(False)`, optimizer-in-backward hooks queued for a backward that did not end.
+        Nothing else outlives a step: a compiled graph that raised drops its gathered parameters with its frame."""
+        outer = [m for m in list(SHARDED_MODULES) if m is not self and any(s is self for s in m.modules())]
+        if outer:
+            raise RuntimeError(
+                f"{type(self).__name__}.reset_iter_state must be called on the root sharded module, and this one "
+                f"is inside {type(outer[0]).__name__}: call it on the outermost module passed to shard"
+            )
+        for info in self._param_infos(recurse=True):
+            info.discard_iteration()
+        discard_pending_hooks(self.parameters())
+
+    def reshard(self) -> None:
+        """Free what `set_reshard_after_backward(False)` kept gathered for this module's group (nothing else
+        stays gathered between steps, see `unshard`)."""
+        for info in self._param_infos(recurse=False):
+            info.drop_kept()

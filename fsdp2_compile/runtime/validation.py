@@ -1,0 +1,246 @@
+"""What `shard` refuses, and why: every check runs on every rank before any collective, and names the module,
+parameter or argument and what to do. Also the optimizer check (an optimizer built before `shard`)."""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from fsdp2_compile._torch_private import concatenate_meshes
+from fsdp2_compile.config import MixedPrecisionPolicy
+from fsdp2_compile.runtime.param_state import REPLACED, infos_of, is_sharded, state_of
+
+__all__ = [
+    "check_ignored",
+    "check_modules",
+    "check_new_params",
+    "check_options",
+    "default_device_type",
+    "install_optimizer_check",
+    "resolve_mesh",
+    "warn_on_mixed_param_dtypes",
+]
+
+
+def default_device_type() -> str:
+    """The device type of the default process group's mesh: the CPU for gloo or without an accelerator."""
+    accelerator = torch.accelerator.current_accelerator()
+    gloo = torch.distributed.get_backend() == "gloo"
+    return "cpu" if gloo or accelerator is None else accelerator.type
+
+
+def resolve_mesh(mesh: DeviceMesh | None) -> DeviceMesh:
+    if mesh is None:
+        if not torch.distributed.is_initialized():
+            raise RuntimeError(
+                "fsdp2_compile.shard(mesh=None) needs an initialised default process group; "
+                "call torch.distributed.init_process_group first or pass a DeviceMesh"
+            )
+        return init_device_mesh(default_device_type(), (torch.distributed.get_world_size(),))
+    if not isinstance(mesh, DeviceMesh):
+        hint = (
+            "; wrap it: DeviceMesh.from_group(group, device_type)"
+            if isinstance(mesh, torch.distributed.ProcessGroup) else ""
+        )
+        raise TypeError(f"fsdp2_compile.shard: mesh must be a DeviceMesh or None, got {type(mesh).__name__}{hint}")
+    if mesh.ndim > 2:
+        raise ValueError(
+            f"fsdp2_compile.shard got a {mesh.ndim}-D mesh {tuple(mesh.shape)}; FSDP uses a 1-D mesh (shard) "
+            "or a 2-D mesh (replicate, shard). Slice the mesh, e.g. mesh['dp'], before passing it"
+        )
+    if mesh.ndim == 2 and mesh.mesh_dim_names is None:
+        raise ValueError(
+            f"fsdp2_compile.shard got a 2-D mesh {tuple(mesh.shape)} without dim names; for HSDP create it as "
+            'init_device_mesh(device_type, (replicas, shard_size), mesh_dim_names=("replicate", "shard"))'
+        )
+    names = mesh.mesh_dim_names or ()
+    if mesh.ndim == 2 and "shard" in names[0] and "replicate" in names[1]:
+        raise ValueError(
+            f"fsdp2_compile.shard got a 2-D mesh named {names}: like fully_shard, HSDP reads the dims by position, "
+            f"replicate first, then shard, so this mesh would shard over {names[1]!r}. Create it as "
+            f'init_device_mesh(device_type, ({mesh.size(1)}, {mesh.size(0)}), mesh_dim_names=("replicate", "shard"))'
+        )
+    return mesh
+
+
+def _check_param(fqn: str, param: nn.Parameter, mesh: DeviceMesh, offload: bool) -> None:
+    if param.dim() == 0:
+        raise ValueError(
+            f"parameter '{fqn}' is 0-dimensional; FSDP shards parameters on dim 0. "
+            "Give it shape (1,) or pass it in ignored_params"
+        )
+    if param.device.type not in (mesh.device_type, "meta", *(("cpu",) if offload else ())):
+        raise ValueError(
+            f"parameter '{fqn}' is on device '{param.device}' but the mesh is on '{mesh.device_type}'; "
+            f"move the module with module.to('{mesh.device_type}') before calling shard"
+        )
+    if isinstance(param, DTensor):
+        _check_tp_param(fqn, param, mesh)
+
+
+def _mesh_desc(mesh: DeviceMesh) -> str:
+    names = mesh.mesh_dim_names
+    dims = ", ".join(f"{n}={k}" for n, k in zip(names, mesh.shape)) if names else f"unnamed, shape {tuple(mesh.shape)}"
+    return f"mesh ({dims})"
+
+
+_RECIPE = (
+    "slice both from one mesh: mesh = init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp')), "
+    "parallelize_module(block, mesh['tp'], plan), then shard(block, mesh['dp'])"
+)
+
+
+def _check_tp_param(fqn: str, param: DTensor, mesh: DeviceMesh) -> None:
+    """A DTensor parameter must be tensor-parallel (Shard / Replicate) on a 1-D mesh that `mesh` extends: both
+    slices of one mesh over the same ranks, with disjoint dims. Checked on every rank before any collective (the
+    checks read only the meshes' layouts, which every rank holds whole)."""
+    tp_mesh = param.device_mesh
+    where = f"parameter '{fqn}' is a DTensor on the tensor-parallel {_mesh_desc(tp_mesh)}"
+    dp = f"shard's {_mesh_desc(mesh)}"
+    if tp_mesh.ndim != 1:
+        raise ValueError(
+            f"{where} with placements {tuple(param.placements)}: a {tp_mesh.ndim}-D mesh. fsdp2_compile shards over "
+            f"{dp} on top of 1-D tensor parallelism only; apply the TP plan on one 1-D slice, e.g. mesh['tp']"
+        )
+    if any(p.is_partial() for p in param.placements):
+        raise ValueError(
+            f"{where} with placements {tuple(param.placements)}: a Partial (pending-reduction) parameter cannot be "
+            f"sharded over {dp}; parameters must be Shard or Replicate (redistribute it, or let parallelize_module "
+            "place it)"
+        )
+    if not mesh.mesh_dim_names or not tp_mesh.mesh_dim_names:
+        raise ValueError(
+            f"{where}, and {dp}" + (" (the default 1-D mesh over every rank)" if not mesh.mesh_dim_names else "")
+            + f" has no dim names: with tensor parallelism {_RECIPE}"
+        )
+    same = set(tp_mesh.mesh_dim_names) & set(mesh.mesh_dim_names)
+    if same:
+        raise ValueError(
+            f"{where}, and {dp} has the same dim {sorted(same)}: pass the data-parallel mesh, e.g. "
+            f"shard(module, mesh['dp']) with the tensor-parallel plan applied on mesh['tp']"
+        )
+    try:
+        concatenate_meshes([mesh, tp_mesh])
+    except RuntimeError as e:
+        why = (
+            "they are meshes over different ranks"
+            if "different device mesh" in str(e)
+            else "they overlap: some ranks of one data-parallel group are also in one tensor-parallel group"
+        )
+        raise ValueError(f"{where}, which {dp} does not extend ({why}); {_RECIPE}") from None
+
+
+def check_new_params(
+    members: list[nn.Module], mesh: DeviceMesh, ignored: dict[int, nn.Parameter], offload: bool = False
+) -> None:
+    """`_check_param` on every parameter this `shard` call will take over (not ignored, not taken by an earlier
+    call), before `shard` measures the link or creates any group: bad input fails on every rank alike. With CPU
+    offload, parameters may be on the CPU whatever the mesh's device."""
+    for member in members:
+        for mod_name, mod in member.named_modules(remove_duplicate=False):
+            for pname, param in mod._parameters.items():
+                if param is None or id(param) in ignored or pname in infos_of(mod) or param in REPLACED:
+                    continue
+                _check_param(f"{mod_name}.{pname}" if mod_name else pname, param, mesh, offload)
+
+
+def check_modules(module: object) -> list[nn.Module]:
+    """The modules of one `shard` call: a module, or a non-empty list / tuple of distinct modules, none sharded."""
+    members = list(module) if isinstance(module, (list, tuple)) else [module]
+    if not members:
+        raise ValueError("fsdp2_compile.shard got an empty list of modules; pass a module or a list of modules")
+    for i, m in enumerate(members):
+        where = f"[{i}] " if isinstance(module, (list, tuple)) else ""
+        if not isinstance(m, nn.Module):
+            raise TypeError(f"fsdp2_compile.shard: module {where}is a {type(m).__name__}, not an nn.Module")
+        if is_sharded(m):
+            raise ValueError(
+                f"module {where}{type(m).__name__} is already sharded by fsdp2_compile.shard; call shard once per module"
+            )
+    if len({id(m) for m in members}) != len(members):
+        raise ValueError("fsdp2_compile.shard got the same module twice in its list; list each module once")
+    return members
+
+
+def check_options(mp_policy: object, offload_policy: object = None) -> None:
+    from torch.distributed.fsdp import OffloadPolicy
+
+    if offload_policy is not None and not isinstance(offload_policy, OffloadPolicy):
+        raise TypeError(
+            f"shard(offload_policy=...) takes torch.distributed.fsdp.OffloadPolicy(), got {type(offload_policy).__name__}"
+        )
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(
+            f"shard(mp_policy=...) must be a fsdp2_compile.MixedPrecisionPolicy, got {type(mp_policy).__name__}"
+        )
+
+
+def check_ignored(ignored_params: Iterable[nn.Parameter] | None) -> dict[int, nn.Parameter]:
+    if ignored_params is None:
+        return {}
+    if isinstance(ignored_params, (torch.Tensor, nn.Module)):
+        raise TypeError(
+            f"shard(ignored_params=...) got a single {type(ignored_params).__name__}; pass a set of parameters, "
+            "e.g. set(module.parameters())"
+        )
+    params = list(ignored_params)
+    for i, p in enumerate(params):
+        if not isinstance(p, nn.Parameter):
+            hint = "; pass its parameters: set(module.parameters())" if isinstance(p, nn.Module) else ""
+            raise TypeError(f"shard(ignored_params=...): item {i} is a {type(p).__name__}, not an nn.Parameter{hint}")
+    return {id(p): p for p in params}
+
+
+def warn_on_mixed_param_dtypes(module: nn.Module, mp: MixedPrecisionPolicy) -> None:
+    """Groups sharded earlier under `module` with another param_dtype hand each other activations of different
+    dtypes (FSDP2 behaves the same); the usual cause is an mp_policy passed to the root's call only."""
+    others = sorted(
+        name for name, m in module.named_modules()
+        if name and is_sharded(m) and state_of(m).mp_policy.param_dtype != mp.param_dtype
+    )
+    if others:
+        theirs = state_of(module.get_submodule(others[0])).mp_policy.param_dtype
+        warnings.warn(
+            f"fsdp2_compile.shard: {type(module).__name__} is sharded with param_dtype={mp.param_dtype} but "
+            f"{', '.join(others[:4])}{' ...' if len(others) > 4 else ''} were sharded with param_dtype={theirs}: their "
+            "activations will meet in different dtypes. Pass the same mp_policy to every shard call "
+            "(blocks and root), as with fully_shard",
+            stacklevel=3,
+        )
+
+
+_CHECKED_OPTIMIZERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""Optimizer -> number of param groups already checked by `_check_optimizer`."""
+
+
+_OPTIMIZER_HOOK: list = []
+
+
+def install_optimizer_check() -> None:
+    """Once per process: before an optimizer's first step (and after param groups are added), refuse one that
+    holds parameters `shard` replaced: it would update tensors the sharded model no longer uses."""
+    if not _OPTIMIZER_HOOK:
+        _OPTIMIZER_HOOK.append(register_optimizer_step_pre_hook(_check_optimizer))
+
+
+def _check_optimizer(optimizer: torch.optim.Optimizer, _args, _kwargs) -> None:
+    groups = len(optimizer.param_groups)
+    if _CHECKED_OPTIMIZERS.get(optimizer) == groups:
+        return
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p in REPLACED:
+                raise RuntimeError(
+                    f"{type(optimizer).__name__} holds parameter '{REPLACED[p][1].fqn}' as it was before "
+                    "fsdp2_compile.shard replaced it with a sharded DTensor parameter, so it would train nothing. "
+                    "Build the optimizer after shard / shard_compile, e.g. "
+                    f"torch.optim.{type(optimizer).__name__}(model.parameters(), ...)"
+                )
+    _CHECKED_OPTIMIZERS[optimizer] = groups
