@@ -16,7 +16,7 @@ import fault_workers
 from fault_workers import PG_TIMEOUT_S, run_faults
 
 WAIT_S = PG_TIMEOUT_S - 5  # what the check waits for a rank that never publishes (max(min(0.9 T, T - 5), T / 2))
-BOUND_S = 60  # a generous bound for any case on a busy machine
+BOUND_S = PG_TIMEOUT_S  # a case must end by itself: one that only the process group's timeout ended fails
 
 
 @functools.cache
@@ -37,7 +37,7 @@ def test_a_rank_raising_in_its_pass_pipeline_is_named_by_the_others_at_once():
     words = "rank 1 failed to compile its forward graph: ValueError: injected failure in a pass on rank 1."
     assert words in r0["error"], r0
     assert "second line" not in r0["error"]  # only the first line of the message is published
-    assert abs(r0["seconds"] - r1["seconds"]) < 3 and r0["seconds"] < BOUND_S  # not after the 15 s wait
+    assert abs(r0["seconds"] - r1["seconds"]) < 3 and r0["seconds"] < WAIT_S  # named at once, not after the bounded wait
 
 
 def test_a_rank_raising_before_its_first_compile_is_named_after_the_bounded_wait():
@@ -47,7 +47,7 @@ def test_a_rank_raising_before_its_first_compile_is_named_after_the_bounded_wait
     assert f"{words} after {PG_TIMEOUT_S:.0f} s)" in r0["error"], r0
     assert "raised or crashed before compiling" in r0["error"] and "are late" in r0["error"]
     # its own message, before the process group's timeout would fire
-    assert WAIT_S <= r0["seconds"] < min(PG_TIMEOUT_S, BOUND_S), r0
+    assert WAIT_S <= r0["seconds"] < BOUND_S, r0
 
 
 def test_a_late_rank_is_waited_for():
