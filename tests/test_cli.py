@@ -330,7 +330,7 @@ def test_help_does_not_import_torch():
         "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('fsdp2_compile.')))\n"
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
-    assert r.stdout.splitlines()[-1] == "['fsdp2_compile.cli.main', 'fsdp2_compile.cli.model_loading']"
+    assert r.stdout.splitlines()[-1] == "['fsdp2_compile.cli', 'fsdp2_compile.cli.main', 'fsdp2_compile.cli.model_loading']"
 
 
 def test_unwritable_out_fails_before_compiling(tmp_path):
