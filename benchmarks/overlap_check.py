@@ -8,7 +8,7 @@ Two ranks train a small GPT (benchmarks/step_time.py) on plain loopback and insi
 loopback is shaped to 1 Gbit/s with `tc tbf` (root and iproute2 needed, as in CI; skipped otherwise). Without
 bucketing and reordering ("plain") every collective is waited for at once, so the link adds its whole time to the
 step; with the full pipeline much of it hides behind compute. (Measured here: plain 3.43 s, full 2.65 s a step on
-the shaped link. With a 4x smaller model the link's cost was too erratic to measure: see the issue notes.)
+the shaped link. With a 4x smaller model the link's cost was too erratic to measure.)
 """
 
 from __future__ import annotations

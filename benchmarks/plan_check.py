@@ -1,4 +1,4 @@
-"""The planner against published and measured runs: prints the README's table (run, source, published or
+"""The planner against published and measured runs: prints docs/planner.md's table (run, source, published or
 measured, predicted, ratio). Runs `make_plan` in this process under the fake process group (about 15 s a row).
 
     .venv/bin/python benchmarks/plan_check.py [--rows tt8 tt8c ...] [--json]
@@ -32,9 +32,9 @@ ROWS = {
     "tt128c": ("Llama 3.1 8B, 128 H100, bs 2 x 8192, SAC op, torch.compile", f"{TT}, Table 3 'FSDP + torch.compile'",
                "llama:llama3_8b", {"batch": 2, "seq": 8192}, 128, "h100-infiniband",
                {"ac": "selective", "compiler": "inductor-blocks", "mp": "bf16"}, 6514, 62.0 * GIB, None),
-    "gpt-lo": ("GPT 29.5M, 2 ranks gloo loopback, full pipeline", "README benchmark table (benchmarks/run.py)",
+    "gpt-lo": ("GPT 29.5M, 2 ranks gloo loopback, full pipeline", "benchmarks/run.py, full, mean of 3 runs (2026-12-01)",
                "cli_factories:gpt_bench", {}, 2, "cpu-gloo-loopback", {}, None, 1304 * MIB, 2.912),
-    "gpt-1g": ("GPT 29.5M, 2 ranks gloo 1 Gbit/s, full pipeline", "README benchmark table (benchmarks/run.py)",
+    "gpt-1g": ("GPT 29.5M, 2 ranks gloo 1 Gbit/s, full pipeline", "benchmarks/run.py, full, mean of 3 runs (2026-12-01)",
                "cli_factories:gpt_bench", {}, 2, "cpu-gloo-1gbit", {}, None, 1307 * MIB, 3.616),
 }
 

@@ -177,7 +177,7 @@ def test_full_collections_wait_while_torch_compiles_and_resume_after():
 
 
 def test_the_compile_profile_benchmark_reports_the_compile_phases():
-    # benchmarks/compile_profile.py (README: where compile time goes) runs a 1-layer GPT in a fresh interpreter
+    # benchmarks/compile_profile.py (where compile time goes) runs a 1-layer GPT in a fresh interpreter
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "compile_profile.py"), "--layers", "1"],
                           capture_output=True, text=True, timeout=300)

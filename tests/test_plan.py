@@ -1,4 +1,4 @@
-"""The planner (issue 15): reduced copies of any factory, attention and activation checkpointing as they run
+"""The planner: reduced copies of any factory, attention and activation checkpointing as they run
 (saved bytes counted by hand), the simulated peak, the JSON keys, and the plan against a 2-rank run measured here."""
 
 from __future__ import annotations
@@ -174,9 +174,9 @@ def test_sizes_print_in_the_unit_that_fits():
 
 
 def test_plan_against_the_2_rank_run_measured_here():
-    """benchmarks/run.py, README table (full pipeline, the mean of three runs of 2026-12-01): loopback 2.912 s a
+    """benchmarks/run.py (full pipeline, the mean of three runs of 2026-12-01): loopback 2.912 s a
     step and 1304 MiB peak RSS per rank, 1 Gbit/s link 3.616 s and 1307 MiB. Not a timing assertion: the figures
-    come from the benchmark and the plan is deterministic. Bounds: the issue's 15%, on time, memory and step time
+    come from the benchmark and the plan is deterministic. Bounds: the planner's 15% target, on time, memory and step time
     over compute alone (measured 1.15 and 1.42: the ratio that the machine's own speed drift between runs cancels)."""
     with fake_group(2):
         plan = make_plan(cli_factories.gpt_bench, 2, call=call_factory,

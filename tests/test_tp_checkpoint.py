@@ -1,4 +1,4 @@
-"""FSDP + TP checkpoints (issue 12 item 6): HF Llama on 2 dp x 2 tp (the plan of tests/tp_workers.py). DCP state
+"""FSDP + TP checkpoints: HF Llama on 2 dp x 2 tp (the plan of tests/tp_workers.py). DCP state
 moves from FSDP + TP to FSDP only on 2 ranks and back (`save_checkpoint` / `load_checkpoint`), and between
 `fully_shard` + TP and `shard_compile` + TP both ways (plain `dcp.save` / `dcp.load` with `get_state_dict` /
 `set_state_dict`). Loaded state is bit-identical to the saved state; the next losses equal the uninterrupted run's

@@ -1,4 +1,4 @@
-"""FSDP + TP bad input (issue 12 item 8): `shard` refuses tensor-parallel parameters it cannot shard over its mesh
+"""FSDP + TP bad input: `shard` refuses tensor-parallel parameters it cannot shard over its mesh
 with a ValueError naming the parameter and both meshes, raised from the meshes' layouts alone (every rank holds them
 whole, so every rank raises the same) before `shard` creates a group or measures the link, and leaves the module
 untouched. In-process, on the fake process group (any world size)."""

@@ -1,4 +1,4 @@
-"""FSDP + TP beyond column / row parallel linears (issue 12 items 1 and 4): torchtitan's Llama plan with
+"""FSDP + TP beyond column / row parallel linears: torchtitan's Llama plan with
 sequence-parallel norms, `PrepareModuleInput` and a vocab-parallel head under `loss_parallel` (tests/tt_llama.py) on
 2 dp x 2 tp; and HSDP + TP on 8 ranks as (replicate, shard, tp) = 2 x 2 x 2 (HF Llama). Each bitwise equal to
 `fully_shard` + the same plan and within fp32 tolerance of a single process; `clip_grad_norm_`, `optimizer.step()`

@@ -5,9 +5,6 @@ parameter or argument and the fix. Validation happens in `shard()`, `shard_compi
 from __future__ import annotations
 
 import os
-import re
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -18,8 +15,6 @@ import fsdp2_compile as fc
 from fsdp2_compile.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from fsdp2_compile.runtime.free_memory import free_bytes
 from fsdp2_compile.runtime.sharding import managed_params
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class Net(nn.Module):
@@ -284,42 +279,6 @@ def test_checkpoint_to_an_unwritable_path(tmp_path):
     with pytest.raises(CheckpointError) as info:
         save_checkpoint(path, Net())
     assert "ckpt" in str(info.value) and isinstance(info.value, Exception)
-
-
-def test_the_readme_use_block_runs_as_written(tmp_path):
-    """The first Python block under "## Use" in README.md, copied to a file and run on 2 ranks as it says."""
-    readme = open(os.path.join(ROOT, "README.md")).read()
-    block = re.search(r"^## Use\n\n```python\n(.*?)^```", readme, re.S | re.M).group(1)
-    assert "torchrun --nproc-per-node 2 use.py" in block
-    (tmp_path / "use.py").write_text(block)
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(tmp_path / "use.py")],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    for rank in (0, 1):
-        losses = [float(v) for v in re.findall(rf"rank {rank} step \d loss ([\d.]+)", proc.stdout)]
-        assert len(losses) == 5 and losses[-1] < losses[0], proc.stdout
-
-
-def test_the_readme_tp_and_meta_device_blocks_run_as_written():
-    """The two indented Python blocks of README's "Use" list, dedented and run on 4 ranks (workers.readme_snippets)."""
-    import textwrap
-
-    from harness import run_ranks
-    from workers import readme_snippets
-
-    readme = open(os.path.join(ROOT, "README.md")).read()
-    use = readme.split("## Use", 1)[1].split("\n## ", 1)[0]
-    tp_block, meta_block = (textwrap.dedent(b) for b in re.findall(r"^  ```python\n(.*?)^  ```", use, re.S | re.M))
-    assert "parallelize_module" in tp_block and 'torch.device("meta")' in meta_block
-    for r in run_ranks(readme_snippets, 4, tp_block, meta_block):
-        assert r["tp_grad_error"] < 1e-5, r
-        meshes = r["tp_meshes"]  # TP'd weights on the (dp, tp) mesh, the rest (norms, embedding, head) over dp
-        assert meshes["layers.0.attn.wq.weight"] == meshes["layers.1.mlp.w2.weight"] == ("dp", "tp"), meshes
-        assert meshes["layers.0.attn_norm.weight"] == meshes["embed.weight"] == ("dp",), meshes
-        assert r["local"]["blocks.0.mlp.0.weight"] == ((256 // 4, 64), "cpu"), r["local"]
-        assert r["grads"] and r["loss"] == r["loss"], r
 
 
 def test_optimizer_in_backward_with_sync_off_through_the_backend_route(fake_pg):

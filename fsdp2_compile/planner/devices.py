@@ -100,7 +100,7 @@ _CPU = DeviceFigures(
         "reduce_scatter_factor": "not resolved on loopback, where link time is CPU copies: benchmarks/"
                                  "link_figures.py gave a reduce-scatter 1.08-2.12x an all-gather (an all-reduce "
                                  "0.73-0.83x) with the machine loaded; left at a ring's 1",
-        "comm_overlaps_compute": "measured here (README, overlap benchmark): on loopback gloo's copies use the same "
+        "comm_overlaps_compute": "measured here (overlap benchmark, docs/performance.md): on loopback gloo's copies use the same "
                                  "2 cores as compute, an all-gather then matmuls takes the sum of both times",
         "allocator_factor": "measured by benchmarks/rss_figures.py (2 ranks, full pipeline, one thread each, "
                             "2026-11-30) on the 4-layer d 384 GPT: (peak RSS with glibc's default - the runtime) / "
