@@ -9,6 +9,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from ._torch_private import module_call_impl, set_compiled_call_impl
 from .backend import check_input_devices, make_backend
 from .config import CompileConfig, MixedPrecisionPolicy
 from .free_memory import resolve_memory_budget
@@ -65,7 +66,7 @@ def compile_in_place(module: nn.Module, backend, dynamic: bool | None = None) ->
 
     def call(*args, **kwargs):
         _check_call_inputs(module, args, kwargs)  # traced: runs when Dynamo compiles, guarded like the inputs
-        return module._call_impl(*args, **kwargs)
+        return module_call_impl(module)(*args, **kwargs)
 
     # A code object of its own: Dynamo keeps at most `recompile_limit` (8) graphs per code object, and every
     # module compiled here would otherwise share `call`'s, so the 9th would silently run uncompiled.
@@ -77,7 +78,7 @@ def compile_in_place(module: nn.Module, backend, dynamic: bool | None = None) ->
         refresh()  # eager: which parameters have post-accumulate-grad hooks now
         return compiled(*args, **kwargs)
 
-    module._compiled_call_impl = refreshed_call
+    set_compiled_call_impl(module, refreshed_call)
 
 
 def _check_bucket_names(module: nn.Module, config: CompileConfig) -> None:

@@ -17,7 +17,8 @@ import torch.distributed as dist
 from torch import fx
 from torch.utils.flop_counter import flop_registry
 
-from ._torch_private import resolve_group
+from ._torch_private import OpOverload, resolve_group
+from ._torch_private import functional_collectives as _funcol
 from .heap import release_freed_heap
 from .ir import KEEP_ALIVE, WAIT, CollectiveArgs, Role, SubgraphCall, WaitArgs, collective_kind, concrete, nbytes
 
@@ -33,7 +34,6 @@ __all__ = [
     "simulate",
 ]
 
-_funcol = torch.ops._c10d_functional
 _VIEWS = {"view", "_unsafe_view", "slice", "t", "transpose", "permute", "expand", "alias", "select", "split",
           "split_with_sizes", "unsqueeze", "squeeze", "as_strided", "detach", "unbind", "reshape"}
 
@@ -105,7 +105,7 @@ def compute_time(node: fx.Node, profile: HardwareProfile) -> float:
     call = SubgraphCall.of(node)
     if call is not None:
         return _body_time(call.module(), profile)
-    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+    if node.op != "call_function" or not isinstance(node.target, OpOverload):
         return 0.0
     if node.target.overloadpacket.__name__ in _VIEWS or node.target is KEEP_ALIVE:
         return 0.0

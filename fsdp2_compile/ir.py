@@ -6,7 +6,7 @@ copies and functional collectives and leave the facts in `node.meta`. This modul
 
 - **Named views of op arguments** (`UnshardArgs.of(node).fqn`, `ReduceGradArgs.of(node).reduce_dtype`,
   `CollectiveArgs.of(node).group_name`, ...), one frozen dataclass per op whose fields are generated from the op's
-  schema (`op._schema.arguments`): no index tables. `view.as_args()` gives the positional arguments back, and
+  schema (`op_schema(op).arguments`): no index tables. `view.as_args()` gives the positional arguments back, and
   `view.static()` every non-tensor argument (what identifies a parameter).
 - **The `node.meta` keys** the passes leave for each other (`PARAMS`, `BUCKET`, `ROLE`) and the `Role` enum of
   what a lowered node does; `Tags` is their typed view.
@@ -32,6 +32,8 @@ import torch
 from torch import fx
 
 from . import grouped_unshard, ops
+from ._torch_private import OpOverload, group_size, op_name, op_schema
+from ._torch_private import functional_collectives as _funcol
 
 __all__ = [
     "ADD_PENDING_GRAD",
@@ -84,7 +86,6 @@ __all__ = [
 
 # ---------------------------------------------------------------------------------------------- ops
 
-_funcol = torch.ops._c10d_functional
 UNSHARD = ops.UNSHARD
 REDUCE_GRAD = ops.REDUCE_GRAD
 STASH_GRAD = ops.STASH_GRAD
@@ -200,10 +201,10 @@ def val(node: Any) -> Any:
 # ---------------------------------------------------------------------------------------------- argument views
 
 
-def _bind(op: torch._ops.OpOverload, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+def _bind(op: OpOverload, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
     """The arguments of a call to `op` by schema name, defaults filled in."""
     bound = {}
-    for i, arg in enumerate(op._schema.arguments):
+    for i, arg in enumerate(op_schema(op).arguments):
         if i < len(args):
             bound[arg.name] = args[i]
         elif arg.name in kwargs:
@@ -218,7 +219,7 @@ def _bind(op: torch._ops.OpOverload, args: Sequence[Any], kwargs: Mapping[str, A
 def schema_args(node: fx.Node) -> dict[str, Any]:
     """Every argument of an op call node by its schema name, as passed (defaults not filled in); {} for nodes that
     do not call an OpOverload."""
-    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+    schema = op_schema(node.target) if node.op == "call_function" else None
     if schema is None:
         return {}
     out = {}
@@ -233,7 +234,7 @@ def schema_args(node: fx.Node) -> dict[str, Any]:
 class OpArgs:
     """Base of the named argument views: one frozen dataclass per op, fields named and ordered as in its schema."""
 
-    op: ClassVar[torch._ops.OpOverload]
+    op: ClassVar[OpOverload]
     tensor_fields: ClassVar[tuple[str, ...]]
     """The fields whose schema type is a tensor (or a list of them)."""
 
@@ -261,18 +262,18 @@ class OpArgs:
         return dataclasses.replace(self, **changes)
 
 
-def _view(name: str, op: torch._ops.OpOverload, doc: str, base: type = OpArgs) -> type:
+def _view(name: str, op: OpOverload, doc: str, base: type = OpArgs) -> type:
     """The view class of `op`: a frozen dataclass with one field per schema argument (its default kept)."""
     fields: list[Any] = []
     tensors = []
-    for arg in op._schema.arguments:
+    for arg in op_schema(op).arguments:
         if "Tensor" in str(arg.type):
             tensors.append(arg.name)
         if arg.has_default_value():
             fields.append((arg.name, Any, dataclasses.field(default=arg.default_value)))
         else:
             fields.append((arg.name, Any))
-    namespace = {"op": op, "tensor_fields": tuple(tensors), "__doc__": f"{doc}\n\nSchema: `{op._schema}`"}
+    namespace = {"op": op, "tensor_fields": tuple(tensors), "__doc__": f"{doc}\n\nSchema: `{op_schema(op)}`"}
     cls = dataclasses.make_dataclass(name, fields, bases=(base,), frozen=True, namespace=namespace)
     cls.__module__ = __name__
     return cls
@@ -312,7 +313,7 @@ _FSDP_VIEWS: dict[Any, type] = {
 def fsdp_op_name(node: fx.Node) -> str | None:
     """The op name ("unshard", "reduce_grad", "stash_grad", "keep_alive", ...) of a call to an fsdp2 op."""
     if node.op == "call_function" and node.target in _FSDP_VIEWS:
-        return node.target._opname
+        return op_name(node.target)
     return None
 
 
@@ -336,8 +337,6 @@ class CollectiveArgs(OpArgs):
         """Ranks in the collective's group: its `group_size` argument, or (all-reduce) the group's size."""
         size = getattr(self, "group_size", None)
         if size is None:
-            from ._torch_private import group_size
-
             size = group_size(self.group_name)
         return size
 
@@ -357,7 +356,7 @@ AllToAllArgs.kind = Role.ALL_TO_ALL
 
 _COLLECTIVE_VIEWS: dict[Any, type] = {v.op: v for v in (AllGatherArgs, ReduceScatterArgs, AllReduceArgs, AllToAllArgs)}
 
-COLLECTIVE_KINDS: dict[torch._ops.OpOverload, Role] = {v.op: v.kind for v in _COLLECTIVE_VIEWS.values()}
+COLLECTIVE_KINDS: dict[OpOverload, Role] = {v.op: v.kind for v in _COLLECTIVE_VIEWS.values()}
 """The collective kind of each functional collective op: the one table of them."""
 
 

@@ -27,6 +27,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from ._torch_private import functional_collectives as _funcol
+
 __all__ = [
     "ADD_PENDING_GRAD",
     "DELIVER_GRAD",
@@ -52,7 +54,6 @@ __all__ = [
     "unshard",
 ]
 
-_funcol = torch.ops._c10d_functional
 
 
 def padded_rows(dim0: int, world_size: int) -> int:

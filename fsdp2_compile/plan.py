@@ -264,7 +264,7 @@ def _compile_and_measure(model, args, loss_fn, mesh, compile_kwargs, tp_mesh=Non
     shard_for_plan(model, mesh=mesh, reshard_after_forward=compile_kwargs["reshard_after_forward"],
                    mp_policy=compile_kwargs["mp_policy"])
     clear_compiled_graphs()
-    torch._dynamo.reset()  # the copies are throwaway; without it a process that plans often hits recompile_limit
+    torch.compiler.reset()  # the copies are throwaway; without it a process that plans often hits recompile_limit
     # torch.compile on the sharded meta model directly: shard_compile's call wrapper refuses meta parameters
     # (a user's forward must not run on them), and the planner only needs the graphs
     compiled = torch.compile(model, backend=make_backend(compile_kwargs["compile_config"]))
