@@ -31,17 +31,20 @@ from torch import fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 __all__ = [
-    "SUPPORTED_TORCH",
+    "ALLOW_UNSUPPORTED_TORCH",
     "CheckpointPolicy",
     "CheckpointWrapper",
     "FakeScriptObject",
     "OpOverload",
+    "SUPPORTED_TORCH",
+    "SUPPORTED_TORCH_SPEC",
     "TorchDispatchMode",
     "UnsupportedTorchError",
     "aot_module_simplified",
     "boxed_call",
-    "checkpoint_wrapper",
+    "check_torch_version",
     "checkpoint_wrapped_module",
+    "checkpoint_wrapper",
     "clear_dtensor_caches",
     "compile_times",
     "concatenate_meshes",
@@ -100,7 +103,8 @@ class UnsupportedTorchError(ImportError):
 
 
 def _install_hint() -> str:
-    return f"fsdp2_compile supports torch{SUPPORTED_TORCH_SPEC}: install one (pip install 'torch{SUPPORTED_TORCH_SPEC}')"
+    spec = SUPPORTED_TORCH_SPEC
+    return f"fsdp2_compile supports torch{spec}: install one (pip install 'torch{spec}')"
 
 
 def check_torch_version(version: str) -> None:
