@@ -5,7 +5,7 @@
 For each depth, in a fresh interpreter: the GPT of `examples/gpt.py` (blocks sharded, then the root, with
 `shard_compile`), one forward and backward on a tiny batch; prints wall and CPU seconds of that first step, the
 time Python's garbage collector took in it (full collections counted apart), and torch's own compile phases
-(`torch._dynamo.utils.compile_times()`: Dynamo's tracing, its nested-region reuse check and stamp-out, guards,
+(Dynamo's `compile_times()`: Dynamo's tracing, its nested-region reuse check and stamp-out, guards,
 AOTAutograd's metadata pass and joint trace, the lazy backward compile). The step itself is tiny, so the first
 step is nearly all compile time. Compare depths within one run: on a 2-core machine the figures move by a third
 between runs.
@@ -33,11 +33,10 @@ def _one(layers: int, d_model: int) -> dict:
     sys.path.insert(0, os.path.join(here, "..", "examples"))
     import torch
     from gpt import GPT, GPTConfig
-    from torch._dynamo.utils import compile_times
     from torch.distributed.device_mesh import init_device_mesh
 
     import fsdp2_compile as fc
-    from fsdp2_compile._torch_private import fake_process_group
+    from fsdp2_compile._torch_private import compile_times, fake_process_group
 
     fake_process_group(rank=0, world_size=2)
     mesh = init_device_mesh("cpu", (2,))

@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 
+from fsdp2_compile._torch_private import log_softmax_backward
+
 
 def best_and_median(fn, repeat: int) -> tuple[float, float]:
     """(best, median) seconds of `fn` over `repeat` runs after one warm-up."""
@@ -85,7 +87,7 @@ def elementwise(tokens: int, d: int, heads: int, seq: int, repeat: int) -> dict:
          nbytes(y, x, mean, rstd, x)),
         (lambda: t.contiguous(), nbytes(x, x)),
         (lambda: torch.log_softmax(logits, -1), nbytes(logits, logits)),
-        (lambda: torch.ops.aten._log_softmax_backward_data(gh, lsm, -1, torch.float32), nbytes(gh, lsm, gh)),
+        (lambda: log_softmax_backward(gh, lsm, -1, torch.float32), nbytes(gh, lsm, gh)),
     ]
     return rate(sum(n for _, n in ops), [fn for fn, _ in ops], repeat)
 

@@ -14,7 +14,6 @@ import os
 import sys
 import time
 
-import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile, record_function
 

@@ -17,7 +17,7 @@ import time
 import torch
 import torch.distributed as dist
 
-funcol = torch.ops._c10d_functional
+from fsdp2_compile._torch_private import functional_collectives as funcol
 
 
 def median_time(fn, repeat: int = 5) -> float:

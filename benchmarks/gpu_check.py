@@ -146,7 +146,7 @@ def _compare_params(mine: dict, ref: dict | None, device) -> tuple[bool, float]:
 
 def run_one(base: GPT, system: str, dtype_name: str, args, dev: Device, mesh, rank: int, world: int,
             ref_params: dict | None) -> tuple[dict, dict]:
-    torch._dynamo.reset()
+    torch.compiler.reset()
     clear_compiled_graphs()
     model = copy.deepcopy(base).to(dev.device)
     dtype = DTYPES[dtype_name]

@@ -112,7 +112,7 @@ def compile_seconds() -> float:
     backend: AOTAutograd, the partition and the forward passes) and AOTAutograd's lazy backward compiles. Unlike
     the first step minus a median step, this leaves out what any first step does once (the optimizer's state
     allocated, memory touched for the first time)."""
-    from torch._dynamo.utils import compile_times
+    from fsdp2_compile._torch_private import compile_times
 
     names, seconds = compile_times(repr="csv", aggregate=True)
     phases = dict(zip(names, seconds))

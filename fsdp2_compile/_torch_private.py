@@ -1,61 +1,277 @@
-"""Every private torch API the project uses, wrapped in one place.
+"""Every private torch API the project uses, wrapped in one place: the project's boundary to torch's internals.
 
-If a torch upgrade moves one of these, this is the only file to change.
+Outside this module the project uses public torch only; tests/test_torch_boundary.py scans the source for any dotted
+path under `torch` with a `_`-prefixed component (`torch._dynamo`, `torch.ops._c10d_functional`,
+`torch.ops.aten._to_copy`). Private attributes of torch objects (a tensor's `_post_accumulate_grad_hooks`, a
+module's `_parameters`) go through the functions here as well. If a torch upgrade moves one, this is the only file to
+change.
+
+Private APIs change between torch releases without notice, in meaning as well as in name, so a torch outside
+`SUPPORTED_TORCH` (the range pyproject.toml pins) is an error at import: pip enforces the pin, so such a torch was put
+there on purpose (a nightly, `--no-deps`), and FSDP2_COMPILE_ALLOW_UNSUPPORTED_TORCH=1 turns the error into a warning
+for trying one. Every private symbol is resolved by `_resolve`: at import where its module is loaded by then, else at
+first use (Inductor's compiler loads only when compiling with it); a missing one raises `UnsupportedTorchError`
+naming it and the supported range. There are no silent fallbacks.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
+import os
+import re
+import types
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import fx
-from torch._functorch import config as functorch_config
-from torch._functorch.aot_autograd import aot_module_simplified
-from torch._functorch.partitioners import min_cut_rematerialization_partition
-from torch._guards import detect_fake_mode
-from torch._library.fake_class_registry import FakeScriptObject
 from torch.utils.checkpoint import CheckpointPolicy
 
 __all__ = [
+    "ALLOW_UNSUPPORTED_TORCH",
     "CheckpointPolicy",
+    "CheckpointWrapper",
     "FakeScriptObject",
+    "OpOverload",
+    "SUPPORTED_TORCH",
+    "SUPPORTED_TORCH_SPEC",
+    "TorchDispatchMode",
+    "UnsupportedTorchError",
     "aot_module_simplified",
     "boxed_call",
+    "check_torch_version",
+    "checkpoint_wrapped_module",
+    "checkpoint_wrapper",
+    "clear_dtensor_caches",
+    "compile_times",
+    "concatenate_meshes",
     "current_compile_id",
     "default_store",
     "detect_fake_mode",
+    "disable_torch_function_subclass",
     "dtensor_layout",
     "dtensor_of",
+    "dynamo_input_name",
+    "efficient_attention",
     "fake_output_by_meta_kernel",
     "fake_process_group",
+    "flash_attention",
+    "functional_collectives",
     "group_ranks",
     "group_size",
     "group_timeout",
     "has_post_accumulate_grad_hooks",
     "inductor_compile",
     "inductor_decompositions",
+    "log_softmax_backward",
     "min_cut_partition",
+    "module_call_impl",
     "on_every_compile",
     "one_thread_gloo_backend",
+    "op_name",
+    "op_schema",
+    "own_buffers",
+    "own_parameters",
     "post_accumulate_grad_hooks",
     "queue_at_backward_end",
     "resolve_group",
+    "root_mesh_groups",
+    "set_compiled_call_impl",
     "skip_guard_latency_probe",
+    "strided_shard",
     "subgraph_schemas_reused",
-    "tracing_backend",
+    "to_copy",
     "trace_graph_artifact",
+    "tracing_backend",
+    "tree_leaves",
+    "unsafe_view",
+    "view_base",
 ]
+
+SUPPORTED_TORCH = ((2, 13), (2, 14))
+"""The torch releases this project supports: (major, minor) from the first, up to and excluding the second."""
+SUPPORTED_TORCH_SPEC = ">={}.{},<{}.{}".format(*SUPPORTED_TORCH[0], *SUPPORTED_TORCH[1])
+ALLOW_UNSUPPORTED_TORCH = "FSDP2_COMPILE_ALLOW_UNSUPPORTED_TORCH"
+"""Set to 1 to run on a torch outside `SUPPORTED_TORCH` with a warning instead of an error."""
+
+
+class UnsupportedTorchError(ImportError):
+    """The installed torch is outside the supported range, or lacks a private API this project uses."""
+
+
+def _install_hint() -> str:
+    spec = SUPPORTED_TORCH_SPEC
+    return f"fsdp2_compile supports torch{spec}: install one (pip install 'torch{spec}')"
+
+
+def check_torch_version(version: str) -> None:
+    """Raise `UnsupportedTorchError` for a torch `version` outside `SUPPORTED_TORCH` (a warning instead with
+    FSDP2_COMPILE_ALLOW_UNSUPPORTED_TORCH=1); pre-releases count as their release."""
+    match = re.match(r"(\d+)\.(\d+)", version)
+    low, high = SUPPORTED_TORCH
+    if match is not None and low <= (int(match[1]), int(match[2])) < high:
+        return
+    message = f"torch {version} is not supported; {_install_hint()}"
+    if os.environ.get(ALLOW_UNSUPPORTED_TORCH) != "1":
+        raise UnsupportedTorchError(f"{message}, or set {ALLOW_UNSUPPORTED_TORCH}=1 to try this one anyway")
+    warnings.warn(f"fsdp2_compile: {message} ({ALLOW_UNSUPPORTED_TORCH}=1: trying this one anyway)", stacklevel=2)
+
+
+def _missing(path: str, cause: BaseException) -> UnsupportedTorchError:
+    return UnsupportedTorchError(
+        f"fsdp2_compile uses torch's private `{path}`, which torch {torch.__version__} does not provide "
+        f"({type(cause).__name__}: {cause}); {_install_hint()}"
+    )
+
+
+def _resolve(path: str) -> Any:
+    """The object at `path`, "module:attribute.attribute" (or a module alone), the module imported if it is not
+    yet; `UnsupportedTorchError` naming it if there is none."""
+    module, _, attributes = path.partition(":")
+    try:
+        obj = importlib.import_module(module)
+        for name in filter(None, attributes.split(".")):
+            obj = getattr(obj, name)
+    except (ImportError, AttributeError) as e:
+        raise _missing(path.replace(":", "."), e) from e
+    return obj
+
+
+def _attribute(obj: Any, name: str) -> Any:
+    """`obj.name` for a private attribute that torch sets on instances; `UnsupportedTorchError` if there is none."""
+    try:
+        return getattr(obj, name)
+    except AttributeError as e:
+        raise _missing(f"{type(obj).__module__}.{type(obj).__qualname__}.{name}", e) from e
+
+
+check_torch_version(torch.__version__)
+
+# Resolved at import (their modules are loaded by these imports, or by `import torch`).
+_functorch_config = _resolve("torch._functorch.config")
+aot_module_simplified = _resolve("torch._functorch.aot_autograd:aot_module_simplified")
+_min_cut_rematerialization_partition = _resolve("torch._functorch.partitioners:min_cut_rematerialization_partition")
+detect_fake_mode = _resolve("torch._guards:detect_fake_mode")
+FakeScriptObject = _resolve("torch._library.fake_class_registry:FakeScriptObject")
+
+OpOverload = _resolve("torch._ops:OpOverload")
+"""The type of one overload of an operator (`torch.ops.aten.mm.default`): what an fx `call_function` op node calls."""
+TorchDispatchMode = _resolve("torch.utils._python_dispatch:TorchDispatchMode")
+"""Base class of a mode that sees every op call below autograd (`__torch_dispatch__`)."""
+tree_leaves = _resolve("torch.utils._pytree:tree_leaves")
+"""The leaves of a nested structure of lists, tuples and dicts, in order."""
+disable_torch_function_subclass = _resolve("torch._C:DisableTorchFunctionSubclass")
+"""Context manager: while active, tensor subclasses' `__torch_function__` is not called."""
+CheckpointWrapper = _resolve("torch.distributed.algorithms._checkpoint.checkpoint_wrapper:CheckpointWrapper")
+"""The module `checkpoint_wrapper` wraps a module in (activation checkpointing of its forward)."""
+checkpoint_wrapper = _resolve("torch.distributed.algorithms._checkpoint.checkpoint_wrapper:checkpoint_wrapper")
+"""Wrap a module so that its forward is activation-checkpointed (a `CheckpointWrapper`)."""
+
+_FUNCTIONAL_COLLECTIVES = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "all_to_all_single",
+                           "wait_tensor")
+functional_collectives = types.SimpleNamespace(
+    **{op: _resolve(f"torch.ops:_c10d_functional.{op}") for op in _FUNCTIONAL_COLLECTIVES}
+)
+"""The functional collective ops (`_c10d_functional::...`) the project issues and finds in traced graphs: each
+returns its result at once and `wait_tensor` waits for it."""
+to_copy = _resolve("torch.ops:aten._to_copy")
+"""aten's out-of-place copy to another device or dtype (what `Tensor.to` becomes in a traced graph)."""
+unsafe_view = _resolve("torch.ops:aten._unsafe_view")
+"""aten's view that a traced `reshape` of a fresh tensor becomes."""
+efficient_attention = _resolve("torch.ops:aten._scaled_dot_product_efficient_attention")
+"""The memory-efficient kernel of `scaled_dot_product_attention`."""
+flash_attention = _resolve("torch.ops:aten._scaled_dot_product_flash_attention")
+"""The flash kernel of `scaled_dot_product_attention`."""
+log_softmax_backward = _resolve("torch.ops:aten._log_softmax_backward_data")
+"""The backward of `log_softmax`."""
+compile_times = _resolve("torch._dynamo.utils:compile_times")
+"""Dynamo's and AOTAutograd's compile-time breakdown so far (`compile_times(repr="str")`: a table)."""
+
+# Checked at import: read or patched at use, so that use sees them as they are then.
+for _path in (
+    "torch:Tensor._post_accumulate_grad_hooks",
+    "torch:Tensor._base",
+    "torch.nn:Module._call_impl",
+    "torch.nn:Module._compiled_call_impl",
+    "torch.ops:aten.mm.default._schema",
+    "torch._ops:OpOverload._opname",
+    "torch.autograd:Variable._execution_engine",
+    "torch._dynamo.guards:profile_guard_manager",
+    "torch._higher_order_ops.invoke_subgraph:InvokeSubgraphHOP.gen_schema",
+    "torch.distributed:ProcessGroup._device_types",
+    "torch.distributed:ProcessGroup._get_backend",
+    "torch.distributed:ProcessGroupGloo._Options",
+    "torch._C._distributed_c10d:Backend.Options._timeout",
+    "torch.distributed.device_mesh:DeviceMesh._get_root_mesh",
+    "torch.distributed.tensor:DTensor._spec",
+    "torch.distributed.tensor:DTensor._op_dispatcher",
+):
+    _resolve(_path)
+for _name in ("_parameters", "_buffers"):  # set on every module by `nn.Module.__init__`
+    _attribute(torch.nn.Module(), _name)
+
+
+def op_schema(op: Any) -> torch.FunctionSchema | None:
+    """The schema of an operator overload (`torch.ops.aten.mm.default`); None for any other callable."""
+    return op._schema if isinstance(op, OpOverload) else None
+
+
+def op_name(op: OpOverload) -> str:
+    """An operator overload's name without namespace and overload (`torch.ops.fsdp2.unshard.default`: "unshard")."""
+    return op._opname
+
+
+def view_base(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The tensor `tensor` is a view of; None if it is not a view."""
+    return tensor._base
+
+
+def own_parameters(module: torch.nn.Module) -> dict[str, torch.nn.Parameter | None]:
+    """`module`'s own parameters by name (not its submodules'): the dict itself, so that assigning an entry replaces a
+    parameter without `register_parameter` and its checks (as FSDP2 puts its DTensors in)."""
+    return module._parameters
+
+
+def own_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor | None]:
+    """`module`'s own buffers by name (not its submodules'): the dict itself, as `own_parameters`."""
+    return module._buffers
+
+
+def module_call_impl(module: torch.nn.Module) -> Callable:
+    """What calling `module` runs (hooks, then `forward`) when it is not compiled: what `nn.Module.compile` compiles."""
+    return module._call_impl
+
+
+def set_compiled_call_impl(module: torch.nn.Module, call: Callable) -> None:
+    """Make calling `module` run `call` instead of `module_call_impl(module)`, as `nn.Module.compile` does."""
+    module._compiled_call_impl = call
+
+
+def checkpoint_wrapped_module(wrapper: torch.nn.Module) -> torch.nn.Module:
+    """The module a `CheckpointWrapper` wraps."""
+    return _attribute(wrapper, "_checkpoint_wrapped_module")
+
+
+def dynamo_input_name(node: fx.Node) -> str | None:
+    """The name of the value a Dynamo graph's placeholder `node` stands for (e.g. `L['self'].layers[0].weight`), from
+    the `GraphArg` Dynamo records on it; None where there is none (a graph Dynamo did not trace)."""
+    source = getattr(node.meta.get("grapharg"), "source", None)
+    return source.name if source is not None else None
 
 
 def min_cut_partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
     """torch's min-cut partitioner without its common-subexpression pass: that pass imports Inductor's pattern
     matcher and lowering (~20 MiB per rank) and leaves our graphs as they were (`lower_unshard` folds repeated
     gathers itself; the GPT's and MLP's graphs came out identical but for one node's name)."""
-    with functorch_config.patch(cse=False):
-        return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+    with _functorch_config.patch(cse=False):
+        return _min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+
+
+_FakeTensor = _resolve("torch._subclasses.fake_tensor:FakeTensor")
+_in_kernel_invocation_manager = _resolve("torch._subclasses.fake_tensor:in_kernel_invocation_manager")
 
 
 def fake_output_by_meta_kernel(fn: Callable[..., torch.Tensor], args: tuple, kwargs: dict):
@@ -64,45 +280,44 @@ def fake_output_by_meta_kernel(fn: Callable[..., torch.Tensor], args: tuple, kwa
     storage), then wrapped as their mode's fake tensor, without the mode's per-call dispatch (a fifth of the
     time). None (call the op under the mode instead) where that is not simply so: symbolic sizes, or inputs that
     are not all fake tensors of one mode on one device, or `fn` returns None."""
-    from torch._subclasses.fake_tensor import FakeTensor, in_kernel_invocation_manager
-
-    tensors = [a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+    tensors = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
     fake_mode = getattr(tensors[0], "fake_mode", None) if tensors else None
     if fake_mode is None or any(
-        not isinstance(t, FakeTensor) or t.fake_mode is not fake_mode or t.device != tensors[0].device
+        not isinstance(t, _FakeTensor) or t.fake_mode is not fake_mode or t.device != tensors[0].device
         or not all(isinstance(d, int) for d in (*t.shape, *t.stride()))
         for t in tensors
     ):
         return None
-    with in_kernel_invocation_manager(fake_mode):
+    with _in_kernel_invocation_manager(fake_mode):
         out = fn(*args, **kwargs)
     if out is None:  # `fn` declined
         return None
     return fake_mode.fake_tensor_converter.from_meta_and_device(fake_mode, out, tensors[0].device)
 
 
+_dynamo_tls = _resolve("torch._dynamo.symbolic_convert:tls")
+_innermost_backend = _resolve("torch._dynamo.eval_frame:innermost_backend")
+
+
 def tracing_backend() -> Callable | None:
     """While Dynamo traces a frame: the backend it will hand the graph to, unwrapped from Dynamo's and
     torch.compile's wrappers (a function, or the `functools.partial` `make_backend` returns); None otherwise."""
-    from torch._dynamo import symbolic_convert
-    from torch._dynamo.eval_frame import innermost_backend
-
-    tx = getattr(symbolic_convert.tls, "current_tx", None)
-    if tx is None or getattr(tx.output, "compiler_fn", None) is None:
+    tx = getattr(_dynamo_tls, "current_tx", None)  # set while Dynamo traces a frame, absent otherwise
+    if tx is None or tx.output.compiler_fn is None:
         return None
-    fn = innermost_backend(tx.output.compiler_fn)
-    return innermost_backend(getattr(fn, "compiler_fn", fn))  # torch.compile's wrapper holds the backend there
+    fn = _innermost_backend(tx.output.compiler_fn)
+    return _innermost_backend(getattr(fn, "compiler_fn", fn))  # torch.compile's wrapper holds the backend there
 
 
 def has_post_accumulate_grad_hooks(tensor: torch.Tensor) -> bool:
     """Whether `tensor.register_post_accumulate_grad_hook` registered any hook still in place."""
-    return bool(getattr(tensor, "_post_accumulate_grad_hooks", None))
+    return bool(tensor._post_accumulate_grad_hooks)
 
 
 def post_accumulate_grad_hooks(tensor: torch.Tensor) -> list:
     """The hooks `tensor.register_post_accumulate_grad_hook` registered, in order (FSDP2's `foreach_reduce` reads
     the same attribute to run them after its reduce-scatter)."""
-    return list((getattr(tensor, "_post_accumulate_grad_hooks", None) or {}).values())
+    return list((tensor._post_accumulate_grad_hooks or {}).values())
 
 
 def queue_at_backward_end(callback) -> None:
@@ -112,16 +327,19 @@ def queue_at_backward_end(callback) -> None:
 
 def fake_process_group(rank: int, world_size: int) -> None:
     """Initialise the default process group with the in-process fake backend (any world size, no peers)."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
+    FakeStore = _resolve("torch.testing._internal.distributed.fake_pg:FakeStore")
     torch.distributed.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
 
 
 
+_get_default_store = _resolve("torch.distributed.distributed_c10d:_get_default_store")
+_get_default_group = _resolve("torch.distributed.distributed_c10d:_get_default_group")
+_get_default_timeout = _resolve("torch.distributed.distributed_c10d:_get_default_timeout")
+_resolve_process_group = _resolve("torch.distributed.distributed_c10d:_resolve_process_group")
+
+
 def default_store():
     """The key-value store of the default process group."""
-    from torch.distributed.distributed_c10d import _get_default_store
-
     return _get_default_store()
 
 
@@ -140,45 +358,45 @@ def group_timeout(group_name: str | None = None) -> float:
     """Seconds the process group registered under `group_name` (None: the default group) waits in a collective
     before failing: the shortest of its backends' timeouts (set by `init_process_group` / `new_group(timeout=)`),
     else the backend's default."""
-    from torch.distributed import distributed_c10d as c10d
-
-    pg = c10d._get_default_group() if group_name is None else resolve_group(group_name)
+    pg = _get_default_group() if group_name is None else resolve_group(group_name)
     found = []
     for device in pg._device_types:
         try:
-            found.append(pg._get_backend(device).options._timeout.total_seconds())
+            options = pg._get_backend(device).options
         except (AttributeError, RuntimeError):  # a backend without options (e.g. a wrapper): use the default
-            pass
-    return min(found) if found else c10d._get_default_timeout(torch.distributed.get_backend(pg)).total_seconds()
+            continue
+        found.append(options._timeout.total_seconds())
+    return min(found) if found else _get_default_timeout(torch.distributed.get_backend(pg)).total_seconds()
+
+
+_CompileContext = _resolve("torch._guards:CompileContext")
 
 
 def current_compile_id() -> tuple[int, int] | None:
     """(frame, attempt) of the Dynamo compilation in progress: a graph break's continuation is a new frame, a
     recompile (guards failed, e.g. a new input shape) a new attempt of the same frame. None outside Dynamo."""
-    from torch._guards import CompileContext
-
-    cid = CompileContext.current_compile_id()
+    cid = _CompileContext.current_compile_id()
     if cid is None or cid.frame_id is None:
         return None
     return cid.frame_id, cid.frame_compile_id
+
+
+_callback_handler = _resolve("torch._dynamo.callback:callback_handler")
 
 
 def on_every_compile(start: Callable[[], None], end: Callable[[], None]) -> None:
     """Run `start` when torch begins compiling — Dynamo tracing a frame, with its backend, or AOTAutograd compiling
     a backward lazily — and `end` when it is done (raising or not); once per outermost compile
     (`torch._dynamo.callback`'s handler counts nested ones)."""
-    from torch._dynamo.callback import callback_handler
-
-    callback_handler.register_start_callback(lambda _args: start())
-    callback_handler.register_end_callback(lambda _args: end())
+    _callback_handler.register_start_callback(lambda _args: start())
+    _callback_handler.register_end_callback(lambda _args: end())
 
 
 def skip_guard_latency_probe(skip: Callable[[], bool]) -> None:
     """After building a frame's guards, Dynamo times them once (`torch._dynamo.guards.profile_guard_manager`, for
     a debug log and the `guard_latency_us` compile metric), flushing the CPU cache first by writing a 32 MiB
     buffer. Where `skip()` is true, that timing is not run and reports 0; the guards are still checked."""
-    from torch._dynamo import guards
-
+    guards = _resolve("torch._dynamo.guards")
     probe = guards.profile_guard_manager
 
     def probe_unless_skipped(*args: Any, **kwargs: Any) -> float:
@@ -187,13 +405,14 @@ def skip_guard_latency_probe(skip: Callable[[], bool]) -> None:
     guards.profile_guard_manager = probe_unless_skipped
 
 
+_BoxedCodeGen = _resolve("torch.fx.graph:_BoxedCodeGen")
+
+
 def boxed_call(gm: fx.GraphModule):
     """`gm` as AOTAutograd's boxed callable, as torch's aot_eager makes it: the generated code takes the list of
     inputs and clears it, so each input (a backward graph's saved activations above all) is freed after its last use
     in the graph instead of living until the graph returns. Changes `gm`'s code in place (`gm.forward` then takes one
     list); `invariants.check_collectives_safe` has already made every collective's inputs outlive its wait."""
-    from torch.fx.graph import _BoxedCodeGen
-
     gm.graph.set_codegen(_BoxedCodeGen())
     gm.recompile()
     forward = gm.forward
@@ -208,9 +427,8 @@ def boxed_call(gm: fx.GraphModule):
 def inductor_compile(gm, example_inputs, *, is_backward: bool, is_inference: bool):
     """Compile an AOT forward/backward graph with Inductor, without Inductor's own reordering and with the
     collectives pinned in the order the fsdp2 scheduler chose."""
-    from torch._inductor import config
-    from torch._inductor.compile_fx import compile_fx_inner
-
+    config = _resolve("torch._inductor.config")
+    compile_fx_inner = _resolve("torch._inductor.compile_fx:compile_fx_inner")
     gm = _pin_communication_order(gm)
     with config.patch(reorder_for_peak_memory=False, reorder_for_compute_comm_overlap=False):
         return compile_fx_inner(gm, example_inputs, is_backward=is_backward, is_inference=is_inference)
@@ -220,9 +438,8 @@ def _pin_communication_order(gm: fx.GraphModule) -> fx.GraphModule:
     """A copy of `gm` whose collective starts and waits are each chained to the one before (Inductor's
     `control_deps`), so that fusion cannot move a collective past a wait the scheduler put after it (e.g. a
     reduce-scatter whose input kernel fuses with a later one). `gm` itself stays as the report shows it."""
-    from torch._inductor.fx_passes.control_dependencies import preserve_node_ordering
-    from torch.utils._ordered_set import OrderedSet
-
+    preserve_node_ordering = _resolve("torch._inductor.fx_passes.control_dependencies:preserve_node_ordering")
+    OrderedSet = _resolve("torch.utils._ordered_set:OrderedSet")
     graph = fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
     pinned = fx.GraphModule(gm, graph)
@@ -234,15 +451,11 @@ def _pin_communication_order(gm: fx.GraphModule) -> fx.GraphModule:
 
 def inductor_decompositions() -> dict:
     """The decompositions AOTAutograd must apply to graphs meant for Inductor."""
-    from torch._inductor.decomposition import select_decomp_table
-
-    return select_decomp_table()
+    return _resolve("torch._inductor.decomposition:select_decomp_table")()
 
 
 def resolve_group(group_name: str):
     """The process group registered under `group_name` (what functional collectives take)."""
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
     return _resolve_process_group(group_name)
 
 
@@ -267,12 +480,13 @@ def one_thread_gloo_backend() -> str:
     return _ONE_THREAD_GLOO
 
 
+_trace_structured_artifact = _resolve("torch._logging._internal:trace_structured_artifact")
+
+
 def trace_graph_artifact(name: str, gm) -> None:
     """Emit `gm`'s code as a structured-trace artifact named `name` (seen by `TORCH_TRACE=dir` + tlparse beside
     Dynamo's and AOTAutograd's graphs); free when tracing is off (the payload is built lazily)."""
-    from torch._logging._internal import trace_structured_artifact
-
-    trace_structured_artifact(name, "string", payload_fn=lambda: gm.print_readable(print_output=False))
+    _trace_structured_artifact(name, "string", payload_fn=lambda: gm.print_readable(print_output=False))
 
 
 def root_mesh_groups(mesh) -> list[str]:
@@ -284,20 +498,22 @@ def root_mesh_groups(mesh) -> list[str]:
     return [root.get_group(i).group_name for i in range(root.ndim)]
 
 
+_concatenate_meshes = _resolve("torch.distributed.device_mesh:DeviceMesh._concatenate")
+
+
 def concatenate_meshes(meshes: list) -> "torch.distributed.device_mesh.DeviceMesh":
     """One mesh of the dims of `meshes` (slices of one root mesh, e.g. mesh["dp"] and mesh["tp"]), in that order:
     what a parameter sharded over dp on top of tensor parallelism lives on (FSDP2 builds the same). Raises
     RuntimeError for meshes of different roots or overlapping dims."""
-    from torch.distributed.device_mesh import DeviceMesh
+    return _concatenate_meshes(meshes)
 
-    return DeviceMesh._concatenate(meshes)
+
+_StridedShard = _resolve("torch.distributed.tensor.placement_types:_StridedShard")
 
 
 def strided_shard(dim: int, split_factor: int):
     """DTensor's `_StridedShard`: dim-0 sharding over dp of a tensor that tensor parallelism already shards on the
     same dim (how FSDP2 + TP places it, so state dicts and DCP agree with fully_shard)."""
-    from torch.distributed.tensor.placement_types import _StridedShard
-
     return _StridedShard(dim, split_factor=split_factor)
 
 
@@ -317,22 +533,24 @@ def dtensor_of(local: torch.Tensor, layout: Any) -> torch.Tensor:
     return DTensor(local, copy.copy(layout), requires_grad=False)
 
 
+_clear_native_sharding_cache = _resolve("torch._C:_clear_DTensor_sharding_propagator_cache")
+
+
 def clear_dtensor_caches() -> None:
     """Forget DTensor's cached sharding propagation: its entries hold the device meshes they were computed on
     (meshes compare equal by layout, not by process group), so after a process group is destroyed and another made
     in this process, a cached entry would hand out a mesh whose groups no longer exist ("Could not resolve the
     process group registered under the name ..."). Planning several meshes in one process needs this."""
-    import torch
     from torch.distributed.tensor import DTensor
 
-    clear_native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
-    if clear_native is not None:  # the C++ dispatch fast path's cache
-        clear_native()
+    _clear_native_sharding_cache()  # the C++ dispatch fast path's cache
     propagator = DTensor._op_dispatcher.sharding_propagator
     propagator.propagate_op_sharding.cache_clear()
-    cached = getattr(propagator, "_propagate_tensor_meta_cached", None)
-    if cached is not None and hasattr(cached, "cache_clear"):
-        cached.cache_clear()
+    _attribute(propagator, "_propagate_tensor_meta_cached").cache_clear()
+
+
+_InvokeSubgraphHOP = _resolve("torch._higher_order_ops.invoke_subgraph:InvokeSubgraphHOP")
+_FunctionalizeCtxWrapper = _resolve("torch._higher_order_ops.utils:FunctionalizeCtxWrapper")
 
 
 @contextlib.contextmanager
@@ -341,10 +559,7 @@ def subgraph_schemas_reused() -> Iterator[None]:
     to refuse input mutation under autograd) is derived once per subgraph and operand metadata instead of at every
     call: torch 2.13 traces the whole subgraph again each time, which made AOTAutograd's joint trace grow with the
     number of blocks. The schema depends on the subgraph's graph and the operands' types alone."""
-    from torch._higher_order_ops.invoke_subgraph import InvokeSubgraphHOP
-    from torch._higher_order_ops.utils import FunctionalizeCtxWrapper
-
-    derive = InvokeSubgraphHOP.gen_schema
+    derive = _InvokeSubgraphHOP.gen_schema
     schemas: dict[tuple, tuple[weakref.ref, Any]] = {}
 
     def size(n: Any) -> Any:  # a symbolic size by its expression: one shape environment per compile
@@ -356,7 +571,7 @@ def subgraph_schemas_reused() -> Iterator[None]:
         return (size(o),) if isinstance(o, (int, torch.SymInt)) else None
 
     def reused(self, subgraph, identifier, *operands):
-        gm = subgraph.subgraph if isinstance(subgraph, FunctionalizeCtxWrapper) else subgraph
+        gm = subgraph.subgraph if isinstance(subgraph, _FunctionalizeCtxWrapper) else subgraph
         keys = [operand_key(o) for o in operands]
         if not isinstance(gm, fx.GraphModule) or None in keys:
             return derive(self, subgraph, identifier, *operands)
@@ -368,8 +583,8 @@ def subgraph_schemas_reused() -> Iterator[None]:
         schemas[key] = (weakref.ref(gm), schema)
         return schema
 
-    InvokeSubgraphHOP.gen_schema = reused
+    _InvokeSubgraphHOP.gen_schema = reused
     try:
         yield
     finally:
-        InvokeSubgraphHOP.gen_schema = derive
+        _InvokeSubgraphHOP.gen_schema = derive

@@ -13,6 +13,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from torch import fx
 
+from fsdp2_compile._torch_private import module_call_impl, set_compiled_call_impl
+
 from fsdp2_compile.compiler.backend import check_input_devices, compile_sharded
 from fsdp2_compile.compiler.report import GraphRecord, dump_requested
 from fsdp2_compile.config import CompileConfig, MixedPrecisionPolicy
@@ -93,7 +95,7 @@ def compile_in_place(module: nn.Module, backend, dynamic: bool | None = None) ->
 
     def call(*args, **kwargs):
         _check_call_inputs(module, args, kwargs)  # traced: runs when Dynamo compiles, guarded like the inputs
-        return module._call_impl(*args, **kwargs)
+        return module_call_impl(module)(*args, **kwargs)
 
     # A code object of its own: Dynamo keeps at most `recompile_limit` (8) graphs per code object, and every
     # module compiled here would otherwise share `call`'s, so the 9th would silently run uncompiled.
@@ -105,7 +107,7 @@ def compile_in_place(module: nn.Module, backend, dynamic: bool | None = None) ->
         refresh()  # eager: which parameters have post-accumulate-grad hooks now
         return compiled(*args, **kwargs)
 
-    module._compiled_call_impl = refreshed_call
+    set_compiled_call_impl(module, refreshed_call)
 
 
 def _check_bucket_names(module: nn.Module, config: CompileConfig) -> None:

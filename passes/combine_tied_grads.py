@@ -14,12 +14,13 @@ from __future__ import annotations
 import torch
 from torch import fx
 
+from fsdp2_compile._torch_private import unsafe_view
 from fsdp2_compile.core.graph import insert_call, insert_op, nodes_calling, val
 from fsdp2_compile.core.ir import ADD_PENDING_GRAD, REDUCE_GRAD, AddPendingGradArgs, ReduceGradArgs, schema_args
 from fsdp2_compile.compiler.pass_api import Fact, PassContext, contract
 
 aten = torch.ops.aten
-_IDENTITY_VIEWS = (aten.view.default, aten.alias.default, aten._unsafe_view.default)
+_IDENTITY_VIEWS = (aten.view.default, aten.alias.default, unsafe_view.default)
 
 
 def _reduction_chain(node: object) -> list[fx.Node] | None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
+from fsdp2_compile._torch_private import to_copy
 from fsdp2_compile.core.graph import insert_call, insert_contiguous, insert_op, nodes_calling, val
 from fsdp2_compile.core.ir import (
     REDUCE_GRAD,
@@ -73,7 +74,7 @@ def lower_reduce_grad(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             if a.reduce_dtype != a.out_dtype:
                 x = insert_call(graph, convert, (x, a.out_dtype), tag(Role.CAST))
             if a.out_device is not None and a.out_device != val(x).device:
-                x = insert_call(graph, aten._to_copy.default, (x,), tag(Role.TO_DEVICE), {"device": a.out_device})
+                x = insert_call(graph, to_copy.default, (x,), tag(Role.TO_DEVICE), {"device": a.out_device})
         node.replace_all_uses_with(x)
         graph.erase_node(node)
     return gm

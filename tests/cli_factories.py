@@ -147,8 +147,8 @@ def tp_mlp_sequence_parallel(layers: int = 2):
 
 
 def _sequence_parallel_plan(block):
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                    SequenceParallel)
 
     return {

@@ -25,6 +25,7 @@ from fsdp2_compile._torch_private import (
     aot_module_simplified,
     boxed_call,
     current_compile_id,
+    dynamo_input_name,
     has_post_accumulate_grad_hooks,
     inductor_compile,
     inductor_decompositions,
@@ -61,8 +62,7 @@ def _check_sharded(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for node, value in zip(placeholders, example_inputs):
         if isinstance(value, nn.Parameter) and not isinstance(value, DTensor) and not is_known_param(value):
-            source = getattr(node.meta.get("grapharg"), "source", None)
-            name = source.name if source is not None else node.name
+            name = dynamo_input_name(node) or node.name
             raise RuntimeError(
                 f"torch.compile(backend='fsdp2'): parameter {name} (shape {tuple(value.shape)}) is not sharded; "
                 "call fsdp2_compile.shard(model, mesh) (or use fsdp2_compile.shard_compile) before compiling"
@@ -123,9 +123,8 @@ def _check_graph_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> No
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     named = []
     for node, value in zip(placeholders, example_inputs):
-        source = getattr(node.meta.get("grapharg"), "source", None)
         if isinstance(value, torch.Tensor) and value.device.type == "meta":
-            named.append((source.name if source is not None else node.name, value))
+            named.append((dynamo_input_name(node) or node.name, value))
     check_input_devices(named, device)
 
 

@@ -25,7 +25,6 @@ import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch
 from torch import fx
 
 from fsdp2_compile.core.grouped_unshard import GatherGroup, group_key

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
 from torch import fx
 from torch.utils.flop_counter import flop_registry
 
-from fsdp2_compile.core.hardware import PROFILES, HardwareProfile
+from fsdp2_compile._torch_private import OpOverload
+from fsdp2_compile.core.hardware import HardwareProfile
 from fsdp2_compile.core.ir import KEEP_ALIVE, WAIT, CollectiveArgs, Role, SubgraphCall, WaitArgs, collective_kind, concrete, nbytes
 
 __all__ = [
@@ -25,7 +25,6 @@ __all__ = [
     "simulate",
 ]
 
-_funcol = torch.ops._c10d_functional
 _VIEWS = {"view", "_unsafe_view", "slice", "t", "transpose", "permute", "expand", "alias", "select", "split",
           "split_with_sizes", "unsqueeze", "squeeze", "as_strided", "detach", "unbind", "reshape"}
 
@@ -48,7 +47,7 @@ def compute_time(node: fx.Node, profile: HardwareProfile) -> float:
     call = SubgraphCall.of(node)
     if call is not None:
         return _body_time(call.module(), profile)
-    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+    if node.op != "call_function" or not isinstance(node.target, OpOverload):
         return 0.0
     if node.target.overloadpacket.__name__ in _VIEWS or node.target is KEEP_ALIVE:
         return 0.0

@@ -12,7 +12,8 @@ from typing import Any
 import torch
 from torch import fx
 
-from fsdp2_compile._torch_private import detect_fake_mode, fake_output_by_meta_kernel
+from fsdp2_compile._torch_private import detect_fake_mode, fake_output_by_meta_kernel, tree_leaves
+from fsdp2_compile._torch_private import functional_collectives as _c10d
 from fsdp2_compile.core.ir import BUCKET, PARAMS, REDUCE_GRAD, ROLE, UNSHARD, OpArgs, ReduceGradArgs, UnshardArgs, val
 
 __all__ = [
@@ -54,7 +55,7 @@ def _reduced(grad: torch.Tensor, *args, **kwargs) -> torch.Tensor | None:
     return grad.new_empty((a.local_rows, *grad.shape[1:]), dtype=a.out_dtype)
 
 
-_c10d, _aten = torch.ops._c10d_functional, torch.ops.aten
+_aten = torch.ops.aten
 _META_OUTPUTS: dict[Any, Callable[..., torch.Tensor]] = {
     _c10d.all_gather_into_tensor.default: _gathered,
     _c10d.reduce_scatter_tensor.default: _scattered,
@@ -78,7 +79,7 @@ def insert_call(
     fake_args, kwargs = fx.node.map_arg(args, val), kwargs or {}
     out = fake_output_by_meta_kernel(_META_OUTPUTS[target], fake_args, kwargs) if target in _META_OUTPUTS else None
     if out is None:
-        with detect_fake_mode(torch.utils._pytree.tree_leaves(fake_args)) or contextlib.nullcontext():
+        with detect_fake_mode(tree_leaves(fake_args)) or contextlib.nullcontext():
             out = target(*fake_args, **kwargs)
     node.meta["val"] = out
     node.meta.update(meta or {})

@@ -17,7 +17,6 @@ after sees a group.
 from __future__ import annotations
 
 import functools
-import operator
 from collections.abc import Sequence
 from types import SimpleNamespace
 

@@ -6,7 +6,7 @@ copies and functional collectives and leave the facts in `node.meta`. This modul
 
 - **Named views of op arguments** (`UnshardArgs.of(node).fqn`, `ReduceGradArgs.of(node).reduce_dtype`,
   `CollectiveArgs.of(node).group_name`, ...), one frozen dataclass per op whose fields are generated from the op's
-  schema (`op._schema.arguments`): no index tables. `view.as_args()` gives the positional arguments back, and
+  schema (`op_schema(op).arguments`): no index tables. `view.as_args()` gives the positional arguments back, and
   `view.static()` every non-tensor argument (what identifies a parameter).
 - **The `node.meta` keys** the passes leave for each other (`PARAMS`, `BUCKET`, `ROLE`) and the `Role` enum of
   what a lowered node does; `Tags` is their typed view.
@@ -20,9 +20,8 @@ Nothing here rewrites graphs; passes (`passes/`) do, reading and writing through
 
 from __future__ import annotations
 
-import dataclasses
 import operator
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, ClassVar, Self
@@ -44,6 +43,8 @@ from fsdp2_compile.core.ops import (
     StashGradArgs,
     UnshardArgs,
 )
+from fsdp2_compile._torch_private import OpOverload, group_size, op_name
+from fsdp2_compile._torch_private import functional_collectives as _funcol
 
 __all__ = [
     "ADD_PENDING_GRAD",
@@ -96,7 +97,6 @@ __all__ = [
 
 # ---------------------------------------------------------------------------------------------- ops
 
-_funcol = torch.ops._c10d_functional
 UNSHARD = ops.UNSHARD
 REDUCE_GRAD = ops.REDUCE_GRAD
 STASH_GRAD = ops.STASH_GRAD
@@ -224,7 +224,7 @@ _FSDP_VIEWS: dict[Any, type] = {
 def fsdp_op_name(node: fx.Node) -> str | None:
     """The op name ("unshard", "reduce_grad", "stash_grad", "keep_alive", ...) of a call to an fsdp2 op."""
     if node.op == "call_function" and node.target in _FSDP_VIEWS:
-        return node.target._opname
+        return op_name(node.target)
     return None
 
 
@@ -248,8 +248,6 @@ class CollectiveArgs(OpArgs):
         """Ranks in the collective's group: its `group_size` argument, or (all-reduce) the group's size."""
         size = getattr(self, "group_size", None)
         if size is None:
-            from fsdp2_compile._torch_private import group_size
-
             size = group_size(self.group_name)
         return size
 
@@ -269,7 +267,7 @@ AllToAllArgs.kind = Role.ALL_TO_ALL
 
 _COLLECTIVE_VIEWS: dict[Any, type] = {v.op: v for v in (AllGatherArgs, ReduceScatterArgs, AllReduceArgs, AllToAllArgs)}
 
-COLLECTIVE_KINDS: dict[torch._ops.OpOverload, Role] = {v.op: v.kind for v in _COLLECTIVE_VIEWS.values()}
+COLLECTIVE_KINDS: dict[OpOverload, Role] = {v.op: v.kind for v in _COLLECTIVE_VIEWS.values()}
 """The collective kind of each functional collective op: the one table of them."""
 
 

@@ -1,5 +1,5 @@
 """Named views of an op's arguments: one frozen dataclass per op, its fields generated from the op's schema
-(`op._schema.arguments`), so code reads `view.fqn` instead of indexing `node.args`. `op_view` makes the class;
+(`op_schema(op).arguments`), so code reads `view.fqn` instead of indexing `node.args`. `op_view` makes the class;
 each op module declares the views of its own ops, and `ir.py` gathers them with the collectives'.
 """
 
@@ -9,16 +9,17 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar, Self
 
-import torch
 from torch import fx
+
+from fsdp2_compile._torch_private import OpOverload, op_schema
 
 __all__ = ["OpArgs", "op_view", "schema_args"]
 
 
-def _bind(op: torch._ops.OpOverload, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+def _bind(op: OpOverload, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
     """The arguments of a call to `op` by schema name, defaults filled in."""
     bound = {}
-    for i, arg in enumerate(op._schema.arguments):
+    for i, arg in enumerate(op_schema(op).arguments):
         if i < len(args):
             bound[arg.name] = args[i]
         elif arg.name in kwargs:
@@ -33,7 +34,7 @@ def _bind(op: torch._ops.OpOverload, args: Sequence[Any], kwargs: Mapping[str, A
 def schema_args(node: fx.Node) -> dict[str, Any]:
     """Every argument of an op call node by its schema name, as passed (defaults not filled in); {} for nodes that
     do not call an OpOverload."""
-    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+    schema = op_schema(node.target) if node.op == "call_function" else None
     if schema is None:
         return {}
     out = {}
@@ -48,7 +49,7 @@ def schema_args(node: fx.Node) -> dict[str, Any]:
 class OpArgs:
     """Base of the named argument views: one frozen dataclass per op, fields named and ordered as in its schema."""
 
-    op: ClassVar[torch._ops.OpOverload]
+    op: ClassVar[OpOverload]
     tensor_fields: ClassVar[tuple[str, ...]]
     """The fields whose schema type is a tensor (or a list of them)."""
 
@@ -76,18 +77,17 @@ class OpArgs:
         return dataclasses.replace(self, **changes)
 
 
-def op_view(name: str, op: torch._ops.OpOverload, doc: str, base: type = OpArgs, module: str = __name__) -> type:
+def op_view(name: str, op: OpOverload, doc: str, base: type = OpArgs) -> type:
     """The view class of `op`: a frozen dataclass with one field per schema argument (its default kept)."""
     fields: list[Any] = []
     tensors = []
-    for arg in op._schema.arguments:
+    for arg in op_schema(op).arguments:
         if "Tensor" in str(arg.type):
             tensors.append(arg.name)
         if arg.has_default_value():
             fields.append((arg.name, Any, dataclasses.field(default=arg.default_value)))
         else:
             fields.append((arg.name, Any))
-    namespace = {"op": op, "tensor_fields": tuple(tensors), "__doc__": f"{doc}\n\nSchema: `{op._schema}`"}
+    namespace = {"op": op, "tensor_fields": tuple(tensors), "__doc__": f"{doc}\n\nSchema: `{op_schema(op)}`"}
     cls = dataclasses.make_dataclass(name, fields, bases=(base,), frozen=True, namespace=namespace)
-    cls.__module__ = module
     return cls

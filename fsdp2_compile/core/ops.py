@@ -27,6 +27,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from fsdp2_compile._torch_private import functional_collectives as _funcol
 from fsdp2_compile.core.op_args import op_view
 
 __all__ = [
@@ -62,7 +63,6 @@ __all__ = [
     "unshard",
 ]
 
-_funcol = torch.ops._c10d_functional
 
 
 def padded_rows(dim0: int, world_size: int) -> int:

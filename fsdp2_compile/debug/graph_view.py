@@ -63,7 +63,7 @@ def _op_name(node: fx.Node) -> str:
     if node.target is operator.getitem:
         return "getitem"
     name = getattr(node.target, "__name__", str(node.target))
-    overload = getattr(node.target, "_overloadpacket", None)
+    overload = getattr(node.target, "overloadpacket", None)
     return overload.__name__ if overload is not None else name.split(".")[0]
 
 

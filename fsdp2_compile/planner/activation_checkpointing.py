@@ -15,9 +15,16 @@ from collections import defaultdict
 
 import torch
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper, checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from fsdp2_compile._torch_private import (
+    CheckpointWrapper,
+    checkpoint_wrapped_module,
+    checkpoint_wrapper,
+    efficient_attention,
+    flash_attention,
+    functional_collectives,
+)
 from fsdp2_compile.planner.reduced_depth import block_list
 
 __all__ = ["AC_MODES", "SELECTIVE_SAVE_OPS", "apply_ac", "has_checkpointing", "unwrap_checkpointing"]
@@ -27,9 +34,9 @@ AC_MODES = ("none", "full", "selective")
 _aten = torch.ops.aten
 SELECTIVE_SAVE_OPS = {
     _aten.mm.default,
-    _aten._scaled_dot_product_efficient_attention.default,
-    _aten._scaled_dot_product_flash_attention.default,
-    torch.ops._c10d_functional.reduce_scatter_tensor.default,
+    efficient_attention.default,
+    flash_attention.default,
+    functional_collectives.reduce_scatter_tensor.default,
     _aten.abs.default,
     _aten.max.default,
 }
@@ -93,7 +100,7 @@ def apply_ac(model: nn.Module, mode: str, recompute_context=None) -> int:
                     kwargs = dict(getattr(child.checkpoint_fn, "keywords", {}))
                     kwargs.pop("use_reentrant", None)
                     kwargs["context_fn"] = _context_fn(kwargs.get("context_fn"), recompute_context)
-                    setattr(module, name, checkpoint_wrapper(child._checkpoint_wrapped_module, **kwargs))
+                    setattr(module, name, checkpoint_wrapper(checkpoint_wrapped_module(child), **kwargs))
                     count += 1
         return count
     if mode not in AC_MODES:
@@ -120,4 +127,4 @@ def unwrap_checkpointing(model: nn.Module) -> None:
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
             if isinstance(child, CheckpointWrapper):
-                setattr(module, child_name, child._checkpoint_wrapped_module)
+                setattr(module, child_name, checkpoint_wrapped_module(child))

@@ -8,15 +8,14 @@ an old CPU build run.
 
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
+
+from fsdp2_compile._torch_private import efficient_attention, flash_attention, op_schema
 
 __all__ = ["ATTENTION_MODES", "AttentionMode", "is_attention", "is_causal"]
 
 ATTENTION_MODES = ("fused", "math")
-
-_aten = torch.ops.aten
 
 
 def _fused(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
@@ -24,9 +23,9 @@ def _fused(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, 
         group = q.shape[-3] // k.shape[-3]
         k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
     if attn_mask is not None:
-        return _aten._scaled_dot_product_efficient_attention(q, k, v, attn_mask, True, dropout_p, is_causal,
+        return efficient_attention(q, k, v, attn_mask, True, dropout_p, is_causal,
                                                               scale=scale)[0]
-    return _aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, scale=scale)[0]
+    return flash_attention(q, k, v, dropout_p, is_causal, scale=scale)[0]
 
 
 class AttentionMode(TorchFunctionMode):
@@ -52,7 +51,7 @@ def is_attention(func) -> bool:
 
 def is_causal(func, args, kwargs) -> bool:
     """The op's `is_causal` argument, read through its schema (False if it has none)."""
-    for i, a in enumerate(func._schema.arguments):
+    for i, a in enumerate(op_schema(func).arguments):
         if a.name == "is_causal":
             return bool(kwargs.get("is_causal", args[i] if i < len(args) else False))
     return False

@@ -33,7 +33,6 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from fsdp2_compile.core.hardware import PROFILES
@@ -46,7 +45,6 @@ from fsdp2_compile.planner.tensor_parallel import apply_tp, plan_meshes, plan_te
 from fsdp2_compile.planner.trace import trace_step
 from fsdp2_compile.compiler.report import clear_compiled_graphs, collective, compiled_graphs, is_tp
 from fsdp2_compile.debug.sizes import size_text
-from fsdp2_compile.runtime.sharding import default_device_type
 
 __all__ = [
     "Plan",
@@ -253,7 +251,7 @@ def _compile_and_measure(model, args, loss_fn, mesh, compile_kwargs, tp_mesh=Non
     shard_for_plan(model, mesh=mesh, reshard_after_forward=compile_kwargs["reshard_after_forward"],
                    mp_policy=compile_kwargs["mp_policy"])
     clear_compiled_graphs()
-    torch._dynamo.reset()  # the copies are throwaway; without it a process that plans often hits recompile_limit
+    torch.compiler.reset()  # the copies are throwaway; without it a process that plans often hits recompile_limit
     # torch.compile on the sharded meta model directly: shard_compile's call wrapper refuses meta parameters
     # (a user's forward must not run on them), and the planner only needs the graphs
     compiled = torch.compile(model, backend=make_backend(compile_kwargs["compile_config"]))

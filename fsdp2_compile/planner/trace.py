@@ -19,11 +19,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import set_checkpoint_early_stop
 from torch.utils.flop_counter import flop_registry
 
+from fsdp2_compile._torch_private import TorchDispatchMode, tree_leaves
 from fsdp2_compile.planner.attention import AttentionMode, is_attention, is_causal
 
 __all__ = ["OpRecord", "StepTrace", "trace_step"]

@@ -15,6 +15,8 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from fsdp2_compile._torch_private import view_base
+
 __all__ = ["note_gathered", "register_reshard_hooks"]
 
 _GATHERED = WeakTensorKeyDictionary()
@@ -28,8 +30,8 @@ def note_gathered(full: torch.Tensor, regather: Callable[[], torch.Tensor]) -> N
 
 
 def _pack(t: torch.Tensor):
-    base = t if t._base is None else t._base
-    regather = _GATHERED.get(base)
+    base = view_base(t)
+    regather = _GATHERED.get(t if base is None else base)
     if regather is None:
         return t
     return regather, t.size(), t.stride(), t.storage_offset()

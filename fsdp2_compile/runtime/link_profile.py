@@ -10,13 +10,12 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from fsdp2_compile._torch_private import functional_collectives as _funcol
 from fsdp2_compile._torch_private import resolve_group
 from fsdp2_compile.core.hardware import HardwareProfile
 from fsdp2_compile.runtime.heap_release import release_freed_heap
 
 __all__ = ["measure_profile", "measured_profile"]
-
-_funcol = torch.ops._c10d_functional
 
 _MEASURED: dict[str, HardwareProfile] = {}
 

@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.utils.weak import WeakIdKeyDictionary
 
-from fsdp2_compile._torch_private import has_post_accumulate_grad_hooks
+from fsdp2_compile._torch_private import has_post_accumulate_grad_hooks, own_parameters
 from fsdp2_compile.config import MixedPrecisionPolicy
 from fsdp2_compile.runtime.eager_reads import read_once
 from fsdp2_compile.runtime.eager_reshard import note_gathered
@@ -317,7 +317,7 @@ def managed_params(module: nn.Module) -> Iterator[tuple[str, nn.Parameter, Param
     seen = set()
     for mod_name, mod in module.named_modules():
         for pname, info in infos_of(mod).items():
-            param = mod._parameters[pname]
+            param = own_parameters(mod)[pname]
             if id(param) not in seen:
                 seen.add(id(param))
                 yield (f"{mod_name}.{pname}" if mod_name else pname), param, info
@@ -353,7 +353,7 @@ class GradDeliveryRefresh:
             self.sharded = len(SHARDED_MODULES)
             self.places = [(mod, name, info) for mod in module.modules() for name, info in infos_of(mod).items()]
         for mod, name, info in self.places:
-            info.deliver_grads_to(mod._parameters[name])
+            info.deliver_grads_to(own_parameters(mod)[name])
 
 
 def is_known_param(param: nn.Parameter) -> bool:

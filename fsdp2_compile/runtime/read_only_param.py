@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from fsdp2_compile._torch_private import disable_torch_function_subclass
+
 __all__ = ["GatheredCopy", "gathered_copy"]
 
 
@@ -48,7 +50,7 @@ class GatheredCopy(torch.Tensor):
                 "fsdp2_compile.sharded_parameters():`, where module.weight is the DTensor parameter itself "
                 "(nn.init.* and copy_ from a DTensor work there)"
             )
-        with torch._C.DisableTorchFunctionSubclass():
+        with disable_torch_function_subclass():
             out = func(*args, **(kwargs or {}))
         if func == _DATA_GET:
             return gathered_copy(out, target.fsdp2_fqn)

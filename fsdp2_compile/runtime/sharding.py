@@ -31,7 +31,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from fsdp2_compile._torch_private import concatenate_meshes, root_mesh_groups, strided_shard
+from fsdp2_compile._torch_private import concatenate_meshes, own_buffers, own_parameters, root_mesh_groups, strided_shard
 from fsdp2_compile.core.ops import release_all_unsharded
 from fsdp2_compile.runtime.process_groups import fsdp_group, resolve_reshard
 from fsdp2_compile.config import MixedPrecisionPolicy
@@ -141,7 +141,7 @@ def _install_properties(module: nn.Module, infos: dict[str, ParamInfo], fsdp_mod
 @functools.cache
 def _sharded_class(base: type, names: tuple[str, ...], fsdp_module: bool, compiled_once: bool) -> type:
     def gathered(name: str) -> property:
-        return property(lambda self: read_managed(getattr(self, INFOS_ATTR)[name], self._parameters[name]))
+        return property(lambda self: read_managed(getattr(self, INFOS_ATTR)[name], own_parameters(self)[name]))
 
     namespace = {name: gathered(name) for name in names}
     namespace.update(_fsdp2_generated=True, _fsdp2_compiled_once=compiled_once, __module__=base.__module__)
@@ -238,7 +238,7 @@ def shard(
         paths = {id(m): name for name, m in member.named_modules(remove_duplicate=False)}
         for mod_name, mod in member.named_modules(remove_duplicate=False):
             new_infos: dict[str, ParamInfo] = {}
-            for pname, param in list(mod._parameters.items()):
+            for pname, param in list(own_parameters(mod).items()):
                 fqn = f"{mod_name}.{pname}" if mod_name else pname
                 if param is None or id(param) in ignored:
                     continue
@@ -270,7 +270,7 @@ def shard(
                     )
                     REPLACED[param] = (sharded, info)
                     taken.append(info)
-                mod._parameters[pname] = sharded
+                own_parameters(mod)[pname] = sharded
                 new_infos[pname] = info
             if new_infos:
                 _install_properties(mod, new_infos)
@@ -335,9 +335,9 @@ def _cast_buffers(module: nn.Module, dtype: torch.dtype | None) -> None:
     for name, mod in module.named_modules():
         if name and any(is_sharded(a) for a in _ancestors(module, name)):
             continue
-        for bname, buf in mod._buffers.items():
+        for bname, buf in own_buffers(mod).items():
             if buf is not None and buf.is_floating_point():
-                mod._buffers[bname] = buf.to(dtype)
+                own_buffers(mod)[bname] = buf.to(dtype)
 
 
 def _ancestors(root: nn.Module, name: str) -> list[nn.Module]:

@@ -39,7 +39,7 @@ TRACES_BLOCKS_ONCE = "fsdp2_traces_blocks_once"
 _WARNED: set[str] = set()
 
 
-@torch._dynamo.assume_constant_result
+@torch.compiler.assume_constant_result
 def _fsdp2_backend_tracing() -> bool:
     """Whether the backend Dynamo traces for is fsdp2's; run (not traced) by Dynamo, its result a constant. A
     sharded module compiled with another backend gets a warning, once per backend."""

@@ -1,0 +1,223 @@
+"""The boundary to torch's private APIs: only `fsdp2_compile/_torch_private.py` touches them.
+
+A private torch symbol, for the scan below, is a dotted path under `torch` with a component that starts with `_` and
+is not a dunder (`torch._dynamo`, `torch.ops._c10d_functional`, `torch.distributed.tensor._utils`,
+`DTensor._op_dispatcher`), however it is reached: `import`, `from ... import`, an attribute of a name an import or
+an assignment bound, or `getattr(<torch path>, "_name")`. Attributes of objects (a tensor's `_version`) cannot be told apart
+statically and are out of the scan's scope; the ones the project reads go through `_torch_private.py` all the same.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+import tomllib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+SCANNED = ("fsdp2_compile", "passes", "examples", "benchmarks")
+BOUNDARY = ROOT / "fsdp2_compile" / "_torch_private.py"
+
+
+def _private(component: str) -> bool:
+    return component.startswith("_") and not (component.startswith("__") and component.endswith("__"))
+
+
+def _first_private(path: str) -> str | None:
+    """`path` up to its first private component, or None if it has none."""
+    parts = path.split(".")
+    for i, part in enumerate(parts):
+        if _private(part):
+            return ".".join(parts[: i + 1])
+    return None
+
+
+class _Scan(ast.NodeVisitor):
+    """Private torch paths in one module, with their lines. Names bound by an import of something under torch, or by
+    assigning such a path, are followed through the whole module (a function's local binding counts module-wide: a
+    rare shadowing name can only make the scan stricter)."""
+
+    def __init__(self) -> None:
+        self.bound: dict[str, str] = {}  # local name -> the torch path it stands for
+        self.found: list[tuple[int, str]] = []
+
+    def _report(self, node: ast.AST, path: str) -> None:
+        private = _first_private(path)
+        if private is not None:
+            self.found.append((node.lineno, private))
+
+    def visit_Import(self, node: ast.Import) -> None:
+        for alias in node.names:
+            if alias.name == "torch" or alias.name.startswith("torch."):
+                self._report(node, alias.name)
+                if alias.asname:
+                    self.bound[alias.asname] = alias.name
+                else:
+                    self.bound["torch"] = "torch"
+
+    def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
+        module = node.module or ""
+        if node.level == 0 and (module == "torch" or module.startswith("torch.")):
+            for alias in node.names:
+                path = f"{module}.{alias.name}"
+                self._report(node, path)
+                self.bound[alias.asname or alias.name] = path
+
+    def bind(self, node: ast.Assign) -> None:
+        """`name = <torch path>` (or `a, b = <path>, <path>`) makes `name` stand for that path too."""
+        for target in node.targets:
+            pairs = [(target, node.value)]
+            if isinstance(target, ast.Tuple) and isinstance(node.value, ast.Tuple):
+                pairs = list(zip(target.elts, node.value.elts))
+            for name, value in pairs:
+                path = self._path(value)
+                if isinstance(name, ast.Name) and path is not None:
+                    self.bound[name.id] = path
+
+    def _path(self, node: ast.AST) -> str | None:
+        """The torch path an expression of names and attributes stands for, if it starts at a torch name."""
+        if isinstance(node, ast.Name):
+            return self.bound.get(node.id)
+        if isinstance(node, ast.Attribute):
+            base = self._path(node.value)
+            return None if base is None else f"{base}.{node.attr}"
+        return None
+
+    def visit_Attribute(self, node: ast.Attribute) -> None:
+        base = self._path(node.value)
+        if base is not None and _first_private(base) is None:  # report a path once, at its first private part
+            self._report(node, f"{base}.{node.attr}")
+        self.generic_visit(node)
+
+    def visit_Call(self, node: ast.Call) -> None:
+        fn = node.func
+        if isinstance(fn, ast.Name) and fn.id in ("getattr", "hasattr", "setattr", "delattr") and len(node.args) >= 2:
+            base, name = self._path(node.args[0]), node.args[1]
+            if base is not None and isinstance(name, ast.Constant) and isinstance(name.value, str):
+                if _first_private(base) is None:
+                    self._report(node, f"{base}.{name.value}")
+        self.generic_visit(node)
+
+
+def private_torch_uses(source: str) -> list[tuple[int, str]]:
+    """(line, private torch path) for each use in `source`, in line order."""
+    tree = ast.parse(source)
+    scan = _Scan()
+    for node in ast.walk(tree):  # first, so that a function's lazy import binds its names above it in the file too
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            scan.visit(node)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign):
+            scan.bind(node)
+    scan.visit_Import = scan.visit_ImportFrom = lambda node: None
+    scan.visit(tree)
+    return sorted(set(scan.found))
+
+
+def _scanned_files() -> list[pathlib.Path]:
+    files = []
+    for top in SCANNED:
+        files += sorted((ROOT / top).rglob("*.py"))
+    return [f for f in files if f != BOUNDARY]
+
+
+def test_no_private_torch_outside_boundary():
+    uses = [
+        f"{f.relative_to(ROOT)}:{line}: {path}"
+        for f in _scanned_files()
+        for line, path in private_torch_uses(f.read_text())
+    ]
+    assert not uses, "private torch APIs used outside fsdp2_compile/_torch_private.py (wrap them there):\n" + "\n".join(uses)
+
+
+def test_scan_finds_every_form():
+    source = textwrap.dedent("""
+        import torch
+        import torch.distributed as dist
+        import torch._dynamo
+        from torch import fx
+        from torch._guards import detect_fake_mode
+        from torch.distributed.tensor import DTensor
+        from torch.utils import _pytree
+        aten, funcol = torch.ops.aten, torch.ops._c10d_functional
+
+        def f(t, mod):
+            from torch.fx.graph import _BoxedCodeGen
+            torch._C.DisableTorchFunctionSubclass()
+            dist.distributed_c10d._resolve_process_group("0")
+            aten._to_copy.default
+            DTensor._op_dispatcher
+            getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+            fx.graph._BoxedCodeGen
+            torch.ops.aten.mm.default, torch.Tensor.__add__, dist.all_reduce, t._base, mod._parameters
+    """)
+    assert private_torch_uses(source) == [
+        (4, "torch._dynamo"),
+        (6, "torch._guards"),
+        (8, "torch.utils._pytree"),
+        (9, "torch.ops._c10d_functional"),
+        (12, "torch.fx.graph._BoxedCodeGen"),
+        (13, "torch._C"),
+        (14, "torch.distributed.distributed_c10d._resolve_process_group"),
+        (15, "torch.ops.aten._to_copy"),
+        (16, "torch.distributed.tensor.DTensor._op_dispatcher"),
+        (17, "torch._C"),
+        (18, "torch.fx.graph._BoxedCodeGen"),
+    ]
+
+
+def test_missing_private_symbol_names_it_and_the_supported_range():
+    from fsdp2_compile import _torch_private
+
+    for path, named in (
+        ("torch._dynamo:no_such_function", "torch._dynamo.no_such_function"),
+        ("torch._no_such_module:anything", "torch._no_such_module.anything"),
+        ("torch.ops:_c10d_functional.no_such_collective", "torch.ops._c10d_functional.no_such_collective"),
+    ):
+        with pytest.raises(_torch_private.UnsupportedTorchError) as raised:
+            _torch_private._resolve(path)
+        message = str(raised.value)
+        assert f"`{named}`" in message and "torch>=2.13,<2.14" in message, message
+
+
+def test_version_check(monkeypatch):
+    from fsdp2_compile import _torch_private
+
+    monkeypatch.delenv(_torch_private.ALLOW_UNSUPPORTED_TORCH, raising=False)
+    for supported in ("2.13.0", "2.13.0+cpu", "2.13.2+cu128", "2.13.0a0+git1234567"):
+        _torch_private.check_torch_version(supported)
+    for unsupported in ("2.12.1", "2.14.0", "2.14.0.dev20260101+cpu", "3.0.0", "unknown"):
+        with pytest.raises(_torch_private.UnsupportedTorchError, match=r"torch>=2\.13,<2\.14"):
+            _torch_private.check_torch_version(unsupported)
+    monkeypatch.setenv(_torch_private.ALLOW_UNSUPPORTED_TORCH, "1")
+    with pytest.warns(UserWarning, match=r"torch 2\.14\.0 is not supported"):
+        _torch_private.check_torch_version("2.14.0")
+
+
+@pytest.mark.parametrize("allow", [False, True])
+def test_import_checks_the_installed_torch(allow):
+    """Importing the boundary checks torch's version: an error (exit status 1) for an unsupported one, a warning
+    with the opt-out set."""
+    env = {k: v for k, v in os.environ.items() if k != "FSDP2_COMPILE_ALLOW_UNSUPPORTED_TORCH"}
+    if allow:
+        env["FSDP2_COMPILE_ALLOW_UNSUPPORTED_TORCH"] = "1"
+    code = "import torch; torch.__version__ = '2.14.0'; import fsdp2_compile._torch_private"
+    done = subprocess.run([sys.executable, "-W", "always", "-c", code], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert "torch 2.14.0 is not supported" in done.stderr, done.stderr
+    assert done.returncode == (0 if allow else 1), done.stderr
+    assert ("UnsupportedTorchError" in done.stderr) is not allow
+
+
+def test_supported_range_is_the_one_pyproject_pins():
+    from fsdp2_compile import _torch_private
+
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        dependencies = tomllib.load(f)["project"]["dependencies"]
+    torch_pins = [d for d in dependencies if d.replace(" ", "").startswith("torch") and d[5:6] in "<>=!~ ["]
+    assert [p.replace(" ", "") for p in torch_pins] == [f"torch{_torch_private.SUPPORTED_TORCH_SPEC}"]
