@@ -43,21 +43,22 @@ def plan_row(name: str):
     import importlib
 
     from fsdp2_compile.config import MixedPrecisionPolicy
-    from fsdp2_compile.planner.plan import make_plan
+    from fsdp2_compile.planner.plan import Layout, make_plan
     from fsdp2_compile.cli.model_loading import call_factory, fake_group
 
     desc, source, target, kwargs, world, profile, opts, *_ = ROWS[name]
     module, attr = target.split(":")
     factory = getattr(importlib.import_module(module), attr)
     opts = dict(opts)
-    mp = opts.pop("mp", None)
-    mp_policy = MixedPrecisionPolicy(param_dtype=torch_bf16(), reduce_dtype=torch_f32()) if mp else None
+    mp_policy = MixedPrecisionPolicy()
+    if opts.pop("mp", None):
+        mp_policy = MixedPrecisionPolicy(param_dtype=torch_bf16(), reduce_dtype=torch_f32())
 
     def call(f, **kw):
         return call_factory(f, **{**kwargs, **kw})
 
     with fake_group(world):
-        return make_plan(factory, world, call=call, profiles=[profile], mp_policy=mp_policy, **opts)
+        return make_plan(factory, Layout(world, mp_policy=mp_policy, **opts), call=call, profiles=[profile])
 
 
 def torch_bf16():

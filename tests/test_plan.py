@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import cli_factories  # noqa: E402
 
 from fsdp2_compile.debug.sizes import size_text  # noqa: E402
-from fsdp2_compile.planner.plan import make_plan  # noqa: E402
+from fsdp2_compile.planner.plan import Layout, make_plan  # noqa: E402
 from fsdp2_compile.planner.trace import trace_step  # noqa: E402
 from fsdp2_compile.cli.model_loading import call_factory, fake_group  # noqa: E402
 
@@ -116,7 +116,7 @@ def test_fused_attention_saves_output_and_logsumexp_with_causal_flops():
 
 def _plan(factory, world=8, **kwargs):
     with fake_group(world):
-        return make_plan(factory, world, call=call_factory, profiles=["h100-nvlink"], **kwargs)
+        return make_plan(factory, Layout(world, **kwargs), call=call_factory, profiles=["h100-nvlink"])
 
 
 def tiny_layers(layers: int | None = None):
@@ -179,7 +179,7 @@ def test_plan_against_the_2_rank_run_measured_here():
     come from the benchmark and the plan is deterministic. Bounds: the planner's 15% target, on time, memory and step time
     over compute alone (measured 1.15 and 1.42: the ratio that the machine's own speed drift between runs cancels)."""
     with fake_group(2):
-        plan = make_plan(cli_factories.gpt_bench, 2, call=call_factory,
+        plan = make_plan(cli_factories.gpt_bench, Layout(2), call=call_factory,
                          profiles=["cpu-gloo-loopback", "cpu-gloo-1gbit"])
     measured = {"cpu-gloo-loopback": (2.912, 1304, 1.15), "cpu-gloo-1gbit": (3.616, 1307, 1.42)}
     ratios = []
@@ -212,7 +212,7 @@ TP_ACT = 2 * 8 * 16 * F32
 
 def _tp_plan(factory, tp: int, world_size: int = 4, **kwargs):
     with fake_group(world_size):
-        return make_plan(factory, world_size, call=call_factory, profiles=["h100-nvlink"], tp=tp, **kwargs)
+        return make_plan(factory, Layout(world_size, tp=tp, **kwargs), call=call_factory, profiles=["h100-nvlink"])
 
 
 def test_tp_per_rank_bytes_are_hand_counted_over_dp_times_tp():
@@ -306,7 +306,33 @@ def test_selective_unsharding_plans_what_the_pipeline_compiles():
 
 
 @pytest.mark.parametrize("bad", [dict(keep_gathered=1.5), dict(keep_gathered=-1), dict(prefetch=-1)])
-def test_make_plan_refuses_what_the_compiler_refuses(bad):
-    """`make_plan` checks keep_gathered and prefetch as CompileConfig does, before building anything."""
+def test_layout_refuses_what_the_compiler_refuses(bad):
+    """`Layout` checks keep_gathered and prefetch as CompileConfig does, before anything is built."""
     with pytest.raises(ValueError, match="keep_gathered" if "keep_gathered" in bad else "prefetch_depth"):
         _plan(tiny_layers, **bad)
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (dict(world_size=6, tp=4), "Layout.world_size=6 is not a multiple of replicate 1 x tp 4"),
+        (dict(world_size=8, replicate=0), "Layout.replicate=0: use a number of replicas"),
+        (dict(world_size=8, reshard_after_forward=2), "Layout.reshard_after_forward=2: use None"),
+        (dict(world_size=8, mp_policy=None), "Layout.mp_policy=None: use a MixedPrecisionPolicy"),
+        (dict(world_size=8, compiler="xla"), "Layout.compiler='xla' is not one of: aot_eager, inductor"),
+        (dict(world_size=8, ac="some"), "Layout.ac='some' is not one of: none, full, selective"),
+    ],
+)
+def test_layout_errors_name_the_field(bad, message):
+    with pytest.raises(ValueError) as e:
+        Layout(**bad)
+    assert message in str(e.value)
+
+
+def test_layouts_compare_by_value():
+    from fsdp2_compile.config import MixedPrecisionPolicy
+
+    bf16 = dict(replicate=2, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16), keep_gathered=0.5)
+    a, b = Layout(8, **bf16), Layout(8, **bf16)
+    assert a == b and hash(a) == hash(b) and len({a, b, Layout(8), Layout(8, prefetch=2)}) == 2
+    assert a.shard_size == 4 and Layout(8, replicate=2, tp=2).shard_size == 2

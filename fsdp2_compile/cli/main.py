@@ -253,18 +253,18 @@ def cmd_plan(ns: argparse.Namespace) -> int:
         import json
 
         from fsdp2_compile.core.hardware import PROFILES
-        from fsdp2_compile.planner.plan import format_plan, make_plan
+        from fsdp2_compile.planner.plan import Layout, format_plan, make_plan
         from fsdp2_compile.cli.model_loading import call_factory, fake_group, load_target
 
         factory = load_target(ns.target)
         profiles = [ns.hardware] if ns.hardware else list(PROFILES)
+        layout = Layout(ns.world_size, replicate=ns.replicate, tp=ns.tp,
+                        reshard_after_forward=False if ns.no_reshard else None, mp_policy=_mp_policy(ns.mp),
+                        attention=ns.attention, ac=ns.ac, compiler=ns.compiler, keep_gathered=ns.keep_gathered,
+                        memory_budget_bytes=ns.memory_budget)
         with fake_group(ns.world_size):
             try:
-                plan = make_plan(factory, ns.world_size, replicate=ns.replicate, call=call_factory,
-                                 profiles=profiles, mp_policy=_mp_policy(ns.mp),
-                                 reshard_after_forward=False if ns.no_reshard else None, progress=progress.step,
-                                 attention=ns.attention, ac=ns.ac, compiler=ns.compiler, tp=ns.tp,
-                                 keep_gathered=ns.keep_gathered, memory_budget_bytes=ns.memory_budget)
+                plan = make_plan(factory, layout, call=call_factory, profiles=profiles, progress=progress.step)
             except (RunError, UsageError):
                 raise
             except ValueError as e:

@@ -35,18 +35,21 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from fsdp2_compile.config import CompileConfig, MixedPrecisionPolicy
 from fsdp2_compile.core.hardware import PROFILES
 from fsdp2_compile.core.ir import BUCKET, CollectiveArgs, Role, nbytes
 from fsdp2_compile.planner.activation_checkpointing import has_checkpointing, unwrap_checkpointing
 from fsdp2_compile.planner.devices import device_for
 from fsdp2_compile.planner.reduced_depth import block_list, reduced_copy, scale
-from fsdp2_compile.planner.step_model import StepComm, memory_peak, optimizer_time, phase_times, schedule
+from fsdp2_compile.planner.step_model import (StepComm, forward_backward_time, memory_peak, optimizer_time,
+                                              phase_times)
 from fsdp2_compile.planner.tensor_parallel import apply_tp, plan_meshes, plan_text, tp_collective_s, tp_local_copy, tp_plan_for
-from fsdp2_compile.planner.trace import trace_step
+from fsdp2_compile.planner.trace import StepTrace, trace_step
 from fsdp2_compile.compiler.report import clear_compiled_graphs, collective, compiled_graphs, is_tp
 from fsdp2_compile.debug.sizes import size_text
 
 __all__ = [
+    "Layout",
     "Plan",
     "analytical_bytes",
     "block_list",
@@ -311,58 +314,176 @@ def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def make_plan(
-    factory: Callable,
-    world_size: int,
-    *,
-    replicate: int = 1,
-    call: Callable = lambda f, **kw: f(**kw),
-    profiles: list[str] | None = None,
-    mp_policy=None,
-    reshard_after_forward: bool | None = None,
-    progress: Callable[[str], object] | None = None,
-    attention: str = "fused",
-    ac: str = "none",
-    compiler: str = "aot_eager",
-    prefetch: int | None = None,
-    tp: int = 1,
-    keep_gathered: int | float | None = None,
-    memory_budget_bytes: int | None = None,
-) -> Plan:
-    """Plan `factory`'s model at `world_size` ranks; `replicate` > 1: HSDP on a `replicate x world_size/replicate`
-    mesh (`hsdp_mesh`). Needs the default process group of `world_size` ranks (the fake one);
-    `call(factory, **kwargs)` builds `(model, args, loss_fn)` (the CLI's checked call). `attention`: "fused" or
-    "math"; `ac`: "none", "full" or "selective" (a model the factory already checkpointed is planned as given);
-    `compiler`: "aot_eager" (eager kernels), "inductor" (fused elementwise) or "inductor-blocks" (Inductor on each
-    block only, the rest eager: torchtitan's per-block compile); `prefetch`: blocks gathered ahead
-    (default: CompileConfig's prefetch_depth); `tp` > 1: tensor parallelism of degree `tp` inside FSDP on a
-    (dp, tp) mesh (`planner_tp`; the factory's `tp_plan` or the default one); `keep_gathered`: selective
-    unsharding as `CompileConfig.keep_gathered`, decided on the full model's buckets (blocks in order, then the
-    root, whose head is used last) by the compiler's own rule (`selective_unshard.choose_kept`): the kept buckets'
-    backward all-gathers leave the bytes and the schedule, their gathered parameters stay in memory from forward
-    to backward (counted in activations and the peak); `memory_budget_bytes`: as `CompileConfig.memory_budget_bytes`,
-    what it leaves beyond the prefetch window is kept the same way (`selective_unshard.keep_amount`)."""
-    from fsdp2_compile.config import CompileConfig, MixedPrecisionPolicy
-    from fsdp2_compile.compiler.selective_unshard import choose_kept, keep_amount
+_FUSED = {"aot_eager": False, "inductor": True, "inductor-blocks": "blocks"}
+"""The kernels a plan assumes, and what the traced step fuses under each (`StepTrace.materialized`)."""
 
-    if compiler not in ("aot_eager", "inductor", "inductor-blocks"):
-        raise ValueError(f"compiler {compiler!r} is not one of: aot_eager, inductor, inductor-blocks")
-    mp_policy = mp_policy or MixedPrecisionPolicy()
-    profiles = profiles or list(PROFILES)
-    step = progress or (lambda msg: None)
-    mesh, tp_mesh = plan_meshes(world_size, replicate, tp)
-    shard_size = world_size // (replicate * tp)
-    # the compiler's own checks: a bad prefetch or keep_gathered is refused before anything is built
-    config = CompileConfig(keep_gathered=keep_gathered, memory_budget_bytes=memory_budget_bytes,
-                           **({} if prefetch is None else dict(prefetch_depth=prefetch)))
-    prefetch = config.prefetch_depth
 
+def _is_count(value: object) -> bool:
+    """A whole number >= 1 (not a bool)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What a plan is made for: the ranks, their mesh and the knobs of the training step. Frozen and compared by
+    value (hashable): layouts can be enumerated, compared and used as keys. Checked when built."""
+
+    world_size: int
+    """Ranks in all (N); `make_plan` needs the default process group of that many ranks (the fake one)."""
+    replicate: int = 1
+    """HSDP replicas (R): the mesh is R x N/R (replicate x shard); 1 = plain FSDP over all ranks."""
+    tp: int = 1
+    """Tensor-parallel degree (T) inside FSDP (`planner_tp`): the mesh is N/T x T (dp x tp), or R x N/(R T) x T;
+    the factory's `tp_plan` or the default one is applied to every block; 1 = no tensor parallelism."""
+    reshard_after_forward: bool | None = None
+    """As `shard`'s: None FSDP2's default (the blocks reshard, the root keeps its parameters), True or False."""
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy()
+    """Mixed precision as `shard`'s; MixedPrecisionPolicy() computes and reduces in the parameters' dtype."""
+    attention: str = "fused"
+    """The attention kernel the trace assumes: "fused" (flash / memory-efficient) or "math"."""
+    ac: str = "none"
+    """Activation checkpointing of the blocks: "none", "full" or "selective" (torchtitan's op policy); a model the
+    factory already checkpointed is planned as given."""
+    compiler: str = "aot_eager"
+    """Kernels: "aot_eager" (eager), "inductor" (fused elementwise) or "inductor-blocks" (Inductor on each block
+    only, the rest eager: torchtitan's per-block compile)."""
+    prefetch: int = CompileConfig.prefetch_depth
+    """Blocks gathered ahead of the one in use (`CompileConfig.prefetch_depth`)."""
+    keep_gathered: int | float | None = None
+    """Selective unsharding as `CompileConfig.keep_gathered`, decided on the full model's buckets (blocks in order,
+    then the root) by the compiler's own rule (`selective_unshard.choose_kept`): the kept buckets' backward
+    all-gathers leave the bytes and the schedule, their gathered parameters stay in memory from forward to backward
+    (counted in activations and the peak)."""
+    memory_budget_bytes: int | None = None
+    """As `CompileConfig.memory_budget_bytes`: what it leaves beyond the prefetch window is kept the same way
+    (`selective_unshard.keep_amount`)."""
+
+    def __post_init__(self) -> None:
+        for name, what in (("world_size", "a number of ranks"), ("replicate", "a number of replicas (1: no HSDP)"),
+                           ("tp", "a tensor-parallel degree (1: no TP)")):
+            if not _is_count(getattr(self, name)):
+                raise ValueError(f"Layout.{name}={getattr(self, name)!r}: use {what}, a whole number >= 1")
+        if self.world_size % (self.replicate * self.tp):
+            raise ValueError(
+                f"Layout.world_size={self.world_size} is not a multiple of replicate {self.replicate} x tp "
+                f"{self.tp}: the mesh is replicate x shard x tp; pass a world_size that is a multiple of "
+                f"{self.replicate * self.tp}, or a replicate and tp whose product divides {self.world_size}")
+        if self.reshard_after_forward not in (None, True, False):
+            raise ValueError(f"Layout.reshard_after_forward={self.reshard_after_forward!r}: use None (FSDP2's "
+                             "default), True or False (resharding to a smaller group is not planned)")
+        if not isinstance(self.mp_policy, MixedPrecisionPolicy):
+            raise ValueError(f"Layout.mp_policy={self.mp_policy!r}: use a MixedPrecisionPolicy "
+                             "(MixedPrecisionPolicy() for the parameters' own dtype)")
+        for name, choices in (("attention", ("fused", "math")), ("ac", ("none", "full", "selective")),
+                              ("compiler", tuple(_FUSED))):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"Layout.{name}={getattr(self, name)!r} is not one of: {', '.join(choices)}")
+        # the compiler's own checks, so that the plan refuses what the compiler refuses
+        for name, option in (("prefetch", "prefetch_depth"), ("keep_gathered", "keep_gathered"),
+                             ("memory_budget_bytes", "memory_budget_bytes")):
+            try:
+                CompileConfig(**{option: getattr(self, name)})
+            except ValueError as e:
+                raise ValueError(f"Layout.{name}: {e}") from None
+
+    @property
+    def shard_size(self) -> int:
+        """Ranks each parameter is sharded over by FSDP: world_size / (replicate x tp)."""
+        return self.world_size // (self.replicate * self.tp)
+
+
+@dataclass
+class _FullModel:
+    """What the plan takes from the full model sharded at the layout (rank 0, the largest shard)."""
+
+    params: int
+    """Unique parameters (numel)."""
+    tokens: int
+    """Tokens one rank processes per step."""
+    block_path: str
+    has_blocks: bool
+    layers: int
+    given_ac: bool
+    """The factory's model is already checkpointed."""
+    tp_plan: dict | None
+    tp_text: str
+    analytical: dict[str, float]
+    measured: dict[str, int]
+    numel: dict[str, int]
+    """Full padded elements each bucket gathers (blocks, then the root "")."""
+    buckets: dict[str, int]
+    """Gathered bytes of each bucket, in the parameters' compute dtype."""
+    resharded: dict[str, int]
+    """Gathered bytes of the buckets resharded after forward, in their order of last use in forward."""
+    param_dtype: torch.dtype
+    reduce_dtype: torch.dtype
+
+
+@dataclass
+class _Copies:
+    """The compiled graphs' figures and the traced steps of the 1- and 2-block copies (or of the whole model when
+    it has no more than 2 blocks), and how to take the full model's figures from them."""
+
+    layers: int
+    reduce: bool
+    """Figures come from the 1- and 2-block copies."""
+    figures: list[_GraphFigures]
+    traces: list[StepTrace]
+    full_traces: list[StepTrace]
+    """Under TP: the unsplit copies' traces (for the model's FLOPs); else empty."""
+    hows: list[str]
+    tp_left: list[str]
+    """Under TP: the modules the TP-local copy left whole."""
+
+    def extrapolate(self, values: list[float]) -> float:
+        """The full model's figure from the copies' (linear in the block count)."""
+        return scale(values[0], values[1], self.layers) if self.reduce else values[0]
+
+    def split(self, values: list[float]) -> tuple[float, float]:
+        """(one block's share, the rest outside the blocks) of the copies' figures; (0, the figure) unreduced."""
+        if not self.reduce:
+            return 0.0, values[0]
+        block = values[1] - values[0]
+        return block, values[0] - block
+
+    @property
+    def reduction(self) -> str:
+        return (f"1- and 2-block copies ({self.hows[0]}; {self.hows[1]}), scaled linearly to {self.layers} blocks"
+                if self.reduce else "the full model")
+
+
+@dataclass
+class _Communication:
+    """Bytes one rank sends per step and the collectives' full buffers, FSDP's and TP's apart."""
+
+    wire: float
+    buffers: dict[str, int]
+    tp_wire: float
+    tp_buffers: dict[str, int]
+    tp_per_layer: dict[str, dict[str, int]]
+    tp_per_step: dict[str, dict[str, int]]
+
+
+@dataclass
+class _ProfileFigures:
+    """A plan's figures on one device profile."""
+
+    step_s: float
+    exposed_s: float
+    tokens_per_s: float
+    mfu: float
+    reserved: int
+    compute: dict[str, float]
+    tp_s: float
+
+
+def _shard_full_model(factory: Callable, layout: Layout, call: Callable, meshes: tuple, step: Callable) -> _FullModel:
+    """Build the full model, apply the TP plan, shard it at the layout and take its per-rank bytes and buckets."""
+    mesh, tp_mesh = meshes
     step("building the full model")
     model, full_args, _ = call(factory)
     path, blocks = block_list(model)
-    layers = len(blocks) if blocks is not None else 0
     given_ac = has_checkpointing(model)
-    ac_used = "as given" if given_ac else ac
     n_params = sum(p.numel() for p in _unique_params(model))
     tp_plan, tp_text = None, ""
     if tp_mesh is not None:
@@ -371,155 +492,114 @@ def make_plan(
             raise ValueError("--tp needs a model with an nn.ModuleList of blocks to apply the TP plan to")
         tp_plan, source = tp_plan_for(factory, blocks[0])
         tp_text = plan_text(tp_plan, source)
-        step(f"applying {tp_text} on the tp mesh of {tp} ranks")
+        step(f"applying {tp_text} on the tp mesh of {layout.tp} ranks")
         apply_tp(model, tp_mesh, tp_plan)
-    analytical = analytical_bytes(model, shard_size, tp)
+    analytical = analytical_bytes(model, layout.shard_size, layout.tp)
+    mp_policy = layout.mp_policy
     param_dtype = mp_policy.param_dtype or next((p.dtype for p in model.parameters() if p.is_floating_point()),
                                                 torch.float32)
-    reduce_dtype = mp_policy.reduce_dtype or param_dtype
-    where = f"{world_size} ranks" if mesh is None else f"a {replicate} x {shard_size} mesh (replicate x shard)"
+    replicate, shard_size = layout.replicate, layout.shard_size
+    where = f"{layout.world_size} ranks" if mesh is None else f"a {replicate} x {shard_size} mesh (replicate x shard)"
     if tp_mesh is not None:
-        where = f"dp ({shard_size} ranks" + (f" x {replicate} replicas" if replicate > 1 else "") + f"), tp {tp}"
+        where = f"dp ({shard_size} ranks" + (f" x {replicate} replicas" if replicate > 1 else "") + f"), tp {layout.tp}"
     step(f"sharding the full model over {where}")
-    shard_for_plan(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
-    measured = sharded_bytes(model)
+    shard_for_plan(model, mesh=mesh, reshard_after_forward=layout.reshard_after_forward, mp_policy=mp_policy)
     numel = _bucket_numel(model)
-    buckets = {b: n * _itemsize(param_dtype) for b, n in numel.items()}
-    keep = keep_amount(config, max(buckets.values(), default=0))
-    kept = None if keep is None else choose_kept(_resharded_sizes(model, _itemsize(param_dtype)), keep)
-    root = buckets.get("", 0)
-    others = sorted((b for name, b in buckets.items() if name), reverse=True)
-    gathered_peak = root + sum(others[:2])
-    del model
+    return _FullModel(
+        params=n_params, tokens=tokens_of(full_args), block_path=path, has_blocks=blocks is not None,
+        layers=len(blocks) if blocks is not None else 0, given_ac=given_ac, tp_plan=tp_plan, tp_text=tp_text,
+        analytical=analytical, measured=sharded_bytes(model), numel=numel,
+        buckets={b: n * _itemsize(param_dtype) for b, n in numel.items()},
+        resharded=_resharded_sizes(model, _itemsize(param_dtype)), param_dtype=param_dtype,
+        reduce_dtype=mp_policy.reduce_dtype or param_dtype)
 
+
+def _kept_decision(layout: Layout, full: _FullModel):
+    """Selective unsharding's decision on the full model's buckets (`KeptGathered`), None without it."""
+    from fsdp2_compile.compiler.selective_unshard import choose_kept, keep_amount
+
+    config = CompileConfig(keep_gathered=layout.keep_gathered, memory_budget_bytes=layout.memory_budget_bytes,
+                           prefetch_depth=layout.prefetch)
+    keep = keep_amount(config, max(full.buckets.values(), default=0))
+    return None if keep is None else choose_kept(full.resharded, keep)
+
+
+def _compile_and_trace_copies(factory: Callable, layout: Layout, call: Callable, meshes: tuple, full: _FullModel,
+                              ac_used: str, hardware: str, step: Callable) -> _Copies:
+    """Compile each copy through the pipeline (its collectives) and play one step of it on meta (its ops)."""
+    mesh, tp_mesh = meshes
     compile_kwargs = {
-        "reshard_after_forward": reshard_after_forward,
-        "mp_policy": mp_policy,
-        "compile_config": CompileConfig(hardware=profiles[0], check_rank_consistency=False),
+        "reshard_after_forward": layout.reshard_after_forward,
+        "mp_policy": layout.mp_policy,
+        "compile_config": CompileConfig(hardware=hardware, check_rank_consistency=False),
     }
-    reduce = blocks is not None and layers > 2
-    counts = (1, 2) if reduce else (None,)
-    figures, traces, full_traces, hows, tp_left = [], [], [], [], []
-    for n in counts:
+    reduce = full.has_blocks and full.layers > 2
+    copies = _Copies(full.layers, reduce, [], [], [], [], [])
+    param_dtype = layout.mp_policy.param_dtype
+    for n in (1, 2) if reduce else (None,):
         what = f"a {n}-block copy" if n else "the model"
         step(f"compiling {what} through the pipeline")
         model, args, loss_fn, how = reduced_copy(factory, n, call) if n else (*call(factory), "")
-        figures.append(_compile_and_measure(model, args, loss_fn, mesh, compile_kwargs, tp_mesh, tp_plan))
+        copies.figures.append(_compile_and_measure(model, args, loss_fn, mesh, compile_kwargs, tp_mesh, full.tp_plan))
         local = " (one TP rank's share)" if tp_mesh is not None else ""
-        step(f"playing one step of {what}{local} on the meta device ({attention} attention, AC {ac_used})")
+        step(f"playing one step of {what}{local} on the meta device ({layout.attention} attention, AC {ac_used})")
         model, args, loss_fn, how = reduced_copy(factory, n, call) if n else (*call(factory), "")
         if tp_mesh is not None:
-            tp_left = tp_local_copy(model, tp_plan, tp)
-        traces.append(trace_step(model, args, loss_fn, attention=attention, ac=ac_used,
-                                 param_dtype=mp_policy.param_dtype))
+            copies.tp_left = tp_local_copy(model, full.tp_plan, layout.tp)
+        copies.traces.append(trace_step(model, args, loss_fn, attention=layout.attention, ac=ac_used,
+                                        param_dtype=param_dtype))
         if tp_mesh is not None:  # the unsplit model's FLOPs, for MFU
             model, args, loss_fn, _ = reduced_copy(factory, n, call) if n else (*call(factory), "")
-            full_traces.append(trace_step(model, args, loss_fn, attention=attention, ac=ac_used,
-                                          param_dtype=mp_policy.param_dtype))
-        hows.append(how)
+            copies.full_traces.append(trace_step(model, args, loss_fn, attention=layout.attention, ac=ac_used,
+                                                 param_dtype=param_dtype))
+        copies.hows.append(how)
+    return copies
 
-    def extrapolate(values: list[float]) -> float:
-        return scale(values[0], values[1], layers) if reduce else values[0]
 
-    comm = extrapolate([g.comm_wire for g in figures])
-    # the copies were compiled without it: what their backward gathers of a kept bucket (of a block the copies cut
-    # off, what they gather of their first block) is what stays in memory instead, and leaves the bytes on the wire
-    regathered = figures[-1].backward_gathers
+def _kept_for_backward(kept, copies: _Copies, numel: dict[str, int]) -> int:
+    """Gathered bytes the kept buckets hold from forward to backward: what the copies' backward gathers of them
+    (of a block the copies cut off, what they gather of their first block); the copies were compiled without it."""
+    if kept is None:
+        return 0
+    regathered = copies.figures[-1].backward_gathers
     first_block = regathered.get(next((b for b in numel if b), ""), 0)
-    kept_bytes = 0 if kept is None else sum(regathered.get(b, first_block) for b in kept.buckets)
-    comm -= (shard_size - 1) / shard_size * kept_bytes
-    buffers = {k: int(extrapolate([g.buffers.get(k, 0) for g in figures])) for k in figures[-1].buffers}
-    fused = {"aot_eager": False, "inductor": True, "inductor-blocks": "blocks"}[compiler]
-    activations = extrapolate([t.saved_bytes(fused) for t in traces]) + kept_bytes
-    model_flops = 3 * extrapolate([t.forward_flops() for t in (full_traces or traces)]) / tp
+    return sum(regathered.get(b, first_block) for b in kept.buckets)
 
-    # tensor parallelism's collectives: per block (2 blocks minus 1) and per step, by graph and kind
-    tp_kinds = sorted({(g, k) for f in figures for g, k, _, _ in f.tp_collectives})
+
+def _communication(copies: _Copies, shard_size: int, kept_bytes: int) -> _Communication:
+    """Bytes on the wire per step (less the kept buckets' backward all-gathers) and TP's collectives per block
+    (2 blocks minus 1) and per step, by graph and kind."""
+    figures = copies.figures
+    wire = copies.extrapolate([g.comm_wire for g in figures])
+    wire -= (shard_size - 1) / shard_size * kept_bytes
+    buffers = {k: int(copies.extrapolate([g.buffers.get(k, 0) for g in figures])) for k in figures[-1].buffers}
     tp_per_layer: dict[str, dict[str, int]] = {}
     tp_per_step: dict[str, dict[str, int]] = {}
-    for g, k in tp_kinds:
-        counts_ = [f.tp_counts(g, k) for f in figures]
-        tp_per_step.setdefault(g, {})[k] = int(extrapolate(counts_))
-        tp_per_layer.setdefault(g, {})[k] = counts_[1] - counts_[0] if reduce else counts_[0] // max(layers, 1)
-    tp_wire = extrapolate([f.tp_wire for f in figures])
-    tp_buffers = {k: int(extrapolate([f.tp_buffers.get(k, 0) for f in figures]))
+    for g, k in sorted({(g, k) for f in figures for g, k, _, _ in f.tp_collectives}):
+        counts = [f.tp_counts(g, k) for f in figures]
+        tp_per_step.setdefault(g, {})[k] = int(copies.extrapolate(counts))
+        tp_per_layer.setdefault(g, {})[k] = (counts[1] - counts[0] if copies.reduce
+                                             else counts[0] // max(copies.layers, 1))
+    tp_wire = copies.extrapolate([f.tp_wire for f in figures])
+    tp_buffers = {k: int(copies.extrapolate([f.tp_buffers.get(k, 0) for f in figures]))
                   for k in sorted({k for f in figures for k in f.tp_buffers})}
+    return _Communication(wire, buffers, tp_wire, tp_buffers, tp_per_layer, tp_per_step)
 
-    block_names = [b for b in numel if b]
-    grad_buffers = 2 * max((numel[b] for b in block_names), default=0) * (_itemsize(param_dtype)
-                                                                          + _itemsize(reduce_dtype))
+
+def _memory(full: _FullModel, copies: _Copies, fused: bool | str, kept_bytes: int) -> dict[str, int]:
+    """Per-rank bytes: sharded state, gathered buckets, activations (with the kept buckets) and the step's peak."""
+    measured, numel = full.measured, full.numel
+    root = full.buckets.get("", 0)
+    others = sorted((b for name, b in full.buckets.items() if name), reverse=True)
+    gathered_peak = root + sum(others[:2])
+    activations = copies.extrapolate([t.saved_bytes(fused) for t in copies.traces]) + kept_bytes
+    grad_buffers = 2 * max((numel[b] for b in numel if b), default=0) * (_itemsize(full.param_dtype)
+                                                                         + _itemsize(full.reduce_dtype))
     static = measured["params"] + measured["optimizer"]
-    peak_alloc = kept_bytes + extrapolate([memory_peak(
+    peak_alloc = kept_bytes + copies.extrapolate([memory_peak(
         t, fused, static=static, grads=measured["grads"], gathered_forward=gathered_peak,
-        gathered_backward=gathered_peak, grad_buffers=grad_buffers) for t in traces])
+        gathered_backward=gathered_peak, grad_buffers=grad_buffers) for t in copies.traces])
     optimizer_point = static + measured["grads"] + measured["optimizer"] // ADAMW_STATES
-    peak_alloc = int(max(peak_alloc, optimizer_point))
-
-    tokens = tokens_of(full_args)
-    time, exposed, tps, mfu, reserved, compute, tp_s = {}, {}, {}, {}, {}, {}, {}
-    for name in profiles:
-        prof, dev = PROFILES[name], device_for(name)
-        ph = [phase_times(t, dev, fused) for t in traces]
-        if reduce:
-            fw_block, bw_block = ph[1].forward - ph[0].forward, ph[1].backward - ph[0].backward
-            fw_rest, bw_rest = ph[0].forward - fw_block, ph[0].backward - bw_block
-        else:
-            fw_block = bw_block = 0.0
-            fw_rest, bw_rest = ph[0].forward, ph[0].backward
-
-        # TP's collectives on the intra-node link, on the critical path (the next op needs their result): added to
-        # the phase they run in; full AC replays forward's in backward
-        def tp_time(f: _GraphFigures, graph: str) -> float:
-            return sum(tp_collective_s(k, b, g, dev.intra_node_alpha_s, dev.intra_node_bytes_per_s)
-                       for gk, k, b, g in f.tp_collectives if gk == graph)
-
-        tp_fw = [tp_time(f, "forward") for f in figures]
-        tp_bw = [tp_time(f, "backward") + (tp_time(f, "forward") if ac_used == "full" else 0.0) for f in figures]
-        if reduce:
-            tp_fw_block, tp_bw_block = tp_fw[1] - tp_fw[0], tp_bw[1] - tp_bw[0]
-            tp_fw_rest, tp_bw_rest = tp_fw[0] - tp_fw_block, tp_bw[0] - tp_bw_block
-        else:
-            tp_fw_block = tp_bw_block = 0.0
-            tp_fw_rest, tp_bw_rest = tp_fw[0], tp_bw[0]
-        tp_s[name] = (tp_fw_rest + tp_bw_rest + (layers * (tp_fw_block + tp_bw_block) if reduce else 0.0))
-
-        def coll(nbytes: float, group: int, factor: float = 1.0) -> float:
-            return prof.alpha_s + factor * (group - 1) / group * nbytes * prof.beta_s_per_byte if group > 1 else 0.0
-
-        # gloo's reduce-scatter is an all-reduce (the device's factor), except over two ranks, where the pipeline
-        # runs it as an all-to-all (passes/reduce_scatter_by_all_to_all.py): a ring's bytes
-        rs_factor = 1.0 if shard_size == 2 else dev.reduce_scatter_factor
-
-        def reduce_s(b: str) -> float:
-            t = coll(numel[b] * _itemsize(reduce_dtype), shard_size, rs_factor)
-            return t + coll(numel[b] // shard_size * _itemsize(reduce_dtype), replicate, 2.0)
-
-        n_blocks = layers if reduce else 0
-        per_block = [b for b in block_names][:n_blocks] if len(block_names) >= n_blocks else block_names
-        kept_blocks = {i for i, b in enumerate(per_block) if kept is not None and b in kept.buckets}
-        sc = StepComm(
-            root_gather_s=coll(buckets.get("", 0), shard_size) + sum(
-                coll(buckets[b], shard_size) for b in block_names[n_blocks:]),
-            root_reduce_s=(reduce_s("") if "" in numel else 0.0) + sum(reduce_s(b) for b in block_names[n_blocks:]),
-            gather_s=[coll(buckets[b], shard_size) for b in per_block],
-            reduce_s=[reduce_s(b) for b in per_block],
-        )
-        if not reduce:  # no block list to schedule: one forward and one backward beside all collectives
-            sc.gather_s, sc.reduce_s = [], []
-        run_s, exposed_s = schedule(fw_block + tp_fw_block, fw_rest + tp_fw_rest, bw_block + tp_bw_block,
-                                    bw_rest + tp_bw_rest, sc, dev.comm_overlaps_compute,
-                                    prefetch=max(prefetch, 1), reshard=reshard_after_forward is not False,
-                                    kept=kept_blocks)
-        exposed_s += tp_s[name]  # schedule counted TP's time as compute
-        opt_s = optimizer_time(measured["params"], measured["grads"], measured["optimizer"], dev)
-        time[name] = run_s + opt_s
-        exposed[name] = exposed_s
-        tps[name] = tokens / tp / time[name]
-        mfu[name] = model_flops / time[name] / dev.peak_flops
-        reserved[name] = int(peak_alloc * dev.allocator_factor + dev.runtime_bytes)
-        compute[name] = {"forward": fw_rest + layers * fw_block if reduce else fw_rest,
-                         "backward": bw_rest + layers * bw_block if reduce else bw_rest, "optimizer": opt_s}
-
     per_rank = {
         "params": measured["params"],
         "grads": measured["grads"],
@@ -528,53 +608,168 @@ def make_plan(
         "activations": int(activations),
     }
     per_rank["total"] = sum(per_rank.values())
-    per_rank["peak"] = peak_alloc
-    reduced = (f"1- and 2-block copies ({hows[0]}; {hows[1]}), scaled linearly to {layers} blocks" if reduce
-               else "the full model")
-    method = (f"full model ({n_params:,} params" + (f", {layers} blocks in '{path}'" if blocks is not None else "")
+    per_rank["peak"] = int(max(peak_alloc, optimizer_point))
+    return per_rank
+
+
+def _tp_phase_seconds(figures: list[_GraphFigures], dev, ac_used: str) -> tuple[list[float], list[float]]:
+    """Each copy's seconds of TP's collectives on the intra-node link in forward and in backward (full AC replays
+    forward's in backward)."""
+    def tp_time(f: _GraphFigures, graph: str) -> float:
+        return sum(tp_collective_s(k, b, g, dev.intra_node_alpha_s, dev.intra_node_bytes_per_s)
+                   for gk, k, b, g in f.tp_collectives if gk == graph)
+
+    forward = [tp_time(f, "forward") for f in figures]
+    backward = [tp_time(f, "backward") + (tp_time(f, "forward") if ac_used == "full" else 0.0) for f in figures]
+    return forward, backward
+
+
+def _step_comm(name: str, layout: Layout, full: _FullModel, copies: _Copies, kept) -> tuple[StepComm, set[int]]:
+    """Seconds of each bucket's all-gather and gradient reduction on the profile's link, the blocks the copies
+    stand for (the rest with the root), and which of those blocks stay gathered."""
+    prof, dev = PROFILES[name], device_for(name)
+    shard_size, replicate, numel, buckets = layout.shard_size, layout.replicate, full.numel, full.buckets
+    reduce_itemsize = _itemsize(full.reduce_dtype)
+
+    def coll(nbytes: float, group: int, factor: float = 1.0) -> float:
+        return prof.alpha_s + factor * (group - 1) / group * nbytes * prof.beta_s_per_byte if group > 1 else 0.0
+
+    # gloo's reduce-scatter is an all-reduce (the device's factor), except over two ranks, where the pipeline
+    # runs it as an all-to-all (passes/reduce_scatter_by_all_to_all.py): a ring's bytes
+    rs_factor = 1.0 if shard_size == 2 else dev.reduce_scatter_factor
+
+    def reduce_s(b: str) -> float:
+        t = coll(numel[b] * reduce_itemsize, shard_size, rs_factor)
+        return t + coll(numel[b] // shard_size * reduce_itemsize, replicate, 2.0)
+
+    block_names = [b for b in numel if b]
+    n_blocks = copies.layers if copies.reduce else 0  # unreduced: one forward and one backward beside all collectives
+    per_block = block_names[:n_blocks]
+    kept_blocks = {i for i, b in enumerate(per_block) if kept is not None and b in kept.buckets}
+    comm = StepComm(
+        root_gather_s=coll(buckets.get("", 0), shard_size) + sum(
+            coll(buckets[b], shard_size) for b in block_names[n_blocks:]),
+        root_reduce_s=(reduce_s("") if "" in numel else 0.0) + sum(reduce_s(b) for b in block_names[n_blocks:]),
+        gather_s=[coll(buckets[b], shard_size) for b in per_block],
+        reduce_s=[reduce_s(b) for b in per_block],
+    )
+    return comm, kept_blocks
+
+
+def _profile_figures(name: str, layout: Layout, full: _FullModel, copies: _Copies, kept, ac_used: str,
+                     model_flops: float, peak_alloc: int) -> _ProfileFigures:
+    """Step time, exposed communication, tokens/s, MFU, reserved peak and compute seconds on one profile."""
+    dev = device_for(name)
+    fused = _FUSED[layout.compiler]
+    phases = [phase_times(t, dev, fused) for t in copies.traces]
+    fw_block, fw_rest = copies.split([p.forward for p in phases])
+    bw_block, bw_rest = copies.split([p.backward for p in phases])
+    # TP's collectives, on the critical path (the next op needs their result): added to the phase they run in
+    tp_fw, tp_bw = _tp_phase_seconds(copies.figures, dev, ac_used)
+    tp_fw_block, tp_fw_rest = copies.split(tp_fw)
+    tp_bw_block, tp_bw_rest = copies.split(tp_bw)
+    tp_s = (tp_fw_rest + tp_bw_rest + (copies.layers * (tp_fw_block + tp_bw_block) if copies.reduce else 0.0))
+    comm, kept_blocks = _step_comm(name, layout, full, copies, kept)
+    run_s, exposed_s = forward_backward_time(
+        fw_block + tp_fw_block, fw_rest + tp_fw_rest, bw_block + tp_bw_block, bw_rest + tp_bw_rest, comm,
+        dev.comm_overlaps_compute, prefetch=max(layout.prefetch, 1), reshard=layout.reshard_after_forward is not False,
+        kept=kept_blocks)
+    exposed_s += tp_s  # counted as compute above
+    measured = full.measured
+    opt_s = optimizer_time(measured["params"], measured["grads"], measured["optimizer"], dev)
+    step_s = run_s + opt_s
+    layers, reduce = copies.layers, copies.reduce
+    return _ProfileFigures(
+        step_s=step_s, exposed_s=exposed_s, tokens_per_s=full.tokens / layout.tp / step_s,
+        mfu=model_flops / step_s / dev.peak_flops, reserved=int(peak_alloc * dev.allocator_factor + dev.runtime_bytes),
+        compute={"forward": fw_rest + layers * fw_block if reduce else fw_rest,
+                 "backward": bw_rest + layers * bw_block if reduce else bw_rest, "optimizer": opt_s},
+        tp_s=tp_s)
+
+
+def _method(layout: Layout, full: _FullModel, copies: _Copies, ac_used: str, kept) -> str:
+    """How the plan's figures were obtained, in words."""
+    method = (f"full model ({full.params:,} params"
+              + (f", {full.layers} blocks in '{full.block_path}'" if full.has_blocks else "")
               + ") sharded with shard() for the per-rank parameter / gradient / optimizer bytes; collectives from "
-              f"the pipeline's graphs of {reduced}; activations, compute and the peak from one step of the same "
-              f"{'copies' if reduce else 'model'} played op by op on the meta device ({attention} attention, "
-              "activation checkpointing "
-              f"{ac_used}, {compiler} kernels), scheduled with FSDP's prefetch of {prefetch} block(s)")
-    if given_ac and ac != "none":
-        method += f"; --ac {ac} ignored: the factory's model is already checkpointed"
+              f"the pipeline's graphs of {copies.reduction}; activations, compute and the peak from one step of the "
+              f"same {'copies' if copies.reduce else 'model'} played op by op on the meta device ({layout.attention} "
+              f"attention, activation checkpointing {ac_used}, {layout.compiler} kernels), scheduled with FSDP's "
+              f"prefetch of {layout.prefetch} block(s)")
+    if full.given_ac and layout.ac != "none":
+        method += f"; --ac {layout.ac} ignored: the factory's model is already checkpointed"
     if kept is not None:
         method += ("; selective unsharding decided on the full model's buckets (blocks in order, then the root), "
                    "its kept buckets' backward all-gathers taken out of the bytes and the schedule and their "
                    "gathered bytes added to activations and the peak for the whole step")
-    if replicate > 1:
-        method += (f"; HSDP: parameters sharded over {shard_size} ranks, replicated {replicate} times, gradients "
-                   f"reduce-scattered over {shard_size} ranks then all-reduced over {replicate}")
-    if tp_mesh is not None:
-        method += (f"; tensor parallel {tp}: {tp_text}, applied with parallelize_module before shard over dp; TP's "
-                   "collectives from the same graphs, counted apart from FSDP's and timed on the intra-node link on "
-                   "the critical path (in step time and exposed communication)"
+    if layout.replicate > 1:
+        method += (f"; HSDP: parameters sharded over {layout.shard_size} ranks, replicated {layout.replicate} times, "
+                   f"gradients reduce-scattered over {layout.shard_size} ranks then all-reduced over "
+                   f"{layout.replicate}")
+    if layout.tp > 1:
+        method += (f"; tensor parallel {layout.tp}: {full.tp_text}, applied with parallelize_module before shard "
+                   "over dp; TP's collectives from the same graphs, counted apart from FSDP's and timed on the "
+                   "intra-node link on the critical path (in step time and exposed communication)"
                    + ("; full AC replays forward's in backward" if ac_used == "full" else "")
                    + "; compute and activations of one TP rank (column-wise Linears out/tp, row-wise in/tp)"
-                   + (f", left whole: {', '.join(tp_left)}" if tp_left else "")
+                   + (f", left whole: {', '.join(copies.tp_left)}" if copies.tp_left else "")
                    + "; MFU: the unsplit model's FLOPs / tp per rank; tokens/s per rank: the dp rank's tokens / tp")
+    return method
+
+
+def make_plan(
+    factory: Callable,
+    layout: Layout,
+    *,
+    call: Callable = lambda f, **kw: f(**kw),
+    profiles: list[str] | None = None,
+    progress: Callable[[str], object] | None = None,
+) -> Plan:
+    """Plan `factory`'s model at `layout`. Needs the default process group of `layout.world_size` ranks (the fake
+    one); `call(factory, **kwargs)` builds `(model, args, loss_fn)` (the CLI's checked call); `profiles`: the
+    device profiles to time the step on (default: all of PROFILES); `progress(message)` is told each phase."""
+    profiles = profiles or list(PROFILES)
+    step = progress or (lambda msg: None)
+    meshes = plan_meshes(layout.world_size, layout.replicate, layout.tp)
+
+    full = _shard_full_model(factory, layout, call, meshes, step)
+    kept = _kept_decision(layout, full)
+    ac_used = "as given" if full.given_ac else layout.ac
+    copies = _compile_and_trace_copies(factory, layout, call, meshes, full, ac_used, profiles[0], step)
+
+    kept_bytes = _kept_for_backward(kept, copies, full.numel)
+    comm = _communication(copies, layout.shard_size, kept_bytes)
+    per_rank = _memory(full, copies, _FUSED[layout.compiler], kept_bytes)
+    model_flops = 3 * copies.extrapolate([t.forward_flops() for t in (copies.full_traces or copies.traces)]) / layout.tp
+    times = {name: _profile_figures(name, layout, full, copies, kept, ac_used, model_flops, per_rank["peak"])
+             for name in profiles}
+
     assumptions = {
-        "attention": attention,
+        "attention": layout.attention,
         "ac": ac_used,
-        "mp": {"param_dtype": str(param_dtype).removeprefix("torch."),
-               "reduce_dtype": str(reduce_dtype).removeprefix("torch.")},
-        "compiler": compiler,
-        "prefetch_blocks": prefetch,
-        "reshard_after_forward": reshard_after_forward is not False,
-        "tokens_per_step_per_rank": tokens,
+        "mp": {"param_dtype": str(full.param_dtype).removeprefix("torch."),
+               "reduce_dtype": str(full.reduce_dtype).removeprefix("torch.")},
+        "compiler": layout.compiler,
+        "prefetch_blocks": layout.prefetch,
+        "reshard_after_forward": layout.reshard_after_forward is not False,
+        "tokens_per_step_per_rank": full.tokens,
         "model_flops_per_step_per_rank": model_flops,
         "optimizer": "AdamW, fp32 states",
-        "reduction": reduced,
-        "tp": tp,
-        "keep_gathered": keep_gathered,
-        "memory_budget_bytes": memory_budget_bytes,
+        "reduction": copies.reduction,
+        "tp": layout.tp,
+        "keep_gathered": layout.keep_gathered,
+        "memory_budget_bytes": layout.memory_budget_bytes,
     }
-    return Plan(world_size, n_params, layers, per_rank, analytical, int(comm), buffers, time, exposed, method, buckets,
-                replicate, tps, mfu, reserved, compute, assumptions, tp=tp, tp_plan=tp_text,
-                tp_comm_bytes_per_step=int(tp_wire), tp_collective_buffer_bytes=tp_buffers,
-                tp_collectives_per_layer=tp_per_layer, tp_collectives_per_step=tp_per_step,
-                tp_comm_s=tp_s if tp_mesh is not None else {},
+    shard_size = layout.shard_size
+    return Plan(layout.world_size, full.params, full.layers, per_rank, full.analytical, int(comm.wire), comm.buffers,
+                {n: t.step_s for n, t in times.items()}, {n: t.exposed_s for n, t in times.items()},
+                _method(layout, full, copies, ac_used, kept), full.buckets, layout.replicate,
+                {n: t.tokens_per_s for n, t in times.items()}, {n: t.mfu for n, t in times.items()},
+                {n: t.reserved for n, t in times.items()}, {n: t.compute for n, t in times.items()}, assumptions,
+                tp=layout.tp, tp_plan=full.tp_text, tp_comm_bytes_per_step=int(comm.tp_wire),
+                tp_collective_buffer_bytes=comm.tp_buffers, tp_collectives_per_layer=comm.tp_per_layer,
+                tp_collectives_per_step=comm.tp_per_step,
+                tp_comm_s={n: t.tp_s for n, t in times.items()} if layout.tp > 1 else {},
                 kept_gathered={} if kept is None else {
                     "buckets": list(kept.buckets), "bytes": kept.kept_bytes, "budget": kept.budget,
                     "resharded_bytes": kept.resharded_bytes, "kept_for_backward_bytes": kept_bytes,

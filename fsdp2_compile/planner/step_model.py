@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from fsdp2_compile.planner.devices import DeviceFigures
 from fsdp2_compile.planner.trace import StepTrace
 
-__all__ = ["PhaseTimes", "StepComm", "memory_peak", "optimizer_time", "phase_times", "schedule"]
+__all__ = ["PhaseTimes", "StepComm", "forward_backward_time", "memory_peak", "optimizer_time", "phase_times"]
 
 
 @dataclass
@@ -65,8 +65,9 @@ class StepComm:
     """Per block: reduce-scatter (+ all-reduce over replicas)."""
 
 
-def schedule(fw_block: float, fw_rest: float, bw_block: float, bw_rest: float, comm: StepComm, overlap: bool,
-             prefetch: int = 2, reshard: bool = True, kept: set[int] = frozenset()) -> tuple[float, float]:
+def forward_backward_time(fw_block: float, fw_rest: float, bw_block: float, bw_rest: float, comm: StepComm,
+                          overlap: bool, prefetch: int = 2, reshard: bool = True,
+                          kept: set[int] = frozenset()) -> tuple[float, float]:
     """(step seconds without the optimizer, exposed communication seconds) of forward then backward; backward
     gathers the blocks again when `reshard`, except those in `kept` (selective unsharding)."""
     n = len(comm.gather_s)
