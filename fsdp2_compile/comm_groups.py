@@ -16,15 +16,44 @@ backends (NCCL) use the mesh group as it is.
 
 from __future__ import annotations
 
+import weakref
 from datetime import timedelta
+from typing import TypeVar
 
 import torch.distributed as dist
 
 from ._torch_private import group_ranks, group_timeout, one_thread_gloo_backend, resolve_group
 
-__all__ = ["fsdp_group"]
+__all__ = ["dropped_with_groups", "forget_destroyed_groups", "fsdp_group"]
 
-_TWINS: dict[str, str] = {}
+T = TypeVar("T")
+
+_CACHES: list = []
+_WORLD: list[weakref.ref] = []
+"""The default process group the caches were filled under (a weak reference), or nothing."""
+
+
+def dropped_with_groups(cache: T) -> T:
+    """Register `cache` (a dict or set keyed by process-group names) to be emptied when the default process group
+    it was filled under is destroyed (`forget_destroyed_groups`); returns it."""
+    _CACHES.append(cache)
+    return cache
+
+
+def forget_destroyed_groups() -> None:
+    """Empty every cache registered with `dropped_with_groups` if the default process group is not the one they
+    were filled under: `destroy_process_group` destroys every group, and a new `init_process_group` hands the same
+    names ("0", "1", ...) to new groups, which the caches would resolve to what they held for the old ones. Called
+    by `shard`, before anything is cached for a module."""
+    world = dist.group.WORLD
+    if _WORLD and _WORLD[0]() is world:
+        return
+    for cache in _CACHES:
+        cache.clear()
+    _WORLD[:] = [weakref.ref(world)] if world is not None else []
+
+
+_TWINS: dict[str, str] = dropped_with_groups({})
 """Mesh group name -> the name of its one-thread gloo twin."""
 
 

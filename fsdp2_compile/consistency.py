@@ -51,16 +51,17 @@ import torch.distributed as dist
 from torch import fx
 
 from ._torch_private import current_compile_id, default_store, group_ranks, group_timeout
+from .comm_groups import dropped_with_groups
 from .ir import schema_args
 from .report import collectives
 
 __all__ = ["check_same_schedule", "graph_groups", "rank_check", "schedule_signature"]
 
 _counter = itertools.count()
-_FRAMES: dict[str, dict[int, int]] = {}
+_FRAMES: dict[str, dict[int, int]] = dropped_with_groups({})
 """Process group -> Dynamo frame id -> the order in which the backend first compiled it with that group's
 collectives (the same on every rank of the group)."""
-_AGREED: dict[str, list[str]] = {}
+_AGREED: dict[str, list[str]] = dropped_with_groups({})
 """Store key of a (group, frame, kind) -> the records all the group's ranks agreed on, in order."""
 _FINISH_WAIT_S = 5.0
 """How long a rank about to raise waits for its peers to have read the records (the store may live in its process)."""

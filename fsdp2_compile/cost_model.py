@@ -18,6 +18,7 @@ from torch import fx
 from torch.utils.flop_counter import flop_registry
 
 from ._torch_private import resolve_group
+from .comm_groups import dropped_with_groups
 from .heap import release_freed_heap
 from .ir import KEEP_ALIVE, WAIT, CollectiveArgs, Role, SubgraphCall, WaitArgs, collective_kind, concrete, nbytes
 
@@ -208,7 +209,7 @@ def simulate(gm: fx.GraphModule, profile: HardwareProfile) -> Timeline:
     return tl
 
 
-_MEASURED: dict[str, HardwareProfile] = {}
+_MEASURED: dict[str, HardwareProfile] = dropped_with_groups({})
 
 
 def measured_profile(group_name: str) -> HardwareProfile | None:

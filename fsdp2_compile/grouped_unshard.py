@@ -25,6 +25,7 @@ import torch
 from torch import Tensor, fx
 
 from ._torch_private import dtensor_layout, dtensor_of
+from .comm_groups import dropped_with_groups
 from .ops import shard_grad, unshard, unshard_backward_context
 
 __all__ = [
@@ -32,7 +33,7 @@ __all__ = [
     "split_unshard_groups",
 ]
 
-GROUPS: dict[str, tuple[tuple, ...]] = {}
+GROUPS: dict[str, tuple[tuple, ...]] = dropped_with_groups({})
 """By key: the static arguments of `fsdp2::unshard` (after the shard, before `gathered`) of each shard a group
 gathers, in order."""
 
@@ -64,7 +65,7 @@ def _(shards, key):
                             device=a.compute_device or shard.device) for shard, a in zip(shards, _bound(key))]
 
 
-REDUCTIONS: dict[str, tuple[SimpleNamespace, ...]] = {}
+REDUCTIONS: dict[str, tuple[SimpleNamespace, ...]] = dropped_with_groups({})
 """By key: what the backward of each parameter of a group needs (`ops.unshard_backward_context`), in order."""
 
 

@@ -17,12 +17,13 @@ from torch.distributed.tensor import DTensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ._torch_private import has_post_accumulate_grad_hooks
+from .comm_groups import dropped_with_groups
 from .config import MixedPrecisionPolicy
 from .eager_reads import read_once
 from .eager_reshard import note_gathered
 from .gathered_copy import gathered_copy
 from .grad_delivery import GRAD_ANCHORS, HOOKS_AFTER_BACKWARD, receive_grads
-from .ops import KEPT_UNSHARDED, discard_pending_grad, release_unsharded, unshard
+from .ops import GRAD_RECEIVERS, KEPT_UNSHARDED, discard_pending_grad, release_unsharded, unshard
 
 __all__ = [
     "GradDeliveryRefresh",
@@ -62,7 +63,7 @@ class TPLayout:
         return DTensor.from_local(local, self.mesh, self.placements, run_check=False, shape=self.shape, stride=self.stride)
 
 
-ANONYMOUS_ARGS: dict[str, tuple] = {}
+ANONYMOUS_ARGS: dict[str, tuple] = dropped_with_groups({})
 """`ParamInfo.static_args(anonymous=True)` by their text (`ParamInfo.anonymous_key`): identical blocks' parameters
 share one entry."""
 
@@ -242,6 +243,14 @@ class ParamInfo:
             if key:
                 discard_pending_grad(key)
         self.drop_kept()
+
+    def forget(self) -> None:
+        """Drop all this parameter's state kept outside it (its module is gone): `discard_iteration`'s, and the
+        receiver of its delivered gradients."""
+        self.discard_iteration()
+        if self.grad_key:
+            GRAD_RECEIVERS.pop(self.grad_key, None)
+            GRAD_RECEIVERS.pop(self.grad_key + HOOKS_AFTER_BACKWARD, None)
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
         self.requires_gradient_sync = requires_gradient_sync

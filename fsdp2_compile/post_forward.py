@@ -20,13 +20,14 @@ import torch.distributed as dist
 from torch import fx
 
 from ._torch_private import group_ranks, group_timeout, one_thread_gloo_backend
+from .comm_groups import dropped_with_groups
 from .graph import insert_call, nodes_calling, val
 from .ir import UNSHARD, UnshardArgs
 from .ops import padded_rows
 
 __all__ = ["gather_backward_from_post_forward_shards", "resolve_reshard"]
 
-_GROUPS: dict[tuple[str, int], str] = {}
+_GROUPS: dict[tuple[str, int], str] = dropped_with_groups({})
 """(shard group name, size) -> the name of this rank's post-forward group."""
 
 

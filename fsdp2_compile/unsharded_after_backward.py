@@ -6,21 +6,21 @@ parameter is gathered last: in backward where backward gathers it again, else (k
 forward. The next forward's trace sees the kept tensor (`ParamInfo.gather` passes it to `fsdp2::unshard` as
 `gathered`; Dynamo guards on it, so forwards with and without kept parameters are two graphs), and `lower_unshard`
 turns that unshard into the tensor itself plus `fsdp2::release_unsharded(key)`. Kept parameters are dropped when
-any optimizer steps (they would be stale; FSDP2 leaves that to the user) and by `FSDPModule.reshard()`.
+an optimizer holding them steps (they would be stale; FSDP2 leaves that to the user: `drop_kept_of`, run by the
+step pre-hook `shard` registers while sharded modules live) and by `FSDPModule.reshard()`.
 """
 
 from __future__ import annotations
 
+import torch
 from torch import fx
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .graph import insert_op, nodes_calling
 from .ir import UNSHARD, KeepUnshardedArgs, Tags, UnshardArgs
-from .ops import release_all_unsharded
+from .ops import KEPT_UNSHARDED
+from .param_state import infos_of_values
 
-__all__ = ["drop_kept_on_optimizer_step", "keep_unsharded_after_backward"]
-
-_HOOK: list = []
+__all__ = ["drop_kept_of", "keep_unsharded_after_backward"]
 
 
 def keep_unsharded_after_backward(fw: fx.GraphModule, bw: fx.GraphModule) -> None:
@@ -41,7 +41,11 @@ def keep_unsharded_after_backward(fw: fx.GraphModule, bw: fx.GraphModule) -> Non
             gm.recompile()
 
 
-def drop_kept_on_optimizer_step() -> None:
-    """Once per process: before any optimizer step, drop every kept gathered parameter."""
-    if not _HOOK:
-        _HOOK.append(register_optimizer_step_pre_hook(lambda *_: release_all_unsharded()))
+def drop_kept_of(optimizer: torch.optim.Optimizer) -> None:
+    """Before `optimizer` steps: drop the gathered copies kept of the parameters it holds (the step changes their
+    shards); those of parameters it does not hold (another model's) stay."""
+    if not KEPT_UNSHARDED:
+        return
+    for info in infos_of_values([p for group in optimizer.param_groups for p in group["params"]]):
+        if info is not None:
+            info.drop_kept()
