@@ -10,6 +10,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from .backend import check_input_devices, make_backend
+from .compile_gc import full_collections_deferred
 from .config import CompileConfig, MixedPrecisionPolicy
 from .free_memory import resolve_memory_budget
 from .param_state import GradDeliveryRefresh
@@ -52,12 +53,13 @@ def shard_compile(
     )
     if compile_config.memory_budget_fraction is not None:
         compile_config = resolve_memory_budget(compile_config, resolve_mesh(mesh))
-    compile_in_place(module, make_backend(compile_config), dynamic=dynamic)
+    compile_in_place(module, make_backend(compile_config), dynamic=dynamic, defer_full_gc=compile_config.defer_full_gc)
     return module
 
 
-def compile_in_place(module: nn.Module, backend, dynamic: bool | None = None) -> None:
-    """Like `module.compile(...)`, but traced from a frame outside torch.nn so Dynamo does not skip it.
+def compile_in_place(module: nn.Module, backend, dynamic: bool | None = None, defer_full_gc: bool = False) -> None:
+    """Like `module.compile(...)`, but traced from a frame outside torch.nn so Dynamo does not skip it. With
+    `defer_full_gc`, Python's full collections wait during each call (`compile_gc.py`: Dynamo's tracing included).
 
     (`nn.Module.compile` compiles `_call_impl`, a frame Dynamo skips for built-in containers such as
     `nn.Sequential`; `torch.compile(module)` would add an `_orig_mod.` prefix to every parameter name.)
@@ -75,7 +77,8 @@ def compile_in_place(module: nn.Module, backend, dynamic: bool | None = None) ->
 
     def refreshed_call(*args, **kwargs):
         refresh()  # eager: which parameters have post-accumulate-grad hooks now
-        return compiled(*args, **kwargs)
+        with full_collections_deferred(defer_full_gc):
+            return compiled(*args, **kwargs)
 
     module._compiled_call_impl = refreshed_call
 

@@ -31,7 +31,7 @@ from ._torch_private import (
     min_cut_partition,
     subgraph_schemas_reused,
 )
-from .compile_gc import defer_full_collections_while_compiling
+from .compile_gc import full_collections_deferred
 from .compiled_once import TRACES_BLOCKS_ONCE, gather_again_in_backward, gather_outside_blocks
 from .config import CompileConfig
 from .consistency import rank_check
@@ -203,6 +203,10 @@ def resolve_profile(config: CompileConfig, gm: fx.GraphModule) -> HardwareProfil
 
 def _compiler(kind: str, config: CompileConfig) -> Callable[[fx.GraphModule, Any], Callable]:
     def compile_graph(gm: fx.GraphModule, example_inputs: Any) -> Callable:
+        with full_collections_deferred(config.defer_full_gc):  # a backward's is compiled at its first run
+            return _compile_graph(gm, example_inputs)
+
+    def _compile_graph(gm: fx.GraphModule, example_inputs: Any) -> Callable:
         start = time.perf_counter()
         log.info("compiling %s graph: %d nodes", kind, len(gm.graph.nodes))
         # a failure in here is published to the graph's peers, which then stop naming it instead of waiting
@@ -242,6 +246,11 @@ def fsdp2_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Com
             "fsdp2_compile.shard_compile; with torch.compile(model, backend=...) use CompileConfig.memory_budget_bytes"
         )
     release_freed_heap()  # what Dynamo's tracing freed, before AOTAutograd adds its own
+    with full_collections_deferred(config.defer_full_gc):
+        return _compile(gm, example_inputs, config)
+
+
+def _compile(gm: fx.GraphModule, example_inputs: Sequence[Any], config: CompileConfig):
     compiled_by_fsdp2()
     _check_sharded(gm, example_inputs)
     _check_graph_inputs(gm, example_inputs)
@@ -261,7 +270,6 @@ def fsdp2_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Com
 
 
 setattr(fsdp2_backend, TRACES_BLOCKS_ONCE, True)
-defer_full_collections_while_compiling()
 skip_probe_for_fsdp2_frames()
 
 

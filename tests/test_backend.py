@@ -145,35 +145,70 @@ def test_a_sharded_model_trains_under_another_backend_with_a_warning():
         assert 'backend="fsdp2"' in r["warnings"][0] and "shard_compile" in r["warnings"][0]
 
 
-def test_full_collections_wait_while_torch_compiles_and_resume_after():
-    # importing the backend defers Python's full (generation-2) collections during every compile, raising or not
+def test_full_collections_wait_only_while_the_fsdp2_backend_compiles():
+    # Python's full (generation-2) collections wait while our backend compiles a graph (forward, and the backward
+    # compiled at its first run), also after torch._dynamo.reset(); the threshold is restored afterwards, raising or
+    # not; another backend's compile, and ours with CompileConfig(defer_full_gc=False), run with it as it was
     proc = python(
         """
         import gc, torch
-        import fsdp2_compile.backend
+        from torch import nn
+        from torch.distributed.device_mesh import init_device_mesh
+        import fsdp2_compile as fc
+        import fsdp2_compile.backend as backend
+        from fsdp2_compile._torch_private import fake_process_group
+
         gc.set_threshold(700, 10, 25)
         seen = []
+        run_pipeline = backend.run_pipeline
 
-        def recording(gm, example_inputs):
-            seen.append(gc.get_threshold())
-            if len(seen) == 2:
-                raise ValueError("injected")
+        def recording(gm, ctx, **kwargs):  # our passes, run inside the backend's compile of each graph
+            seen.append(gc.get_threshold()[2])
+            return run_pipeline(gm, ctx, **kwargs)
+
+        backend.run_pipeline = recording
+
+        def other(gm, example_inputs):
+            seen.append(gc.get_threshold()[2])
             return gm
 
-        torch.compile(lambda x: x + 1, backend=recording)(torch.ones(2))
-        print("after", gc.get_threshold())
+        def show(what):
+            print(what, seen, gc.get_threshold())
+            seen.clear()
+
+        fake_process_group(rank=0, world_size=2)
+        mesh = init_device_mesh("cpu", (2,))
+        x = torch.randn(2, 8)
+
+        def step(**config):
+            model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+            fc.shard_compile(model, mesh, compile_config=fc.CompileConfig(**config))
+            model(x).sum().backward()
+
+        step()
+        show("fsdp2")
+        torch.compile(lambda t: t * 3, backend=other)(x)
+        show("other")
+        torch._dynamo.reset()
+        step()
+        show("reset")
+        step(defer_full_gc=False)
+        show("off")
         try:
-            torch.compile(lambda x: x * 2, backend=recording)(torch.ones(2))
+            torch.compile(nn.Linear(8, 4), backend="fsdp2")(x)
         except Exception as e:
-            print("raised", type(e).__name__)
-        print("seen", seen, "after", gc.get_threshold())
+            print("raised", type(e).__name__, gc.get_threshold())
         """
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = proc.stdout.splitlines()
-    assert lines[0] == "after (700, 10, 25)"
-    assert lines[1].startswith("raised")
-    assert lines[2] == "seen [(700, 10, 2147483647), (700, 10, 2147483647)] after (700, 10, 25)"
+    never = 2**31 - 1
+    assert proc.stdout.splitlines() == [
+        f"fsdp2 [{never}, {never}] (700, 10, 25)",
+        "other [25] (700, 10, 25)",
+        f"reset [{never}, {never}] (700, 10, 25)",
+        "off [25, 25] (700, 10, 25)",
+        "raised BackendCompilerFailed (700, 10, 25)",
+    ]
 
 
 def test_the_compile_profile_benchmark_reports_the_compile_phases():
