@@ -38,7 +38,6 @@ __all__ = [
     "inductor_compile",
     "inductor_decompositions",
     "min_cut_partition",
-    "on_every_compile",
     "one_thread_gloo_backend",
     "post_accumulate_grad_hooks",
     "queue_at_backward_end",
@@ -161,16 +160,6 @@ def current_compile_id() -> tuple[int, int] | None:
     if cid is None or cid.frame_id is None:
         return None
     return cid.frame_id, cid.frame_compile_id
-
-
-def on_every_compile(start: Callable[[], None], end: Callable[[], None]) -> None:
-    """Run `start` when torch begins compiling — Dynamo tracing a frame, with its backend, or AOTAutograd compiling
-    a backward lazily — and `end` when it is done (raising or not); once per outermost compile
-    (`torch._dynamo.callback`'s handler counts nested ones)."""
-    from torch._dynamo.callback import callback_handler
-
-    callback_handler.register_start_callback(lambda _args: start())
-    callback_handler.register_end_callback(lambda _args: end())
 
 
 def skip_guard_latency_probe(skip: Callable[[], bool]) -> None:
