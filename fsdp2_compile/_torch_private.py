@@ -42,7 +42,6 @@ __all__ = [
     "post_accumulate_grad_hooks",
     "queue_at_backward_end",
     "resolve_group",
-    "skip_guard_latency_probe",
     "subgraph_schemas_reused",
     "tracing_backend",
     "trace_graph_artifact",
@@ -160,20 +159,6 @@ def current_compile_id() -> tuple[int, int] | None:
     if cid is None or cid.frame_id is None:
         return None
     return cid.frame_id, cid.frame_compile_id
-
-
-def skip_guard_latency_probe(skip: Callable[[], bool]) -> None:
-    """After building a frame's guards, Dynamo times them once (`torch._dynamo.guards.profile_guard_manager`, for
-    a debug log and the `guard_latency_us` compile metric), flushing the CPU cache first by writing a 32 MiB
-    buffer. Where `skip()` is true, that timing is not run and reports 0; the guards are still checked."""
-    from torch._dynamo import guards
-
-    probe = guards.profile_guard_manager
-
-    def probe_unless_skipped(*args: Any, **kwargs: Any) -> float:
-        return 0.0 if skip() else probe(*args, **kwargs)
-
-    guards.profile_guard_manager = probe_unless_skipped
 
 
 def boxed_call(gm: fx.GraphModule):

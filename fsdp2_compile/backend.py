@@ -39,8 +39,6 @@ from .cost_model import PROFILES, HardwareProfile, measured_profile
 from .grad_delivery import one_unshard_per_delivered_param
 from .graph import nodes_calling
 from .grouped_unshard import split_reduce_groups, split_unshard_groups
-from .guard_probe import compiled_by_fsdp2, skip_probe_for_fsdp2_frames
-from .heap import release_freed_heap
 from .ir import REDUCE_GRAD, UNSHARD, ReduceGradArgs, UnshardArgs
 from .keep_gathered import KEPT_META, KeptGathered, buckets_to_keep
 from .param_state import infos_of_values
@@ -245,13 +243,11 @@ def fsdp2_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Com
             "CompileConfig.memory_budget_fraction is measured and agreed over the ranks by "
             "fsdp2_compile.shard_compile; with torch.compile(model, backend=...) use CompileConfig.memory_budget_bytes"
         )
-    release_freed_heap()  # what Dynamo's tracing freed, before AOTAutograd adds its own
     with full_collections_deferred(config.defer_full_gc):
         return _compile(gm, example_inputs, config)
 
 
 def _compile(gm: fx.GraphModule, example_inputs: Sequence[Any], config: CompileConfig):
-    compiled_by_fsdp2()
     _check_sharded(gm, example_inputs)
     _check_graph_inputs(gm, example_inputs)
     _check_hooks_delivered(example_inputs)
@@ -270,7 +266,6 @@ def _compile(gm: fx.GraphModule, example_inputs: Sequence[Any], config: CompileC
 
 
 setattr(fsdp2_backend, TRACES_BLOCKS_ONCE, True)
-skip_probe_for_fsdp2_frames()
 
 
 def make_backend(config: CompileConfig) -> Callable:

@@ -19,7 +19,6 @@ from torch.utils.flop_counter import flop_registry
 
 from ._torch_private import resolve_group
 from .comm_groups import dropped_with_groups
-from .heap import release_freed_heap
 from .ir import KEEP_ALIVE, WAIT, CollectiveArgs, Role, SubgraphCall, WaitArgs, collective_kind, concrete, nbytes
 
 __all__ = [
@@ -230,9 +229,7 @@ def measure_profile(
         return _MEASURED[group_name]
 
     def seconds(fn, repeat: int = 3) -> float:
-        """Median wall time of `fn` after one warm-up, device work included. Between runs the C heap's free pages
-        go back to the OS: glibc would keep what each run freed (a gloo all-gather's own 8 MiB, the clone), and
-        the probe would set a tiny model's peak RSS (tiny 2-layer Llama: +53 MiB, now +20)."""
+        """Median wall time of `fn` after one warm-up, device work included."""
         samples = []
         for _ in range(repeat + 1):
             start = time.perf_counter()
@@ -240,7 +237,6 @@ def measure_profile(
             if device_type != "cpu":
                 torch.accelerator.synchronize()
             samples.append(time.perf_counter() - start)
-            release_freed_heap()
         return sorted(samples[1:])[repeat // 2]
 
     group = resolve_group(group_name)
@@ -271,6 +267,4 @@ def measure_profile(
         source=f"measured on the process group (all-gather 1 KiB and {large >> 8} KiB per rank, 384^3 matmul, "
         "8 MiB copy; max over ranks)",
     )
-    del a, buf
-    release_freed_heap()
     return _MEASURED[group_name]
