@@ -69,7 +69,6 @@ __all__ = [
     "log_softmax_backward",
     "min_cut_partition",
     "module_call_impl",
-    "on_every_compile",
     "one_thread_gloo_backend",
     "op_name",
     "op_schema",
@@ -80,7 +79,6 @@ __all__ = [
     "resolve_group",
     "root_mesh_groups",
     "set_compiled_call_impl",
-    "skip_guard_latency_probe",
     "strided_shard",
     "subgraph_schemas_reused",
     "to_copy",
@@ -379,30 +377,6 @@ def current_compile_id() -> tuple[int, int] | None:
     if cid is None or cid.frame_id is None:
         return None
     return cid.frame_id, cid.frame_compile_id
-
-
-_callback_handler = _resolve("torch._dynamo.callback:callback_handler")
-
-
-def on_every_compile(start: Callable[[], None], end: Callable[[], None]) -> None:
-    """Run `start` when torch begins compiling — Dynamo tracing a frame, with its backend, or AOTAutograd compiling
-    a backward lazily — and `end` when it is done (raising or not); once per outermost compile
-    (`torch._dynamo.callback`'s handler counts nested ones)."""
-    _callback_handler.register_start_callback(lambda _args: start())
-    _callback_handler.register_end_callback(lambda _args: end())
-
-
-def skip_guard_latency_probe(skip: Callable[[], bool]) -> None:
-    """After building a frame's guards, Dynamo times them once (`torch._dynamo.guards.profile_guard_manager`, for
-    a debug log and the `guard_latency_us` compile metric), flushing the CPU cache first by writing a 32 MiB
-    buffer. Where `skip()` is true, that timing is not run and reports 0; the guards are still checked."""
-    guards = _resolve("torch._dynamo.guards")
-    probe = guards.profile_guard_manager
-
-    def probe_unless_skipped(*args: Any, **kwargs: Any) -> float:
-        return 0.0 if skip() else probe(*args, **kwargs)
-
-    guards.profile_guard_manager = probe_unless_skipped
 
 
 _BoxedCodeGen = _resolve("torch.fx.graph:_BoxedCodeGen")

@@ -13,6 +13,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from torch import fx
 
+from fsdp2_compile.compiler.compile_gc import full_collections_deferred
+
 from fsdp2_compile._torch_private import module_call_impl, set_compiled_call_impl
 
 from fsdp2_compile.compiler.backend import check_input_devices, compile_sharded
@@ -82,12 +84,13 @@ def shard_compile(
     )
     if compile_config.memory_budget_fraction is not None:
         compile_config = resolve_memory_budget(compile_config, resolve_mesh(mesh))
-    compile_in_place(module, make_backend(compile_config), dynamic=dynamic)
+    compile_in_place(module, make_backend(compile_config), dynamic=dynamic, defer_full_gc=compile_config.defer_full_gc)
     return module
 
 
-def compile_in_place(module: nn.Module, backend, dynamic: bool | None = None) -> None:
-    """Like `module.compile(...)`, but traced from a frame outside torch.nn so Dynamo does not skip it.
+def compile_in_place(module: nn.Module, backend, dynamic: bool | None = None, defer_full_gc: bool = False) -> None:
+    """Like `module.compile(...)`, but traced from a frame outside torch.nn so Dynamo does not skip it. With
+    `defer_full_gc`, Python's full collections wait during each call (`compile_gc.py`: Dynamo's tracing included).
 
     (`nn.Module.compile` compiles `_call_impl`, a frame Dynamo skips for built-in containers such as
     `nn.Sequential`; `torch.compile(module)` would add an `_orig_mod.` prefix to every parameter name.)
@@ -105,7 +108,8 @@ def compile_in_place(module: nn.Module, backend, dynamic: bool | None = None) ->
 
     def refreshed_call(*args, **kwargs):
         refresh()  # eager: which parameters have post-accumulate-grad hooks now
-        return compiled(*args, **kwargs)
+        with full_collections_deferred(defer_full_gc):
+            return compiled(*args, **kwargs)
 
     set_compiled_call_impl(module, refreshed_call)
 

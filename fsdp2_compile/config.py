@@ -82,6 +82,10 @@ class CompileConfig:
     keep_snapshots: bool = field(default=False, metadata={"rank_local": True})
     """Keep the graph after every pass in the report (`report.compiled_graphs()[i].snapshots`), for dumps; also
     on when $FSDP2_COMPILE_DUMP is set. A debugging switch: it changes no decision, so ranks may differ in it."""
+    defer_full_gc: bool = field(default=True, metadata={"rank_local": True})
+    """While the fsdp2 backend compiles (for a `shard_compile`d module: its whole call, Dynamo's tracing included),
+    Python's full garbage collections wait, young ones still run; the thresholds are restored afterwards, raising or
+    not (`compile_gc.py`). Other compiles in the process are untouched. It changes no decision: ranks may differ."""
 
     def __post_init__(self) -> None:
         if self.compiler not in ("aot_eager", "inductor"):
@@ -124,7 +128,7 @@ class CompileConfig:
                 f"CompileConfig.keep_gathered={keep!r}: use a number of bytes (int >= 0), a fraction of the "
                 "gathered parameter bytes (float in [0, 1]), or None"
             )
-        for name in ("prefetch", "schedule", "check_rank_consistency", "keep_snapshots"):
+        for name in ("prefetch", "schedule", "check_rank_consistency", "keep_snapshots", "defer_full_gc"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"CompileConfig.{name}={getattr(self, name)!r}: use True or False")
         if self.hardware is not None and not isinstance(self.hardware, str):

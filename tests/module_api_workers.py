@@ -424,3 +424,38 @@ def aborted_iteration(rank: int, world_size: int) -> dict:
         losses = _micro_batch_steps(model, rank, world_size, sync_second)
         out[run] = (losses, {k: p.full_tensor() for k, p in model.named_parameters()})
     return out
+
+
+def kept_per_optimizer(rank: int, world_size: int) -> dict:
+    """Two GPTs, each with its own optimizer, both with `set_reshard_after_backward(False)` ("ours") or both
+    resharding after backward ("ours_resharding"). Each step runs forward and backward of both and then steps only
+    the first's optimizer; the last step steps the second's too. Returns each system's losses, and for "ours" which
+    models still had gathered parameters kept right after the first's optimizer stepped."""
+    from fsdp2_compile.core.ops import KEPT_UNSHARDED
+    from fsdp2_compile.shard import managed_params
+
+    out = {}
+    for system in ("ours_resharding", "ours"):
+        clear_compiled_graphs()
+        models = [_build("ours", group_head=False) for _ in range(2)]
+        opts = [make_optimizer(m) for m in models]
+        for m in models:
+            m.set_reshard_after_backward(system == "ours_resharding")
+        losses, kept = [], []
+        for i in range(STEPS):
+            x, y = batch("gpt", i)
+            x, y = local_slice(x, rank, world_size), local_slice(y, rank, world_size)
+            for m in models:
+                loss = loss_fn("gpt", m(x), y)
+                loss.backward()
+                losses.append(loss.item())
+            opts[0].step()
+            opts[0].zero_grad()
+            kept.append([any(info.kept_key in KEPT_UNSHARDED for _, _, info in managed_params(m)) for m in models])
+            if i == STEPS - 1:
+                opts[1].step()
+        out[system] = losses
+        out[f"{system}_kept"] = kept
+        out[f"{system}_forwards"] = [[c.kind for c in collectives(r.gm)] for r in compiled_graphs() if r.kind == "forward"]
+        out[f"{system}_params"] = [{k: p.full_tensor() for k, p in m.named_parameters()} for m in models]
+    return out

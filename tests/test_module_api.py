@@ -12,6 +12,7 @@ from module_api_workers import (
     divide_factor,
     sum_only_reductions,
     hsdp_accumulation,
+    kept_per_optimizer,
     module_api,
     optimizer_in_backward,
     optimizer_in_backward_changes,
@@ -73,6 +74,22 @@ def test_reshard_after_backward_false_keeps_parameters_for_the_next_forward():
         ("forward", ["all_gather"] * 3), ("backward", ["all_gather"] * 2),  # first micro-batch: no reduction
         ("forward", []), ("backward", ["reduce_scatter"] * 3),  # second: the parameters kept, nothing gathered
     ]
+
+
+def test_an_optimizer_step_drops_only_the_kept_parameters_it_holds():
+    """Two models with set_reshard_after_backward(False), one optimizer each: stepping the first's drops the first's
+    kept gathered parameters (its next forward gathers its updated shards) and leaves the second's for its next
+    forward; losses and parameters bitwise equal to both models resharding after every backward."""
+    result = run_ranks(kept_per_optimizer, 2)[0]
+    assert result["ours"] == result["ours_resharding"]
+    for ours, resharding in zip(result["ours_params"], result["ours_resharding_params"]):
+        for name, value in ours.items():
+            assert torch.equal(value, resharding[name]), name
+    assert result["ours_kept"] == [[False, True]] * 4
+    assert result["ours_resharding_kept"] == [[False, False]] * 4
+    # the second model's forwards after its first take its kept parameters: one forward graph gathers nothing
+    assert [] in result["ours_forwards"] and [] not in result["ours_resharding_forwards"]
+
 
 
 def test_cpu_offload_policy_trains_as_fully_shard_on_a_cpu_mesh():

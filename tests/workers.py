@@ -443,3 +443,21 @@ def memory_budget_agreement(rank: int, world_size: int, hsdp: bool) -> tuple:
     mesh = init_device_mesh("cpu", (2, world_size // 2) if hsdp else (world_size,))
     config = free_memory.resolve_memory_budget(fc.CompileConfig(memory_budget_fraction=0.5), mesh)
     return config.memory_budget_bytes, config.memory_budget_fraction
+
+
+def two_process_group_rounds(rank: int, world_size: int) -> list[list[float]]:
+    """In one process per rank, twice: a new GPT (same seed) sharded per block and `shard_compile`d, trained 3
+    steps; between the rounds the default process group is destroyed and made again (on the same store). The
+    losses of each round."""
+    from fsdp2_compile._torch_private import default_store
+
+    store = default_store()
+    rounds = []
+    for r in range(2):
+        if r:
+            dist.destroy_process_group()
+            dist.init_process_group("gloo", store=dist.PrefixStore(f"round{r}", store), rank=rank,
+                                    world_size=world_size)
+        model, opt, step = _gpt_for_checkpoint(rank, world_size)
+        rounds.append([step(i) for i in range(3)])
+    return rounds

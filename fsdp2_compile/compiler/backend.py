@@ -32,7 +32,7 @@ from fsdp2_compile._torch_private import (
     min_cut_partition,
     subgraph_schemas_reused,
 )
-from fsdp2_compile.compiler.compile_gc import defer_full_collections_while_compiling
+from fsdp2_compile.compiler.compile_gc import full_collections_deferred
 from fsdp2_compile.compiler.block_gathers import gather_again_in_backward, gather_outside_blocks
 from fsdp2_compile.config import CompileConfig
 from fsdp2_compile.compiler.rank_consistency import rank_check
@@ -41,8 +41,6 @@ from fsdp2_compile.runtime.link_profile import measured_profile
 from fsdp2_compile.runtime.grad_delivery import one_unshard_per_delivered_param
 from fsdp2_compile.core.graph import nodes_calling
 from fsdp2_compile.compiler.group_split import split_reduce_groups, split_unshard_groups
-from fsdp2_compile.compiler.guard_probe import compiled_by_fsdp2, skip_probe_for_fsdp2_frames
-from fsdp2_compile.runtime.heap_release import release_freed_heap
 from fsdp2_compile.core.ir import REDUCE_GRAD, UNSHARD, ReduceGradArgs, UnshardArgs
 from fsdp2_compile.compiler.selective_unshard import KEPT_META, KeptGathered, buckets_to_keep
 from fsdp2_compile.runtime.param_state import infos_of_values
@@ -204,6 +202,10 @@ def resolve_profile(config: CompileConfig, gm: fx.GraphModule) -> HardwareProfil
 def _compiler(kind: str, config: CompileConfig, on_record: Callable[[GraphRecord], None] | None
               ) -> Callable[[fx.GraphModule, Any], Callable]:
     def compile_graph(gm: fx.GraphModule, example_inputs: Any) -> Callable:
+        with full_collections_deferred(config.defer_full_gc):  # a backward's is compiled at its first run
+            return _compile_graph(gm, example_inputs)
+
+    def _compile_graph(gm: fx.GraphModule, example_inputs: Any) -> Callable:
         start = time.perf_counter()
         log.info("compiling %s graph: %d nodes", kind, len(gm.graph.nodes))
         # a failure in here is published to the graph's peers, which then stop naming it instead of waiting
@@ -242,8 +244,12 @@ def compile_sharded(gm: fx.GraphModule, example_inputs: Sequence[Any], config: C
             "CompileConfig.memory_budget_fraction is measured and agreed over the ranks by "
             "fsdp2_compile.shard_compile; with torch.compile(model, backend=...) use CompileConfig.memory_budget_bytes"
         )
-    release_freed_heap()  # what Dynamo's tracing freed, before AOTAutograd adds its own
-    compiled_by_fsdp2()
+    with full_collections_deferred(config.defer_full_gc):
+        return _compile(gm, example_inputs, config, on_record)
+
+
+def _compile(gm: fx.GraphModule, example_inputs: Sequence[Any], config: CompileConfig,
+             on_record: Callable[[GraphRecord], None] | None):
     _check_sharded(gm, example_inputs)
     _check_graph_inputs(gm, example_inputs)
     _check_hooks_delivered(example_inputs)
@@ -261,5 +267,3 @@ def compile_sharded(gm: fx.GraphModule, example_inputs: Sequence[Any], config: C
         )
 
 
-defer_full_collections_while_compiling()
-skip_probe_for_fsdp2_frames()

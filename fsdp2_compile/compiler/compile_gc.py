@@ -1,40 +1,35 @@
-"""Full garbage collections deferred while torch compiles.
+"""Full garbage collections deferred while the fsdp2 backend compiles (`CompileConfig.defer_full_gc`).
 
 Compiling makes millions of short-lived Python objects (Dynamo's variable trackers, fake tensors, fx nodes). Python
 starts a young collection every ~700 allocations and, every tenth of those, may start a full one, which walks every
-object in the process, torch's own modules included: 0.25-0.5 s each, five of them (1.8 s) in the first step of a
-32-layer GPT, more the larger the heap. While torch compiles, full collections wait for the compile's end (young
-ones still run, and free what dies young); the first full collection after it frees what the compile left.
-Installed once, when the fsdp2 backend is imported (`backend.py`).
+object in the process, torch's own modules included. Inside `full_collections_deferred` full collections wait (young
+ones still run, and free what dies young); on leaving it, the thresholds are as they were, and the first full
+collection after it frees what the compile left. Entered around a `shard_compile`d module's call (Dynamo's tracing
+and guards, the backend) and around the backend's own compiles (`torch.compile(model, backend="fsdp2")`, and the
+backward graph AOTAutograd compiles lazily at the first backward); other compiles in the process are untouched.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
-import threading
+from collections.abc import Iterator
 
-from fsdp2_compile._torch_private import on_every_compile
-
-__all__ = ["defer_full_collections_while_compiling"]
+__all__ = ["full_collections_deferred"]
 
 _NEVER = 2**31 - 1
-_saved: list[int] = []
-_installed = threading.Lock()
 
 
-def _defer() -> None:
-    t0, t1, t2 = gc.get_threshold()
-    _saved.append(t2)
-    gc.set_threshold(t0, t1, _NEVER)
-
-
-def _resume() -> None:
-    if _saved:
-        t0, t1, _ = gc.get_threshold()
-        gc.set_threshold(t0, t1, _saved.pop())
-
-
-def defer_full_collections_while_compiling() -> None:
-    """Install the deferral for every later compile in this process (once; later calls do nothing)."""
-    if _installed.acquire(blocking=False):
-        on_every_compile(_defer, _resume)
+@contextlib.contextmanager
+def full_collections_deferred(enabled: bool = True) -> Iterator[None]:
+    """Inside, Python's full (generation-2) collections wait; afterwards (raising or not) its third threshold is
+    what it was on entry. Nothing when not `enabled`."""
+    if not enabled:
+        yield
+        return
+    _, _, saved = gc.get_threshold()
+    gc.set_threshold(*gc.get_threshold()[:2], _NEVER)
+    try:
+        yield
+    finally:
+        gc.set_threshold(*gc.get_threshold()[:2], saved)

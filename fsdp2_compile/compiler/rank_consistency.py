@@ -53,14 +53,15 @@ from torch import fx
 from fsdp2_compile._torch_private import current_compile_id, default_store, group_ranks, group_timeout
 from fsdp2_compile.core.ir import schema_args
 from fsdp2_compile.compiler.report import collectives
+from fsdp2_compile.core.group_caches import dropped_with_groups
 
 __all__ = ["check_same_schedule", "graph_groups", "rank_check", "schedule_signature"]
 
 _counter = itertools.count()
-_FRAMES: dict[str, dict[int, int]] = {}
+_FRAMES: dict[str, dict[int, int]] = dropped_with_groups({})
 """Process group -> Dynamo frame id -> the order in which the backend first compiled it with that group's
 collectives (the same on every rank of the group)."""
-_AGREED: dict[str, list[str]] = {}
+_AGREED: dict[str, list[str]] = dropped_with_groups({})
 """Store key of a (group, frame, kind) -> the records all the group's ranks agreed on, in order."""
 _FINISH_WAIT_S = 5.0
 """How long a rank about to raise waits for its peers to have read the records (the store may live in its process)."""

@@ -6,8 +6,8 @@ parameter is gathered last: in backward where backward gathers it again, else (k
 forward. The next forward's trace sees the kept tensor (`ParamInfo.gather` passes it to `fsdp2::unshard` as
 `gathered`; Dynamo guards on it, so forwards with and without kept parameters are two graphs), and `lower_unshard`
 turns that unshard into the tensor itself plus `fsdp2::release_unsharded(key)`. Kept parameters are dropped when
-any optimizer steps (they would be stale; FSDP2 leaves that to the user: `sharding.py`) and by
-`FSDPModule.reshard()`.
+an optimizer holding them steps (they would be stale; FSDP2 leaves that to the user: `param_state.drop_kept_of`,
+run by the step pre-hook `shard` registers while sharded modules live) and by `FSDPModule.reshard()`.
 """
 
 from __future__ import annotations

@@ -26,13 +26,14 @@ from torch import Tensor
 from fsdp2_compile._torch_private import dtensor_layout, dtensor_of
 from fsdp2_compile.core.op_args import op_view
 from fsdp2_compile.core.ops import UnshardArgs, shard_grad, unshard, unshard_backward_context
+from fsdp2_compile.core.group_caches import dropped_with_groups
 
 __all__ = [
     "GROUPS", "GatherGroup", "REDUCE_GROUP", "REDUCTIONS", "UNSHARD_GROUP", "ReduceGroupArgs", "UnshardGroupArgs",
     "group_key",
 ]
 
-GROUPS: dict[str, tuple[tuple, ...]] = {}
+GROUPS: dict[str, tuple[tuple, ...]] = dropped_with_groups({})
 """By key: the static arguments of `fsdp2::unshard` (after the shard, before `gathered`) of each shard a group
 gathers, in order."""
 
@@ -62,7 +63,7 @@ def _(shards, key):
                             device=a.compute_device or shard.device) for shard, a in zip(shards, _bound(key))]
 
 
-REDUCTIONS: dict[str, tuple[SimpleNamespace, ...]] = {}
+REDUCTIONS: dict[str, tuple[SimpleNamespace, ...]] = dropped_with_groups({})
 """By key: what the backward of each parameter of a group needs (`ops.unshard_backward_context`), in order."""
 
 

@@ -54,7 +54,6 @@ __all__ = [
     "discard_pending_grad",
     "keep_alive",
     "keep_unsharded",
-    "release_all_unsharded",
     "release_unsharded",
     "pad_rows",
     "padded_rows",
@@ -364,11 +363,6 @@ def release_unsharded(kept_key: str) -> None:
 @release_unsharded.register_fake
 def _(kept_key):
     return None
-
-
-def release_all_unsharded() -> None:
-    """Drop every kept gathered parameter (they are stale once an optimizer steps)."""
-    KEPT_UNSHARDED.clear()
 
 
 @torch.library.custom_op("fsdp2::keep_alive", mutates_args=())

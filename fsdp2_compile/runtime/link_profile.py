@@ -13,11 +13,11 @@ import torch.distributed as dist
 from fsdp2_compile._torch_private import functional_collectives as _funcol
 from fsdp2_compile._torch_private import resolve_group
 from fsdp2_compile.core.hardware import HardwareProfile
-from fsdp2_compile.runtime.heap_release import release_freed_heap
+from fsdp2_compile.core.group_caches import dropped_with_groups
 
 __all__ = ["measure_profile", "measured_profile"]
 
-_MEASURED: dict[str, HardwareProfile] = {}
+_MEASURED: dict[str, HardwareProfile] = dropped_with_groups({})
 
 
 def measured_profile(group_name: str) -> HardwareProfile | None:
@@ -38,9 +38,7 @@ def measure_profile(
         return _MEASURED[group_name]
 
     def seconds(fn, repeat: int = 3) -> float:
-        """Median wall time of `fn` after one warm-up, device work included. Between runs the C heap's free pages
-        go back to the OS: glibc would keep what each run freed (a gloo all-gather's own 8 MiB, the clone), and
-        the probe would set a tiny model's peak RSS (tiny 2-layer Llama: +53 MiB, now +20)."""
+        """Median wall time of `fn` after one warm-up, device work included."""
         samples = []
         for _ in range(repeat + 1):
             start = time.perf_counter()
@@ -48,7 +46,6 @@ def measure_profile(
             if device_type != "cpu":
                 torch.accelerator.synchronize()
             samples.append(time.perf_counter() - start)
-            release_freed_heap()
         return sorted(samples[1:])[repeat // 2]
 
     group = resolve_group(group_name)
@@ -79,6 +76,4 @@ def measure_profile(
         source=f"measured on the process group (all-gather 1 KiB and {large >> 8} KiB per rank, 384^3 matmul, "
         "8 MiB copy; max over ranks)",
     )
-    a = buf = None  # freed before the heap is trimmed
-    release_freed_heap()
     return _MEASURED[group_name]

@@ -22,7 +22,8 @@ from fsdp2_compile.runtime.eager_reads import read_once
 from fsdp2_compile.runtime.eager_reshard import note_gathered
 from fsdp2_compile.runtime.read_only_param import gathered_copy
 from fsdp2_compile.runtime.grad_delivery import GRAD_ANCHORS, HOOKS_AFTER_BACKWARD, receive_grads
-from fsdp2_compile.core.ops import KEPT_UNSHARDED, discard_pending_grad, release_unsharded, unshard
+from fsdp2_compile.core.group_caches import dropped_with_groups
+from fsdp2_compile.core.ops import GRAD_RECEIVERS, KEPT_UNSHARDED, discard_pending_grad, release_unsharded, unshard
 
 __all__ = [
     "GradDeliveryRefresh",
@@ -62,7 +63,7 @@ class TPLayout:
         return DTensor.from_local(local, self.mesh, self.placements, run_check=False, shape=self.shape, stride=self.stride)
 
 
-ANONYMOUS_ARGS: dict[str, tuple] = {}
+ANONYMOUS_ARGS: dict[str, tuple] = dropped_with_groups({})
 """`ParamInfo.static_args(anonymous=True)` by their text (`ParamInfo.anonymous_key`): identical blocks' parameters
 share one entry."""
 
@@ -243,6 +244,14 @@ class ParamInfo:
                 discard_pending_grad(key)
         self.drop_kept()
 
+    def forget(self) -> None:
+        """Drop all this parameter's state kept outside it (its module is gone): `discard_iteration`'s, and the
+        receiver of its delivered gradients."""
+        self.discard_iteration()
+        if self.grad_key:
+            GRAD_RECEIVERS.pop(self.grad_key, None)
+            GRAD_RECEIVERS.pop(self.grad_key + HOOKS_AFTER_BACKWARD, None)
+
     def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
         self.requires_gradient_sync = requires_gradient_sync
         if not requires_gradient_sync and not self.pending_key:
@@ -363,3 +372,13 @@ def is_known_param(param: nn.Parameter) -> bool:
 
 def state_of(module: nn.Module) -> ShardState:
     return getattr(module, STATE_ATTR)
+
+
+def drop_kept_of(optimizer: torch.optim.Optimizer) -> None:
+    """Before `optimizer` steps: drop the gathered copies kept of the parameters it holds (the step changes their
+    shards); those of parameters it does not hold (another model's) stay."""
+    if not KEPT_UNSHARDED:
+        return
+    for info in infos_of_values([p for group in optimizer.param_groups for p in group["params"]]):
+        if info is not None:
+            info.drop_kept()

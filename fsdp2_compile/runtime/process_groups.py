@@ -23,10 +23,11 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from fsdp2_compile._torch_private import group_ranks, group_timeout, one_thread_gloo_backend, resolve_group
+from fsdp2_compile.core.group_caches import dropped_with_groups
 
 __all__ = ["fsdp_group", "resolve_reshard"]
 
-_TWINS: dict[str, str] = {}
+_TWINS: dict[str, str] = dropped_with_groups({})
 """Mesh group name -> the name of its one-thread gloo twin."""
 
 
@@ -46,7 +47,7 @@ def fsdp_group(group_name: str) -> str:
     return _TWINS[group_name]
 
 
-_GROUPS: dict[tuple[str, int], str] = {}
+_GROUPS: dict[tuple[str, int], str] = dropped_with_groups({})
 """(shard group name, size) -> the name of this rank's post-forward group."""
 
 

@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from fsdp2_compile._torch_private import concatenate_meshes, own_buffers, own_parameters, root_mesh_groups, strided_shard
-from fsdp2_compile.core.ops import release_all_unsharded
+from fsdp2_compile.core.group_caches import forget_destroyed_groups
 from fsdp2_compile.runtime.process_groups import fsdp_group, resolve_reshard
 from fsdp2_compile.config import MixedPrecisionPolicy
 from fsdp2_compile.runtime.traced_blocks import traced_once
@@ -47,6 +47,7 @@ from fsdp2_compile.runtime.param_state import (
     SHARDED_MODULES,
     STATE_ATTR,
     ParamInfo,
+    drop_kept_of,
     ShardState,
     TPLayout,
     infos_of,
@@ -61,9 +62,9 @@ from fsdp2_compile.runtime.validation import (
     check_ignored,
     check_modules,
     check_new_params,
+    check_optimizer,
     check_options,
     default_device_type,
-    install_optimizer_check,
     resolve_mesh,
     warn_on_mixed_param_dtypes,
 )
@@ -215,6 +216,7 @@ def shard(
     """
     members = check_modules(module)
     check_options(mp_policy, offload_policy)
+    forget_destroyed_groups()
     offload = offload_policy if isinstance(offload_policy, CPUOffloadPolicy) else None
     mesh = resolve_mesh(mesh)
     ignored = check_ignored(ignored_params)
@@ -229,8 +231,6 @@ def shard(
         measure_profile(group_name, world_size, mesh.device_type, agree_over=root_mesh_groups(mesh))
     for p in ignored.values():
         setattr(p, IGNORED_ATTR, True)
-    install_optimizer_check()
-    drop_kept_on_optimizer_step()
 
     taken: list[ParamInfo] = []
     for member in members:
@@ -286,8 +286,45 @@ def shard(
             register_read_scope(member, taken[0].bucket)  # eager: a parameter read twice is gathered once
         object.__setattr__(member, STATE_ATTR, state)
         SHARDED_MODULES.add(member)
+    _hook_optimizers_while_alive(members, state.infos)
     _trace_blocks_once(members)
     return module
+
+
+_STEP_HOOK: list = []
+"""The handle of `_before_optimizer_step` while a module `shard` was called on lives."""
+_LIVE_CALLS = [0]
+"""How many `shard` calls have a module alive."""
+
+
+def _before_optimizer_step(optimizer: torch.optim.Optimizer, _args, _kwargs) -> None:
+    """Before an optimizer steps: refuse one built before `shard` (`check_optimizer`), and drop the gathered
+    copies kept of the parameters it holds (`drop_kept_of`)."""
+    check_optimizer(optimizer)
+    drop_kept_of(optimizer)
+
+
+def _hook_optimizers_while_alive(members: list[nn.Module], infos: tuple[ParamInfo, ...]) -> None:
+    """Register the optimizer step pre-hook while a module of any `shard` call lives. When the last module of this
+    call dies, what is kept for its parameters outside them goes (`ParamInfo.forget`); when the last of every call
+    dies, the hook."""
+    if not _STEP_HOOK:
+        _STEP_HOOK.append(register_optimizer_step_pre_hook(_before_optimizer_step))
+    _LIVE_CALLS[0] += 1
+    alive = [len(members)]
+
+    def gone() -> None:
+        alive[0] -= 1
+        if alive[0]:
+            return
+        for info in infos:
+            info.forget()
+        _LIVE_CALLS[0] -= 1
+        if not _LIVE_CALLS[0]:
+            _STEP_HOOK.pop().remove()
+
+    for member in members:
+        weakref.finalize(member, gone).atexit = False
 
 
 def settle_root_resharding(members: list[nn.Module], taken: list[ParamInfo]) -> None:
@@ -344,12 +381,3 @@ def _ancestors(root: nn.Module, name: str) -> list[nn.Module]:
     """The modules on the path from `root` (excluded) down to `root.get_submodule(name)` (included)."""
     parts = name.split(".")
     return [root.get_submodule(".".join(parts[:end])) for end in range(1, len(parts) + 1)]
-
-
-_DROP_HOOK: list = []
-
-
-def drop_kept_on_optimizer_step() -> None:
-    """Once per process: before any optimizer step, drop every kept gathered parameter."""
-    if not _DROP_HOOK:
-        _DROP_HOOK.append(register_optimizer_step_pre_hook(lambda *_: release_all_unsharded()))

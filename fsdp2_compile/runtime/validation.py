@@ -1,5 +1,6 @@
 """What `shard` refuses, and why: every check runs on every rank before any collective, and names the module,
-parameter or argument and what to do. Also the optimizer check (an optimizer built before `shard`)."""
+parameter or argument and what to do. Also the optimizer check (an optimizer built before `shard`), run by the
+step pre-hook `shard` registers while sharded modules live."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from fsdp2_compile._torch_private import concatenate_meshes
 from fsdp2_compile.config import MixedPrecisionPolicy
@@ -21,9 +21,9 @@ __all__ = [
     "check_ignored",
     "check_modules",
     "check_new_params",
+    "check_optimizer",
     "check_options",
     "default_device_type",
-    "install_optimizer_check",
     "resolve_mesh",
     "warn_on_mixed_param_dtypes",
 ]
@@ -220,17 +220,9 @@ _CHECKED_OPTIMIZERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 """Optimizer -> number of param groups already checked by `_check_optimizer`."""
 
 
-_OPTIMIZER_HOOK: list = []
-
-
-def install_optimizer_check() -> None:
-    """Once per process: before an optimizer's first step (and after param groups are added), refuse one that
-    holds parameters `shard` replaced: it would update tensors the sharded model no longer uses."""
-    if not _OPTIMIZER_HOOK:
-        _OPTIMIZER_HOOK.append(register_optimizer_step_pre_hook(_check_optimizer))
-
-
-def _check_optimizer(optimizer: torch.optim.Optimizer, _args, _kwargs) -> None:
+def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    """Before an optimizer's first step (and after param groups are added), refuse one that holds parameters
+    `shard` replaced: it would update tensors the sharded model no longer uses."""
     groups = len(optimizer.param_groups)
     if _CHECKED_OPTIMIZERS.get(optimizer) == groups:
         return
