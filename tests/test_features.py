@@ -148,9 +148,8 @@ def test_activation_checkpointing_saves_fewer_bytes_for_backward():
     plain = next(g for g in job("scheduled_foreach")["graphs"] if g["kind"] == "forward")
     logits = (GLOBAL_BATCH // WORLD_SIZE, SEQ, GPT_CFG.vocab_size)
     assert fw["saved"]["first_output_shape"] == plain["saved"]["first_output_shape"] == logits  # not counted
-    # saved activations (fp32, local batch 4 x 16 tokens x d 32): a checkpointed block keeps its input alone
-    # (8 KiB) instead of its inner activations; what the embeddings, the final norm and the head save is the same
-    # both ways. The figures are exact for this model on the pinned torch (min-cut partitioner).
+    # saved activations (fp32, local batch 4 x 16 tokens x d 32): a checkpointed block keeps its input (8 KiB)
+    # instead of its inner activations. Exact for this model on the pinned torch (its min-cut partitioner).
     assert fw["saved"]["activations"] == 43_520 and plain["saved"]["activations"] == 298_624  # 0.146x
     assert fw["saved"]["total"] < plain["saved"]["total"]
 
