@@ -1,6 +1,6 @@
 """Where a first step's compile time goes, in one process (fake process group: no peers, no communication).
 
-    .venv/bin/python benchmarks/compile_profile.py [--layers 4 32] [--d-model 128]
+    .venv/bin/python benchmarks/compile_profile.py [--layers 4 32] [--d-model 128] [--gc-deferral both]
 
 For each depth, in a fresh interpreter: the GPT of `examples/gpt.py` (blocks sharded, then the root, with
 `shard_compile`), one forward and backward on a tiny batch; prints wall and CPU seconds of that first step, the
@@ -8,7 +8,8 @@ time Python's garbage collector took in it (full collections counted apart), and
 (Dynamo's `compile_times()`: Dynamo's tracing, its nested-region reuse check and stamp-out, guards,
 AOTAutograd's metadata pass and joint trace, the lazy backward compile). The step itself is tiny, so the first
 step is nearly all compile time. Compare depths within one run: on a 2-core machine the figures move by a third
-between runs.
+between runs. `--gc-deferral both` runs each depth with `CompileConfig(defer_full_gc=True)` and `False`,
+alternated, to show what deferring full collections while the backend compiles buys.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ PHASES = (
 )
 
 
-def _one(layers: int, d_model: int) -> dict:
+def _one(layers: int, d_model: int, defer_full_gc: bool = True) -> dict:
     """The first step of a `layers`-deep GPT in this process."""
     here = os.path.dirname(os.path.abspath(__file__))
     sys.path.insert(0, os.path.join(here, "..", "examples"))
@@ -44,7 +45,7 @@ def _one(layers: int, d_model: int) -> dict:
     model = GPT(GPTConfig(vocab_size=1024, block_size=64, n_layer=layers, n_head=4, d_model=d_model))
     for block in model.blocks:
         fc.shard(block, mesh)
-    fc.shard_compile(model, mesh)
+    fc.shard_compile(model, mesh, compile_config=fc.CompileConfig(defer_full_gc=defer_full_gc))
     tokens = torch.randint(0, 1024, (2, 64))
 
     collected = {"s": 0.0, "full": 0, "started": 0.0}
@@ -64,7 +65,7 @@ def _one(layers: int, d_model: int) -> dict:
     names, seconds = compile_times(repr="csv", aggregate=True)
     measured = dict(zip(names, seconds))
     phases = {name: float(measured.get(name, 0.0)) for name in PHASES}
-    return dict(layers=layers, wall_s=wall, cpu_s=cpu, gc_s=collected["s"], full_collections=collected["full"],
+    return dict(layers=layers, defer_full_gc=defer_full_gc, wall_s=wall, cpu_s=cpu, gc_s=collected["s"], full_collections=collected["full"],
                 phases=phases)
 
 
@@ -72,25 +73,32 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, nargs="+", default=[4, 32])
     p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--gc-deferral", choices=("on", "off", "both"), default="on",
+                   help="CompileConfig.defer_full_gc for each run; both: on and off alternated per depth")
     p.add_argument("--one", type=int, help=argparse.SUPPRESS)  # worker: one depth, JSON on stdout
+    p.add_argument("--defer", type=int, default=1, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.one is not None:
-        print(json.dumps(_one(args.one, args.d_model)))
+        print(json.dumps(_one(args.one, args.d_model, bool(args.defer))))
         return
+    settings = {"on": [1], "off": [0], "both": [1, 0]}[args.gc_deferral]
     rows = []
     for layers in args.layers:
-        out = subprocess.run([sys.executable, __file__, "--one", str(layers), "--d-model", str(args.d_model)],
-                             capture_output=True, text=True, check=True).stdout
-        rows.append(json.loads(out.strip().splitlines()[-1]))
-    print("| layers | first step (wall) | CPU | GC (full collections) | " + " | ".join(PHASES) + " |")
-    print("|---" * (4 + len(PHASES)) + "|")
+        for defer in settings:
+            out = subprocess.run([sys.executable, __file__, "--one", str(layers), "--d-model", str(args.d_model),
+                                  "--defer", str(defer)], capture_output=True, text=True, check=True).stdout
+            rows.append(json.loads(out.strip().splitlines()[-1]))
+    print("| layers | GC deferral | first step (wall) | CPU | GC (full collections) | " + " | ".join(PHASES) + " |")
+    print("|---" * (5 + len(PHASES)) + "|")
     for r in rows:
-        print(f"| {r['layers']} | {r['wall_s']:.2f} s | {r['cpu_s']:.2f} s | {r['gc_s']:.2f} s "
-              f"({r['full_collections']}) | " + " | ".join(f"{r['phases'][k]:.2f}" for k in PHASES) + " |")
+        print(f"| {r['layers']} | {'on' if r['defer_full_gc'] else 'off'} | {r['wall_s']:.2f} s | {r['cpu_s']:.2f} s "
+              f"| {r['gc_s']:.2f} s ({r['full_collections']}) | "
+              + " | ".join(f"{r['phases'][k]:.2f}" for k in PHASES) + " |")
     base = rows[0]
     for r in rows[1:]:
-        print(f"\n{r['layers']} / {base['layers']} layers: wall {r['wall_s'] / base['wall_s']:.2f}x, "
-              f"CPU {r['cpu_s'] / base['cpu_s']:.2f}x")
+        if r["defer_full_gc"] == base["defer_full_gc"] and r["layers"] != base["layers"]:
+            print(f"\n{r['layers']} / {base['layers']} layers: wall {r['wall_s'] / base['wall_s']:.2f}x, "
+                  f"CPU {r['cpu_s'] / base['cpu_s']:.2f}x")
 
 
 if __name__ == "__main__":
