@@ -31,6 +31,7 @@ from fsdp2_compile.passes import (
     lower_unshard,
 )
 from fsdp2_compile.compiler.pipeline import PASSES, PassContext, run_pipeline
+from fsdp2_compile.compiler.rank_consistency import graph_groups
 from fsdp2_compile.compiler.report import collectives
 
 aten = torch.ops.aten
@@ -302,6 +303,7 @@ def test_unshard_spec_is_a_constant_guarded_by_equality(fake_pg):
     [node] = [n for n in calls(graphs[1]) if n.target is UNSHARD]
     assert UnshardArgs.of(node).spec == holder.spec and UnshardArgs.of(node).fqn == "v"
     assert "ParamSpec(dim0=8" in graphs[1].code
+    assert graph_groups(graphs[1]) == {fake_pg}  # the rank-consistency check finds the group inside the spec
     text, names = holder.spec.__fx_repr__()
     assert eval(text, {"torch": torch, **names}) == holder.spec
 

@@ -6,11 +6,11 @@ on a 32-layer GPT one `fsdp2::unshard` and one `fsdp2::reduce_grad` per block pa
 trace, and DTensor's `to_local` (an autograd function) before each. `gather_outside_blocks` therefore gathers the
 trained parameters of a block call that are neither kept gathered nor delivered their gradient with one
 `GatherGroup` autograd node over the DTensor parameters: it reads their local shards and calls one
-`fsdp2::unshard_group` (the shards and a key into `GROUPS`, each parameter's `ParamSpec`). Its backward is one `fsdp2::reduce_group` over the same parameters (`REDUCTIONS`), which does
-for each what `fsdp2::unshard`'s backward does (`ops.shard_grad`). Before the partitioner tags the gathers (and in
-an inference graph before the passes), `compiler/group_split.py` puts back one `fsdp2::unshard` per parameter; right
-after it, `split_reduce_groups` puts back each parameter's backward ops, made by the same `ops.shard_grad`: nothing
-after sees a group.
+`fsdp2::unshard_group` (the shards and a key into `GROUPS`, each parameter's `ParamSpec`). Its backward is one
+`fsdp2::reduce_group` over the same parameters (`REDUCTIONS`), which does for each what `fsdp2::unshard`'s backward
+does (`ops.shard_grad`). Before the partitioner tags the gathers (and in an inference graph before the passes),
+`compiler/group_split.py` puts back one `fsdp2::unshard` per parameter; right after it, `split_reduce_groups` puts
+back each parameter's backward ops, made by the same `ops.shard_grad`: nothing after sees a group.
 """
 
 from __future__ import annotations
