@@ -76,6 +76,7 @@ __all__ = [
     "own_parameters",
     "post_accumulate_grad_hooks",
     "queue_at_backward_end",
+    "register_value_type",
     "resolve_group",
     "root_mesh_groups",
     "set_compiled_call_impl",
@@ -305,6 +306,16 @@ def tracing_backend() -> Callable | None:
         return None
     fn = _innermost_backend(tx.output.compiler_fn)
     return _innermost_backend(getattr(fn, "compiler_fn", fn))  # torch.compile's wrapper holds the backend there
+
+
+def register_value_type(cls: type) -> type:
+    """Register `cls` (hashable, compared by value, with `__fx_repr__`) as an opaque value type: a custom op may take
+    it as an argument, and Dynamo bakes it into the graph as a constant guarded by equality (Note [Opaque Objects]
+    in `torch/_library/opaque_object.py`)."""
+    from torch._library.opaque_object import register_opaque_type
+
+    register_opaque_type(cls, typ="value")
+    return cls
 
 
 def has_post_accumulate_grad_hooks(tensor: torch.Tensor) -> bool:

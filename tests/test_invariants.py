@@ -9,7 +9,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from fsdp2_compile.config import CompileConfig
 from fsdp2_compile.compiler.invariants import UnsafeGraphError, check_collectives_safe
-from fsdp2_compile.core.ops import KEEP_ALIVE, REDUCE_GRAD, UNSHARD
+from fsdp2_compile.core.ops import KEEP_ALIVE, REDUCE_GRAD, UNSHARD, ParamSpec
 from fsdp2_compile.passes import keep_inputs_until_wait
 from fsdp2_compile.compiler.pipeline import PassContext, run_pipeline
 
@@ -79,7 +79,7 @@ def test_every_pipeline_output_is_safe(fake_pg, config):
 
     def f(s0, s1, s2, x):
         def gather(shard, i):
-            return UNSHARD(shard, 16, 4, fake_pg, None, fp32, f"b{i}.w", f"b{i}", True, 1, "")
+            return UNSHARD(shard, ParamSpec(16, 4, fake_pg, None, fp32, f"b{i}.w", f"b{i}", True, 1, ""))
 
         h = x
         for i, s in enumerate((s0, s1, s2)):

@@ -8,7 +8,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from fsdp2_compile.config import CompileConfig
 from fsdp2_compile.core.graph import PARAMS
-from fsdp2_compile.core.ops import REDUCE_GRAD, UNSHARD
+from fsdp2_compile.core.ops import REDUCE_GRAD, UNSHARD, ParamSpec
 from fsdp2_compile.passes import bucket_collectives, lower_reduce_grad, lower_unshard, reorder_for_overlap, schedule
 from fsdp2_compile.compiler.pipeline import PassContext, run_pipeline
 from fsdp2_compile.compiler.report import collectives
@@ -24,7 +24,7 @@ def three_blocks(group: str, dtypes=(None, None, None)):
 
     def f(s0a, s0b, s1, s2, x):
         def gather(shard, name, bucket, dtype):
-            return UNSHARD(shard, 16, 4, group, dtype, fp32, name, bucket, True, 1, "")
+            return UNSHARD(shard, ParamSpec(16, 4, group, dtype, fp32, name, bucket, True, 1, ""))
 
         h = torch.relu(x @ gather(s0a, "b0.a", "b0", dtypes[0]) @ gather(s0b, "b0.b", "b0", dtypes[1]))
         h = torch.relu(h @ gather(s1, "b1.w", "b1", dtypes[2]))
@@ -112,7 +112,7 @@ def head_then_blocks(group: str):
 
     def f(s1, s0, head, x):
         def gather(shard, name):
-            return UNSHARD(shard, 16, 4, group, None, fp32, name, name.split(".")[0], True, 1, "")
+            return UNSHARD(shard, ParamSpec(16, 4, group, None, fp32, name, name.split(".")[0], True, 1, ""))
 
         h = torch.relu(x @ head @ head.T)
         h = torch.relu(h @ gather(s1, "b1.w"))

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from fsdp2_compile.core.graph import PARAMS, ROLE
-from fsdp2_compile.core.ops import REDUCE_GRAD, UNSHARD
+from fsdp2_compile.core.ops import REDUCE_GRAD, UNSHARD, ParamSpec
 from fsdp2_compile.config import CompileConfig
 from fsdp2_compile.core.ir import (
     AllGatherArgs,
@@ -30,6 +31,7 @@ from fsdp2_compile.passes import (
     lower_unshard,
 )
 from fsdp2_compile.compiler.pipeline import PASSES, PassContext, run_pipeline
+from fsdp2_compile.compiler.rank_consistency import graph_groups
 from fsdp2_compile.compiler.report import collectives
 
 aten = torch.ops.aten
@@ -48,7 +50,7 @@ def targets(gm):
 def test_lower_unshard_casts_pads_gathers_and_unpads(fake_pg):
     # rank 3 of 4 holds the last 6 of 33 rows; every rank's shard is padded to 9 rows
     def f(shard):
-        return UNSHARD(shard, 33, 4, fake_pg, bf16, fp32, "fc.weight", "", True, 1, "") * 2
+        return UNSHARD(shard, ParamSpec(33, 4, fake_pg, bf16, fp32, "fc.weight", "", True, 1, "")) * 2
 
     gm = lower_unshard(make_fx(f, tracing_mode="fake")(torch.randn(6, 5)), PassContext("forward"))
     assert targets(gm) == [
@@ -70,7 +72,7 @@ def test_lower_unshard_casts_pads_gathers_and_unpads(fake_pg):
 
 def test_lower_unshard_without_cast_or_padding(fake_pg):
     def f(shard):
-        return UNSHARD(shard, 32, 4, fake_pg, None, fp32, "w", "", True, 1, "")
+        return UNSHARD(shard, ParamSpec(32, 4, fake_pg, None, fp32, "w", "", True, 1, ""))
 
     gm = lower_unshard(make_fx(f, tracing_mode="fake")(torch.randn(8, 3)), PassContext("forward"))
     assert targets(gm) == [funcol.all_gather_into_tensor.default, funcol.wait_tensor.default]
@@ -80,8 +82,8 @@ def test_lower_unshard_without_cast_or_padding(fake_pg):
 def test_lower_unshard_gathers_a_parameter_read_twice_once(fake_pg):
     # no CSE runs on inference graphs: a tied weight (embedding and head) reaches the pass as two unshards
     def f(shard):
-        return UNSHARD(shard.view(8, 3), 32, 4, fake_pg, None, fp32, "emb", "", True, 1, "") + UNSHARD(
-            shard.view(8, 3), 32, 4, fake_pg, None, fp32, "emb", "", True, 1, ""
+        return UNSHARD(shard.view(8, 3), ParamSpec(32, 4, fake_pg, None, fp32, "emb", "", True, 1, "")) + UNSHARD(
+            shard.view(8, 3), ParamSpec(32, 4, fake_pg, None, fp32, "emb", "", True, 1, "")
         )
 
     gm = lower_unshard(make_fx(f, tracing_mode="fake")(torch.randn(8, 3)), PassContext("inference"))
@@ -96,7 +98,7 @@ def test_an_offloaded_shard_is_copied_to_the_compute_device_and_its_gradient_bac
     device = torch.device("meta")
 
     def f(shard):
-        full = UNSHARD(shard, 32, 4, fake_pg, bf16, fp32, "w", "", True, compute_device=device)
+        full = UNSHARD(shard, ParamSpec(32, 4, fake_pg, bf16, fp32, "w", "", True, compute_device=device))
         return REDUCE_GRAD(full * 2, 8, 4, fake_pg, fp32, fp32, "w", "", 1, "", out_device=shard.device)
 
     gm = lower_reduce_grad(lower_unshard(make_fx(f, tracing_mode="fake")(torch.randn(8, 3)), PassContext("forward")),
@@ -221,7 +223,7 @@ def test_each_pass_graph_is_a_structured_trace_artifact(fake_pg):
             self.records.append(record)
 
     def f(shard):
-        return UNSHARD(shard, 32, 4, fake_pg, None, fp32, "w", "", True, 1, "") * 2
+        return UNSHARD(shard, ParamSpec(32, 4, fake_pg, None, fp32, "w", "", True, 1, "")) * 2
 
     handler = Collect()
     trace_log.addHandler(handler)
@@ -261,14 +263,14 @@ def test_a_misordered_pass_list_is_refused_with_a_clear_message(fake_pg):
 
 def test_views_name_every_schema_argument(fake_pg):
     def f(shard):
-        return UNSHARD(shard, 33, 4, fake_pg, bf16, fp32, "fc.weight", "blocks.0", True)
+        return UNSHARD(shard, ParamSpec(33, 4, fake_pg, bf16, fp32, "fc.weight", "blocks.0", True))
 
     gm = make_fx(f, tracing_mode="fake")(torch.randn(6, 5))
     [node] = [n for n in calls(gm) if n.target is UNSHARD]
     a = UnshardArgs.of(node)
     assert [f.name for f in dataclasses.fields(a)] == [arg.name for arg in UNSHARD._schema.arguments]
     assert (a.fqn, a.bucket, a.dim0, a.reshard_after_forward) == ("fc.weight", "blocks.0", 33, True)
-    assert (a.replicate_size, a.pending_key) == (1, "")  # schema defaults filled in
+    assert (a.replicate_size, a.pending_key) == (1, "")  # the spec's defaults
     assert a.static() == a.as_args()[1:-2] and a.replace(fqn="x").fqn == "x"  # tensors: shard, gathered, grad_anchor
     with pytest.raises(TypeError, match="not"):
         ReduceGradArgs.of(node)
@@ -278,6 +280,32 @@ def test_views_name_every_schema_argument(fake_pg):
     assert isinstance(c, AllGatherArgs) and (c.group_size, c.group_name, c.ranks()) == (4, fake_pg, 4)
     assert Tags.of(gather) == Tags(("fc.weight",), "blocks.0", Role.ALL_GATHER)
     assert nbytes(gather.meta["val"]) == 36 * 5 * 2  # 4 ranks x 9 padded rows, bf16
+
+
+def test_unshard_spec_is_a_constant_guarded_by_equality(fake_pg):
+    """Dynamo bakes an unshard's `ParamSpec` into the graph: an equal spec reuses the compiled graph, another one
+    recompiles, and the graph's code rebuilds the spec."""
+    holder = SimpleNamespace(spec=ParamSpec(8, 4, fake_pg, bf16, fp32, "w", "", True))
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    f = torch.compile(lambda shard: UNSHARD(shard, holder.spec), backend=backend, fullgraph=True)
+    shard = torch.randn(2, 3)
+    f(shard)
+    holder.spec = ParamSpec(8, 4, fake_pg, bf16, fp32, "w", "", True)  # equal, another object
+    f(shard)
+    assert len(graphs) == 1
+    holder.spec = dataclasses.replace(holder.spec, fqn="v")
+    assert f(shard).shape == (8, 3) and len(graphs) == 2
+    [node] = [n for n in calls(graphs[1]) if n.target is UNSHARD]
+    assert UnshardArgs.of(node).spec == holder.spec and UnshardArgs.of(node).fqn == "v"
+    assert "ParamSpec(dim0=8" in graphs[1].code
+    assert graph_groups(graphs[1]) == {fake_pg}  # the rank-consistency check finds the group inside the spec
+    text, names = holder.spec.__fx_repr__()
+    assert eval(text, {"torch": torch, **names}) == holder.spec
 
 
 def test_inserted_nodes_get_the_fake_values_the_fake_mode_would_give():

@@ -4,7 +4,7 @@
 becomes a nested compile region (`torch.compiler.nested_compile_region`), so Dynamo traces one block and stamps
 out the others as `invoke_subgraph` calls of the same subgraph, and AOTAutograd traces and partitions that
 subgraph once. For Dynamo's guards to hold for every block, a block's `module.weight` leaves out what names the
-parameter (`ParamInfo.static_args(anonymous=True)`). Two rewrites keep FSDP's semantics:
+parameter (`ParamInfo.spec(anonymous=True)`). Two rewrites keep FSDP's semantics:
 
 - `gather_outside_blocks` (before AOTAutograd): every `fsdp2::unshard` of a block's subgraph (or of an activation
   checkpoint inside it) moves to the calling graph, before the call, named again from the parameter the call
@@ -62,10 +62,10 @@ def gather_outside_blocks(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> 
                 continue
             with gm.graph.inserting_before(call.node):
                 shard = gm.graph.call_method("to_local", (operands[index],))
-                operands[index] = gm.graph.call_function(UNSHARD, (shard, *info.static_args(), gathered, anchor))
+                operands[index] = gm.graph.call_function(UNSHARD, (shard, info.spec(), gathered, anchor))
         if plain:
             with gm.graph.inserting_before(call.node):
-                key = group_key([info.static_args() for _, info in plain.values()])
+                key = group_key([info.spec() for _, info in plain.values()])
                 group = gm.graph.call_function(GatherGroup.apply, (key, *(param for param, _ in plain.values())))
                 for i, index in enumerate(plain):
                     operands[index] = gm.graph.call_function(operator.getitem, (group, i))
@@ -95,7 +95,7 @@ def _name_in_place(gm: fx.GraphModule, info_of: Callable[[fx.Node], ParamInfo | 
             info = info_of(_param_of(call.shard))
             if info is None:
                 raise RuntimeError(f"fsdp2_compile: cannot tell which parameter {node.format_node()} gathers")
-            node.args = (call.shard, *info.static_args(), call.gathered, call.grad_anchor)
+            node.args = call.replace(spec=info.spec()).as_args()
     gm.recompile()
 
 

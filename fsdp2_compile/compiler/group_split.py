@@ -22,7 +22,7 @@ def split_unshard_groups(gm: fx.GraphModule) -> None:
         call = UnshardGroupArgs.of(group)
         for user, i in _outputs(group):
             with gm.graph.inserting_before(user):
-                node = gm.graph.call_function(UNSHARD, (call.shards[i], *GROUPS[call.key][i]))
+                node = gm.graph.call_function(UNSHARD, (call.shards[i], GROUPS[call.key][i]))
             node.meta.update(group.meta)
             node.meta.update(user.meta)
             user.replace_all_uses_with(node)

@@ -76,12 +76,17 @@ def schedule_signature(gm: fx.GraphModule) -> str:
 
 def graph_groups(gm: fx.GraphModule) -> set[str]:
     """Names of the process groups the graph's collectives use: every non-empty `*group_name` string argument of
-    its ops (the functional collectives' `group_name`, the fsdp2 ops' `group_name` / `replicate_group_name`)."""
+    its ops, or field of a dataclass argument (the functional collectives' `group_name`, `fsdp2::unshard`'s
+    `ParamSpec.group_name` / `replicate_group_name` / `post_forward_group_name`)."""
     names = set()
     for node in gm.graph.nodes:
         for name, value in schema_args(node).items():
-            if name.endswith("group_name") and isinstance(value, str) and value:
-                names.add(value)
+            named = (
+                [(f.name, getattr(value, f.name)) for f in dataclasses.fields(value)]
+                if dataclasses.is_dataclass(value) and not isinstance(value, type)
+                else [(name, value)]
+            )
+            names.update(v for n, v in named if n.endswith("group_name") and isinstance(v, str) and v)
     return names
 
 

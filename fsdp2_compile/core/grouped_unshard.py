@@ -6,12 +6,11 @@ on a 32-layer GPT one `fsdp2::unshard` and one `fsdp2::reduce_grad` per block pa
 trace, and DTensor's `to_local` (an autograd function) before each. `gather_outside_blocks` therefore gathers the
 trained parameters of a block call that are neither kept gathered nor delivered their gradient with one
 `GatherGroup` autograd node over the DTensor parameters: it reads their local shards and calls one
-`fsdp2::unshard_group` (the shards and a key into `GROUPS`, each parameter's static arguments of
-`fsdp2::unshard`). Its backward is one `fsdp2::reduce_group` over the same parameters (`REDUCTIONS`), which does
-for each what `fsdp2::unshard`'s backward does (`ops.shard_grad`). Before the partitioner tags the gathers (and in
-an inference graph before the passes), `compiler/group_split.py` puts back one `fsdp2::unshard` per parameter; right
-after it, `split_reduce_groups` puts back each parameter's backward ops, made by the same `ops.shard_grad`: nothing
-after sees a group.
+`fsdp2::unshard_group` (the shards and a key into `GROUPS`, each parameter's `ParamSpec`). Its backward is one
+`fsdp2::reduce_group` over the same parameters (`REDUCTIONS`), which does for each what `fsdp2::unshard`'s backward
+does (`ops.shard_grad`). Before the partitioner tags the gathers (and in an inference graph before the passes),
+`compiler/group_split.py` puts back one `fsdp2::unshard` per parameter; right after it, `split_reduce_groups` puts
+back each parameter's backward ops, made by the same `ops.shard_grad`: nothing after sees a group.
 """
 
 from __future__ import annotations
@@ -25,36 +24,35 @@ from torch import Tensor
 
 from fsdp2_compile._torch_private import dtensor_layout, dtensor_of
 from fsdp2_compile.core.op_args import op_view
-from fsdp2_compile.core.ops import UnshardArgs, shard_grad, unshard, unshard_backward_context
 from fsdp2_compile.core.group_caches import dropped_with_groups
+from fsdp2_compile.core.ops import ParamSpec, UnshardArgs, shard_grad, unshard, unshard_backward_context
 
 __all__ = [
     "GROUPS", "GatherGroup", "REDUCE_GROUP", "REDUCTIONS", "UNSHARD_GROUP", "ReduceGroupArgs", "UnshardGroupArgs",
     "group_key",
 ]
 
-GROUPS: dict[str, tuple[tuple, ...]] = dropped_with_groups({})
-"""By key: the static arguments of `fsdp2::unshard` (after the shard, before `gathered`) of each shard a group
-gathers, in order."""
+GROUPS: dict[str, tuple[ParamSpec, ...]] = dropped_with_groups({})
+"""By key: the `ParamSpec` of each shard a group gathers, in order."""
 
 
-def group_key(static_args: Sequence[tuple]) -> str:
-    """The key of a group of parameters with these static arguments (registered in `GROUPS`)."""
-    key = repr(tuple(static_args))
-    GROUPS.setdefault(key, tuple(static_args))
+def group_key(specs: Sequence[ParamSpec]) -> str:
+    """The key of a group of parameters with these specs (registered in `GROUPS`)."""
+    key = repr(tuple(specs))
+    GROUPS.setdefault(key, tuple(specs))
     return key
 
 
 @functools.cache
 def _bound(key: str) -> tuple:
     """`GROUPS[key]` as `UnshardArgs` (no shard): bound once per group, not at every trace of a call."""
-    return tuple(UnshardArgs.bind((None, *args)) for args in GROUPS[key])
+    return tuple(UnshardArgs(shard=None, spec=spec) for spec in GROUPS[key])
 
 
 @torch.library.custom_op("fsdp2::unshard_group", mutates_args=())
 def unshard_group(shards: list[Tensor], key: str) -> list[Tensor]:
-    """`fsdp2::unshard` of each shard with the static arguments `GROUPS[key]` holds for it."""
-    return [unshard(shard, *args) for shard, args in zip(shards, GROUPS[key])]
+    """`fsdp2::unshard` of each shard with the spec `GROUPS[key]` holds for it."""
+    return [unshard(shard, spec) for shard, spec in zip(shards, GROUPS[key])]
 
 
 @unshard_group.register_fake

@@ -13,22 +13,24 @@ Both run eagerly (through the functional collectives, so eager and compiled runs
 and have fake implementations, so Dynamo/AOTAutograd trace them as single opaque nodes that the lowering
 passes later expand into cast / pad / collective / wait / unpad nodes.
 
-Every argument besides the tensor is static metadata, carried in the op so each node names its parameter
-(`fqn`) and its FSDP group (`bucket`: the module `shard` was called on), and the partitioner can read
-`reshard_after_forward` off the node itself.
+Besides its tensors, `fsdp2::unshard` takes one static argument, the parameter's `ParamSpec`, carried in the op so
+each node names its parameter (`fqn`) and its FSDP group (`bucket`: the module `shard` was called on), and the
+partitioner can read `reshard_after_forward` off the node itself.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from types import SimpleNamespace
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
 from fsdp2_compile._torch_private import functional_collectives as _funcol
-from fsdp2_compile.core.op_args import op_view
+from fsdp2_compile._torch_private import register_value_type
+from fsdp2_compile.core.op_args import OpArgs, op_view
 
 __all__ = [
     "ADD_PENDING_GRAD",
@@ -36,6 +38,7 @@ __all__ = [
     "DeliverGradArgs",
     "KeepAliveArgs",
     "KeepUnshardedArgs",
+    "ParamSpec",
     "ReduceGradArgs",
     "ReleaseUnshardedArgs",
     "StashGradArgs",
@@ -77,65 +80,79 @@ def pad_rows(t: Tensor, rows: int) -> Tensor:
     return torch.constant_pad_nd(t, [0, 0] * (t.dim() - 1) + [0, missing])
 
 
+@register_value_type
+@dataclasses.dataclass(frozen=True)
+class ParamSpec:
+    """Everything `fsdp2::unshard` needs of a parameter besides its shard: one static, named argument, which
+    Dynamo bakes into the graph as a constant and guards by equality (a registered opaque value type).
+
+    Only the backward uses the fields after `reshard_after_forward`: `replicate_*` name the HSDP replicate group
+    (`1` / `""` without one); `requires_grad_sync=False` keeps the gradient unsharded under `pending_key` instead
+    of reducing it, and a synced backward with a `pending_key` adds what was kept first. `prefetch_*`:
+    comma-separated buckets whose all-gathers the scheduler issues right before this parameter's bucket is used
+    (explicit prefetching). `grad_divide_factor` (0: average): the gradient is summed over the ranks after each is
+    multiplied by 1/it. `force_sum_reduction` (`set_force_sum_reduction_for_comms`): sum-only collectives
+    (`divide_factors`). HSDP: `requires_all_reduce=False` keeps the reduce-scattered shard under `partial_key`
+    instead of all-reducing it; a backward with the all-reduce adds what was kept first. `post_forward_*`
+    (`reshard_after_forward=int`): the smaller group compiled backwards gather from (`post_forward.py`); eager runs
+    gather from the whole group. `compute_device` (`CPUOffloadPolicy` on an accelerator mesh): where the CPU shard
+    is copied before all else. `reshard_after_backward=False`: backward keeps the gathered parameter under
+    `kept_key`; the next forward passes it as `gathered` and gathers nothing (`unsharded_after_backward.py`).
+    `grad_key` (with the op's `grad_anchor`, a parameter with post-accumulate-grad hooks): backward hands the
+    reduced gradient to the parameter itself and runs its hooks (`deliver_grad`), as FSDP2 does after each
+    reduce-scatter; the shard gets no gradient."""
+
+    dim0: int
+    world_size: int
+    group_name: str
+    param_dtype: torch.dtype | None
+    reduce_dtype: torch.dtype
+    fqn: str
+    bucket: str
+    reshard_after_forward: bool
+    replicate_size: int = 1
+    replicate_group_name: str = ""
+    requires_grad_sync: bool = True
+    pending_key: str = ""
+    prefetch_forward: str = ""
+    prefetch_backward: str = ""
+    grad_divide_factor: float = 0.0
+    force_sum_reduction: bool = False
+    requires_all_reduce: bool = True
+    partial_key: str = ""
+    post_forward_size: int = 0
+    post_forward_group_name: str = ""
+    compute_device: torch.device | None = None
+    reshard_after_backward: bool = True
+    kept_key: str = ""
+    grad_key: str = ""
+
+    def __fx_repr__(self) -> tuple[str, dict[str, Any]]:
+        """The expression that rebuilds this spec in generated graph code, and the names it uses besides FX's own
+        (`torch`, `device`): no module among them, so Inductor's FX graph cache can pickle them."""
+        return repr(self), {"ParamSpec": ParamSpec}
+
+
 @torch.library.custom_op("fsdp2::unshard", mutates_args=())
 def unshard(
-    shard: Tensor,
-    dim0: int,
-    world_size: int,
-    group_name: str,
-    param_dtype: torch.dtype | None,
-    reduce_dtype: torch.dtype,
-    fqn: str,
-    bucket: str,
-    reshard_after_forward: bool,
-    replicate_size: int = 1,
-    replicate_group_name: str = "",
-    requires_grad_sync: bool = True,
-    pending_key: str = "",
-    prefetch_forward: str = "",
-    prefetch_backward: str = "",
-    grad_divide_factor: float = 0.0,
-    force_sum_reduction: bool = False,
-    requires_all_reduce: bool = True,
-    partial_key: str = "",
-    post_forward_size: int = 0,
-    post_forward_group_name: str = "",
-    compute_device: torch.device | None = None,
-    reshard_after_backward: bool = True,
-    kept_key: str = "",
-    grad_key: str = "",
-    gathered: Tensor | None = None,
-    grad_anchor: Tensor | None = None,
+    shard: Tensor, spec: ParamSpec, gathered: Tensor | None = None, grad_anchor: Tensor | None = None
 ) -> Tensor:
-    """All-gather a dim-0 shard into the full parameter of `dim0` rows, cast to `param_dtype` first.
-    Only the backward uses the rest: `replicate_*` name the HSDP replicate group (`1` / `""` without one);
-    `requires_grad_sync=False` keeps the gradient unsharded under `pending_key` instead of reducing it, and a
-    synced backward with a `pending_key` adds what was kept first. `prefetch_*`: comma-separated buckets whose
-    all-gathers the scheduler issues right before this parameter's bucket is used (explicit prefetching).
-    `grad_divide_factor` (0: average): the gradient is summed over the ranks after each is multiplied by 1/it.
-    `force_sum_reduction` (`set_force_sum_reduction_for_comms`): sum-only collectives (`divide_factors`).
-    HSDP: `requires_all_reduce=False` keeps the reduce-scattered shard under `partial_key` instead of all-reducing
-    it; a backward with the all-reduce adds what was kept first. `post_forward_*` (`reshard_after_forward=int`):
-    the smaller group compiled backwards gather from (`post_forward.py`); eager runs gather from the whole group.
-    `compute_device` (`CPUOffloadPolicy` on an accelerator mesh): where the CPU shard is copied before all else.
-    `reshard_after_backward=False`: backward keeps the gathered parameter under `kept_key`; the next forward
-    passes it as `gathered` and gathers nothing (`unsharded_after_backward.py`). `grad_key` (with `grad_anchor`,
-    a parameter with post-accumulate-grad hooks): backward hands the reduced gradient to the parameter itself and
-    runs its hooks (`deliver_grad`), as FSDP2 does after each reduce-scatter; the shard gets no gradient."""
+    """All-gather a dim-0 shard into the full parameter of `spec.dim0` rows, cast to `spec.param_dtype` first.
+    `gathered`: the parameter kept gathered after backward (`spec.kept_key`), returned instead. `grad_anchor`: the
+    tensor whose gradient delivers the reduced gradient to the parameter (`spec.grad_key`)."""
     if gathered is not None:
         return gathered.clone()
-    x = shard if compute_device is None else shard.to(compute_device, non_blocking=True)
-    x = x if param_dtype is None else x.to(param_dtype)
-    x = pad_rows(x, padded_rows(dim0, world_size)).contiguous()
-    full = _funcol.wait_tensor(_funcol.all_gather_into_tensor(x, world_size, group_name))
-    return full[:dim0].clone() if full.shape[0] != dim0 else full
+    x = shard if spec.compute_device is None else shard.to(spec.compute_device, non_blocking=True)
+    x = x if spec.param_dtype is None else x.to(spec.param_dtype)
+    x = pad_rows(x, padded_rows(spec.dim0, spec.world_size)).contiguous()
+    full = _funcol.wait_tensor(_funcol.all_gather_into_tensor(x, spec.world_size, spec.group_name))
+    return full[:spec.dim0].clone() if full.shape[0] != spec.dim0 else full
 
 
 @unshard.register_fake
-def _(*args, **kwargs):
-    a = UnshardArgs.bind(args, kwargs)
-    return a.shard.new_empty((a.dim0, *a.shard.shape[1:]), dtype=a.param_dtype or a.shard.dtype,
-                             device=a.compute_device or a.shard.device)
+def _(shard, spec, gathered=None, grad_anchor=None):
+    return shard.new_empty((spec.dim0, *shard.shape[1:]), dtype=spec.param_dtype or shard.dtype,
+                           device=spec.compute_device or shard.device)
 
 
 class DivideFactors(NamedTuple):
@@ -318,7 +335,7 @@ def unshard_backward(facts: SimpleNamespace, grad: Tensor) -> tuple:
     """The gradients of an `fsdp2::unshard` call's inputs (`facts`: `unshard_backward_context`) for `grad`."""
     reduced = shard_grad(facts, grad)
     if not facts.grad_key:
-        return (reduced,) + (None,) * (facts.n_inputs - 1)  # no gradient for the static arguments
+        return (reduced,) + (None,) * (facts.n_inputs - 1)  # no gradient for the spec or `gathered`
     # Delivered (FSDP2 runs the hooks only when a gradient was reduced and all-reduced), the shard gets none.
     r = facts.reduce
     delivered = facts.sync and (r.replicate_size == 1 or r.requires_all_reduce)
@@ -386,7 +403,26 @@ KEEP_UNSHARDED = torch.fx.node.has_side_effect(torch.ops.fsdp2.keep_unsharded.de
 RELEASE_UNSHARDED = torch.fx.node.has_side_effect(torch.ops.fsdp2.release_unsharded.default)
 DELIVER_GRAD = torch.fx.node.has_side_effect(torch.ops.fsdp2.deliver_grad.default)
 
-UnshardArgs = op_view("UnshardArgs", UNSHARD, "Arguments of `fsdp2::unshard`: a parameter's shard and its static facts.")
+
+
+class _ReadsSpec(OpArgs):
+    """A view whose `spec` field is a `ParamSpec`: the spec's fields read as the view's own (`view.fqn` is
+    `view.spec.fqn`), and `replace` takes them too."""
+
+    def replace(self, **changes: Any) -> Any:
+        spec = {name: changes.pop(name) for name in list(changes) if name in _SPEC_FIELDS}
+        if spec:
+            changes["spec"] = dataclasses.replace(changes.get("spec", self.spec), **spec)
+        return dataclasses.replace(self, **changes)
+
+
+_SPEC_FIELDS = tuple(f.name for f in dataclasses.fields(ParamSpec))
+for _name in _SPEC_FIELDS:
+    setattr(_ReadsSpec, _name, property(lambda view, name=_name: getattr(view.spec, name)))
+
+UnshardArgs = op_view(
+    "UnshardArgs", UNSHARD, "Arguments of `fsdp2::unshard`: a parameter's shard and its `ParamSpec`.", base=_ReadsSpec
+)
 ReduceGradArgs = op_view("ReduceGradArgs", REDUCE_GRAD, "Arguments of `fsdp2::reduce_grad` (unshard's backward).")
 StashGradArgs = op_view("StashGradArgs", STASH_GRAD, "Arguments of `fsdp2::stash_grad` (backward, sync off).")
 AddPendingGradArgs = op_view(

@@ -1,4 +1,4 @@
-"""What `shard` records: each managed parameter's facts (`ParamInfo`, the static arguments of `fsdp2::unshard`),
+"""What `shard` records: each managed parameter's facts (`ParamInfo`, whence the `ParamSpec` of `fsdp2::unshard`),
 each `shard` call's group (`ShardState`), and the lookups the rest of the package uses."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import functools
 import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -23,7 +23,7 @@ from fsdp2_compile.runtime.eager_reshard import note_gathered
 from fsdp2_compile.runtime.read_only_param import gathered_copy
 from fsdp2_compile.runtime.grad_delivery import GRAD_ANCHORS, HOOKS_AFTER_BACKWARD, receive_grads
 from fsdp2_compile.core.group_caches import dropped_with_groups
-from fsdp2_compile.core.ops import GRAD_RECEIVERS, KEPT_UNSHARDED, discard_pending_grad, release_unsharded, unshard
+from fsdp2_compile.core.ops import GRAD_RECEIVERS, KEPT_UNSHARDED, ParamSpec, discard_pending_grad, release_unsharded, unshard
 
 __all__ = [
     "GradDeliveryRefresh",
@@ -63,14 +63,14 @@ class TPLayout:
         return DTensor.from_local(local, self.mesh, self.placements, run_check=False, shape=self.shape, stride=self.stride)
 
 
-ANONYMOUS_ARGS: dict[str, tuple] = dropped_with_groups({})
-"""`ParamInfo.static_args(anonymous=True)` by their text (`ParamInfo.anonymous_key`): identical blocks' parameters
+ANONYMOUS_SPECS: dict[str, ParamSpec] = dropped_with_groups({})
+"""`ParamInfo.spec(anonymous=True)` by its text (`ParamInfo.anonymous_key`): identical blocks' parameters
 share one entry."""
 
 
 @dataclass
 class ParamInfo:
-    """What the property of a managed parameter needs to gather it (the static args of `fsdp2::unshard`)."""
+    """What the property of a managed parameter needs to gather it (what `fsdp2::unshard`'s `ParamSpec` holds)."""
 
     fqn: str
     bucket: str
@@ -123,7 +123,7 @@ class ParamInfo:
     when the backward ends."""
     compiled_once: bool = False
     """Its module is one of several identical blocks traced once (`block_gathers.py`): in a compiled graph its
-    `fsdp2::unshard` leaves out what names it (`static_args(anonymous=True)`); the backend names it again."""
+    `fsdp2::unshard` leaves out what names it (`spec(anonymous=True)`); the backend names it again."""
 
     def gather(self, param: nn.Parameter) -> torch.Tensor:
         if _SHARDED_ACCESS.active:
@@ -160,10 +160,10 @@ class ParamInfo:
         self._share_anonymous_args()
 
     def _share_anonymous_args(self) -> None:
-        """Keep `anonymous_key` naming this parameter's `static_args(anonymous=True)` in `ANONYMOUS_ARGS`."""
-        args = self.static_args(anonymous=True)
-        key = repr(args)
-        ANONYMOUS_ARGS.setdefault(key, args)
+        """Keep `anonymous_key` naming this parameter's `spec(anonymous=True)` in `ANONYMOUS_SPECS`."""
+        spec = self.spec(anonymous=True)
+        key = repr(spec)
+        ANONYMOUS_SPECS.setdefault(key, spec)
         object.__setattr__(self, "anonymous_key", key)
         # `read_managed`'s shortest path: a block traced once, nothing kept or delivered, no TP layout to wrap
         plain = self.compiled_once and not self.kept_key and not self.grad_key and self.tp is None
@@ -171,18 +171,18 @@ class ParamInfo:
 
     def _unshard(self, param: DTensor, kept: torch.Tensor | None = None) -> torch.Tensor:
         if self.compiled_once and torch.compiler.is_compiling():
-            # One guarded text per parameter; the arguments are read from a global, whose guards Dynamo does not
+            # One guarded text per parameter; the spec is read from a global, whose guards Dynamo does not
             # evaluate again for each block it stamps out.
-            args = ANONYMOUS_ARGS[self.anonymous_key]
+            spec = ANONYMOUS_SPECS[self.anonymous_key]
         else:
-            args = self.static_args()
-        if not args[-1]:  # the last static argument: `grad_key`
-            return unshard(param.to_local(), *args, kept)
+            spec = self.spec()
+        if not spec.grad_key:
+            return unshard(param.to_local(), spec, kept)
         if not torch.compiler.is_compiling():
             # eager: a parameter read outside its group's forward is gathered (and reduced) once per read: its
             # hooks wait for the backward's end
-            args = (*args[:-1], args[-1] + HOOKS_AFTER_BACKWARD)
-        return unshard(self.grad_source.to_local(), *args, kept, GRAD_ANCHORS[str(param.device)])
+            spec = replace(spec, grad_key=spec.grad_key + HOOKS_AFTER_BACKWARD)
+        return unshard(self.grad_source.to_local(), spec, kept, GRAD_ANCHORS[str(param.device)])
 
     def deliver_grads_to(self, param: DTensor) -> None:
         """Before each forward: while `param` has post-accumulate-grad hooks (FSDP2's optimizer in backward),
@@ -194,14 +194,14 @@ class ParamInfo:
             return
         if hooked != bool(self.grad_key):
             self.grad_key = f"{self.fqn}@{id(self):x}/grad" if hooked else ""
-        # what a compiled forward gathers from (`self.__dict__`: not a field, changes no static argument)
+        # what a compiled forward gathers from (`self.__dict__`: not a field, changes no spec)
         self.__dict__["grad_source"] = receive_grads(self.grad_key, param) if hooked else None
 
-    def static_args(self, anonymous: bool = False) -> tuple:
-        """The arguments of `fsdp2::unshard` after the shard and before `gathered`. `anonymous`: without what
-        differs between identical blocks — the parameter's and its group's names, the keys of its kept state, the
-        groups it prefetches — so that one trace serves every block (`ANONYMOUS_ARGS`)."""
-        return (
+    def spec(self, anonymous: bool = False) -> ParamSpec:
+        """The `ParamSpec` of this parameter's `fsdp2::unshard`. `anonymous`: without what differs between
+        identical blocks — the parameter's and its group's names, the keys of its kept state, the groups it
+        prefetches — so that one trace serves every block (`ANONYMOUS_SPECS`)."""
+        return ParamSpec(
             self.dim0,
             self.world_size,
             self.group_name,
@@ -276,7 +276,7 @@ def read_managed(info: ParamInfo, param: nn.Parameter) -> torch.Tensor:
     shortest path: Dynamo guards one text of the parameter's (`traced_key`), not every field and method `gather`
     reads, and finds fewer guards to check again for each block it stamps out (32-layer GPT: guards 1.5 -> 0.9 s)."""
     if torch.compiler.is_compiling() and info.traced_key and not _SHARDED_ACCESS.active and isinstance(param, DTensor):
-        return unshard(param.to_local(), *ANONYMOUS_ARGS[info.traced_key], None)
+        return unshard(param.to_local(), ANONYMOUS_SPECS[info.traced_key])
     return info.gather(param)
 
 
