@@ -4,7 +4,7 @@ VENV := .venv
 TORCH := torch==2.13.0
 READY := $(VENV)/.ready
 
-.PHONY: demo test install clean
+.PHONY: demo test lint format install clean
 
 install: $(READY)
 
@@ -19,6 +19,14 @@ demo: $(READY)
 
 test: $(READY)
 	$(VENV)/bin/python -m pytest -q tests
+
+lint: $(READY)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: $(READY)
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -23,8 +23,14 @@ import sys
 import time
 
 PHASES = (
-    "bytecode_tracing", "invoke_subgraph_reuse_lookup", "invoke_subgraph_reuse_stamp_out", "build_guards",
-    "aot_collect_metadata", "aot_trace_joint_graph", "OutputGraph.call_user_compiler", "backward._backward_impl",
+    "bytecode_tracing",
+    "invoke_subgraph_reuse_lookup",
+    "invoke_subgraph_reuse_stamp_out",
+    "build_guards",
+    "aot_collect_metadata",
+    "aot_trace_joint_graph",
+    "OutputGraph.call_user_compiler",
+    "backward._backward_impl",
 )
 
 
@@ -65,16 +71,27 @@ def _one(layers: int, d_model: int, defer_full_gc: bool = True) -> dict:
     names, seconds = compile_times(repr="csv", aggregate=True)
     measured = dict(zip(names, seconds))
     phases = {name: float(measured.get(name, 0.0)) for name in PHASES}
-    return dict(layers=layers, defer_full_gc=defer_full_gc, wall_s=wall, cpu_s=cpu, gc_s=collected["s"], full_collections=collected["full"],
-                phases=phases)
+    return dict(
+        layers=layers,
+        defer_full_gc=defer_full_gc,
+        wall_s=wall,
+        cpu_s=cpu,
+        gc_s=collected["s"],
+        full_collections=collected["full"],
+        phases=phases,
+    )
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, nargs="+", default=[4, 32])
     p.add_argument("--d-model", type=int, default=128)
-    p.add_argument("--gc-deferral", choices=("on", "off", "both"), default="on",
-                   help="CompileConfig.defer_full_gc for each run; both: on and off alternated per depth")
+    p.add_argument(
+        "--gc-deferral",
+        choices=("on", "off", "both"),
+        default="on",
+        help="CompileConfig.defer_full_gc for each run; both: on and off alternated per depth",
+    )
     p.add_argument("--one", type=int, help=argparse.SUPPRESS)  # worker: one depth, JSON on stdout
     p.add_argument("--defer", type=int, default=1, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -85,20 +102,29 @@ def main() -> None:
     rows = []
     for layers in args.layers:
         for defer in settings:
-            out = subprocess.run([sys.executable, __file__, "--one", str(layers), "--d-model", str(args.d_model),
-                                  "--defer", str(defer)], capture_output=True, text=True, check=True).stdout
+            out = subprocess.run(
+                [sys.executable, __file__, "--one", str(layers), "--d-model", str(args.d_model), "--defer", str(defer)],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout
             rows.append(json.loads(out.strip().splitlines()[-1]))
     print("| layers | GC deferral | first step (wall) | CPU | GC (full collections) | " + " | ".join(PHASES) + " |")
     print("|---" * (5 + len(PHASES)) + "|")
     for r in rows:
-        print(f"| {r['layers']} | {'on' if r['defer_full_gc'] else 'off'} | {r['wall_s']:.2f} s | {r['cpu_s']:.2f} s "
-              f"| {r['gc_s']:.2f} s ({r['full_collections']}) | "
-              + " | ".join(f"{r['phases'][k]:.2f}" for k in PHASES) + " |")
+        print(
+            f"| {r['layers']} | {'on' if r['defer_full_gc'] else 'off'} | {r['wall_s']:.2f} s | {r['cpu_s']:.2f} s "
+            f"| {r['gc_s']:.2f} s ({r['full_collections']}) | "
+            + " | ".join(f"{r['phases'][k]:.2f}" for k in PHASES)
+            + " |"
+        )
     base = rows[0]
     for r in rows[1:]:
         if r["defer_full_gc"] == base["defer_full_gc"] and r["layers"] != base["layers"]:
-            print(f"\n{r['layers']} / {base['layers']} layers: wall {r['wall_s'] / base['wall_s']:.2f}x, "
-                  f"CPU {r['cpu_s'] / base['cpu_s']:.2f}x")
+            print(
+                f"\n{r['layers']} / {base['layers']} layers: wall {r['wall_s'] / base['wall_s']:.2f}x, "
+                f"CPU {r['cpu_s'] / base['cpu_s']:.2f}x"
+            )
 
 
 if __name__ == "__main__":

@@ -83,8 +83,10 @@ def elementwise(tokens: int, d: int, heads: int, seq: int, repeat: int) -> dict:
         (lambda: F.gelu(h), nbytes(h, h)),
         (lambda: torch.ops.aten.gelu_backward(gh, h), nbytes(gh, h, h)),
         (lambda: torch.native_layer_norm(x, (d,), w, b, 1e-5), nbytes(x, x, mean, rstd)),
-        (lambda: torch.ops.aten.native_layer_norm_backward(y, x, (d,), mean, rstd, w, b, [True, True, True]),
-         nbytes(y, x, mean, rstd, x)),
+        (
+            lambda: torch.ops.aten.native_layer_norm_backward(y, x, (d,), mean, rstd, w, b, [True, True, True]),
+            nbytes(y, x, mean, rstd, x),
+        ),
         (lambda: t.contiguous(), nbytes(x, x)),
         (lambda: torch.log_softmax(logits, -1), nbytes(logits, logits)),
         (lambda: log_softmax_backward(gh, lsm, -1, torch.float32), nbytes(gh, lsm, gh)),

@@ -47,6 +47,7 @@ def main() -> None:
 
     comm = median_time(lambda: funcol.wait_tensor(funcol.all_gather_into_tensor(x, world, group)))
     for label, work in (("sleep", lambda: time.sleep(args.seconds)), ("compute", compute)):
+
         def functional(work=work) -> None:
             started = funcol.all_gather_into_tensor(x, world, group)
             work()
@@ -59,8 +60,10 @@ def main() -> None:
 
         t_functional, t_async = median_time(functional), median_time(async_op)
         if dist.get_rank() == 0:
-            print(f"{label:8s} comm {comm:.3f} s  work {args.seconds:.3f} s  overlapped: functional "
-                  f"{t_functional:.3f} s, async_op {t_async:.3f} s")
+            print(
+                f"{label:8s} comm {comm:.3f} s  work {args.seconds:.3f} s  overlapped: functional "
+                f"{t_functional:.3f} s, async_op {t_async:.3f} s"
+            )
     dist.destroy_process_group()
 
 

@@ -82,7 +82,11 @@ class Device:
 
     @property
     def memory_label(self) -> str:
-        return "peak RSS / rank (sampled)" if self.module is None else f"peak {self.device.type} max_memory_allocated / rank"
+        return (
+            "peak RSS / rank (sampled)"
+            if self.module is None
+            else f"peak {self.device.type} max_memory_allocated / rank"
+        )
 
 
 def _count_runtime_collectives(step) -> dict[str, int]:
@@ -92,6 +96,7 @@ def _count_runtime_collectives(step) -> dict[str, int]:
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         step()
+
     def is_collective(event) -> bool:
         return event is not None and event.name.lower().startswith(("c10d::", "_c10d_functional::"))
 
@@ -109,7 +114,10 @@ def _count_runtime_collectives(step) -> dict[str, int]:
 
 def _graph_coverage(param_names: set[str]) -> dict:
     """Which parameters our compiled forward graphs all-gather and our backward graphs reduce-scatter."""
-    seen = {"forward": {"all_gather": set(), "reduce_scatter": set()}, "backward": {"all_gather": set(), "reduce_scatter": set()}}
+    seen = {
+        "forward": {"all_gather": set(), "reduce_scatter": set()},
+        "backward": {"all_gather": set(), "reduce_scatter": set()},
+    }
     counts = {"forward": {}, "backward": {}}
     for record in compiled_graphs():
         if record.kind not in seen:
@@ -130,7 +138,9 @@ def _graph_coverage(param_names: set[str]) -> dict:
 
 def _local_params(model) -> dict[str, torch.Tensor]:
     """This rank's shard of every parameter, on the CPU (both systems shard dim 0 the same way)."""
-    return {n: (p.to_local() if hasattr(p, "to_local") else p).detach().cpu().clone() for n, p in model.named_parameters()}
+    return {
+        n: (p.to_local() if hasattr(p, "to_local") else p).detach().cpu().clone() for n, p in model.named_parameters()
+    }
 
 
 def _compare_params(mine: dict, ref: dict | None, device) -> tuple[bool, float]:
@@ -144,8 +154,9 @@ def _compare_params(mine: dict, ref: dict | None, device) -> tuple[bool, float]:
     return flags[0].item() == 0.0, flags[1].item()
 
 
-def run_one(base: GPT, system: str, dtype_name: str, args, dev: Device, mesh, rank: int, world: int,
-            ref_params: dict | None) -> tuple[dict, dict]:
+def run_one(
+    base: GPT, system: str, dtype_name: str, args, dev: Device, mesh, rank: int, world: int, ref_params: dict | None
+) -> tuple[dict, dict]:
     torch.compiler.reset()
     clear_compiled_graphs()
     model = copy.deepcopy(base).to(dev.device)
@@ -199,17 +210,23 @@ def run_one(base: GPT, system: str, dtype_name: str, args, dev: Device, mesh, ra
     mine = torch.stack(losses).to(torch.float64)
     every = torch.zeros(world * mine.numel(), dtype=torch.float64, device=dev.device)
     dist.all_gather_into_tensor(every, mine)
-    figures = torch.tensor([statistics.median(times[args.warmup :]), times[0], float(peak)], dtype=torch.float64, device=dev.device)
+    figures = torch.tensor(
+        [statistics.median(times[args.warmup :]), times[0], float(peak)], dtype=torch.float64, device=dev.device
+    )
     all_figures = torch.zeros(world * 3, dtype=torch.float64, device=dev.device)
     dist.all_gather_into_tensor(all_figures, figures)
     all_figures = all_figures.view(world, 3).cpu()
     result = dict(
-        system=system, dtype=dtype_name,
+        system=system,
+        dtype=dtype_name,
         losses=every.view(world, -1).cpu().tolist(),
-        median_s=all_figures[:, 0].max().item(), first_step_s=all_figures[:, 1].max().item(),
+        median_s=all_figures[:, 0].max().item(),
+        first_step_s=all_figures[:, 1].max().item(),
         peak_bytes=int(all_figures[:, 2].max().item()),
-        runtime_collectives=runtime, graph_coverage=coverage,
-        params_bitwise=params_equal, params_max_abs_diff=params_diff,
+        runtime_collectives=runtime,
+        graph_coverage=coverage,
+        params_bitwise=params_equal,
+        params_max_abs_diff=params_diff,
         params=sum(p.numel() for p in model.parameters()),
     )
     return result, (final if ref_params is None else None)
@@ -229,8 +246,10 @@ def report(results: list[dict], args, dev: Device, world: int, backend: str, ski
     if skipped:
         failures.append(f"not run (past the {args.budget_s:.0f} s budget): {', '.join(skipped)}")
     if world == 1:
-        notes.append("NOTE: world size 1: fully_shard issues no collectives at all (see the last column), ours still "
-                     "all-gathers and reduce-scatters every bucket (over a group of one rank)")
+        notes.append(
+            "NOTE: world size 1: fully_shard issues no collectives at all (see the last column), ours still "
+            "all-gathers and reduce-scatters every bucket (over a group of one rank)"
+        )
     for r in results:
         ref = next(x for x in results if x["dtype"] == r["dtype"] and x["system"] == "fully_shard")
         same, rel = _parity(r, ref)
@@ -239,22 +258,33 @@ def report(results: list[dict], args, dev: Device, world: int, backend: str, ski
         if r["system"] == "fully_shard":
             parity = "reference"
         else:
-            parity = ("bitwise equal" if same else f"differ (max rel {rel:.1e})") + " / " + (
-                "bitwise equal" if params_same else f"differ (max abs {params_diff:.1e})")
+            parity = (
+                ("bitwise equal" if same else f"differ (max rel {rel:.1e})")
+                + " / "
+                + ("bitwise equal" if params_same else f"differ (max abs {params_diff:.1e})")
+            )
         if r["system"] == "ours aot_eager" and not (same and params_same):
-            failures.append(f"{r['dtype']} ours aot_eager: not bitwise equal to fully_shard (losses max rel {rel:.1e}, "
-                            f"final parameters max abs {params_diff:.1e})")
+            failures.append(
+                f"{r['dtype']} ours aot_eager: not bitwise equal to fully_shard (losses max rel {rel:.1e}, "
+                f"final parameters max abs {params_diff:.1e})"
+            )
         if r["system"] == "ours inductor" and rel > args.inductor_rtol:
-            failures.append(f"{r['dtype']} ours inductor: losses differ from fully_shard by {rel:.1e} > {args.inductor_rtol}")
+            failures.append(
+                f"{r['dtype']} ours inductor: losses differ from fully_shard by {rel:.1e} > {args.inductor_rtol}"
+            )
         if r["system"] == "fully_shard (control)" and not (same and params_same):
-            notes.append(f"NOTE: {r['dtype']} fully_shard is not bitwise reproducible on this device (a second run differs: "
-                         f"losses max rel {rel:.1e}): a parity failure may be nondeterminism rather than the compiler")
+            notes.append(
+                f"NOTE: {r['dtype']} fully_shard is not bitwise reproducible on this device (a second run differs: "
+                f"losses max rel {rel:.1e}): a parity failure may be nondeterminism rather than the compiler"
+            )
         cov = r["graph_coverage"]
         rt = r["runtime_collectives"]
         if cov is not None:
             if not (cov["forward_gathers_all"] and cov["backward_reduces_all"]):
-                failures.append(f"{r['dtype']} {r['system']}: parameters not all-gathered {cov['missing_gather']} "
-                                f"or not reduce-scattered {cov['missing_reduce']} in the compiled graphs")
+                failures.append(
+                    f"{r['dtype']} {r['system']}: parameters not all-gathered {cov['missing_gather']} "
+                    f"or not reduce-scattered {cov['missing_reduce']} in the compiled graphs"
+                )
             if not (rt["all_gather"] and rt["reduce_scatter"]):
                 failures.append(f"{r['dtype']} {r['system']}: no all-gather or reduce-scatter issued at run time {rt}")
         rows.append(
@@ -265,21 +295,34 @@ def report(results: list[dict], args, dev: Device, world: int, backend: str, ski
     ok = not failures
     name = torch.cuda.get_device_name(dev.device) if dev.device.type == "cuda" else dev.device.type
     first = results[0]
-    print(f"\nGPT {args.layers} layers, d {args.d_model}, {args.heads} heads, vocab {args.vocab}, seq {args.seq}, "
-          f"batch {args.batch} per rank; {first['params'] / 1e6:.1f} M parameters; AdamW; {world} rank(s) on {name}, "
-          f"{backend}; torch {torch.__version__}; {args.warmup} warm-up + {args.steps} timed steps "
-          f"(losses compared at all {args.warmup + args.steps} steps on every rank)\n")
-    print(f"| param dtype | system | losses / final parameters vs fully_shard | step (median) | vs fully_shard | {dev.memory_label} | "
-          "vs fully_shard | first step | all-gathers / reduce-scatters per step (run time) |")
+    print(
+        f"\nGPT {args.layers} layers, d {args.d_model}, {args.heads} heads, vocab {args.vocab}, seq {args.seq}, "
+        f"batch {args.batch} per rank; {first['params'] / 1e6:.1f} M parameters; AdamW; {world} rank(s) on {name}, "
+        f"{backend}; torch {torch.__version__}; {args.warmup} warm-up + {args.steps} timed steps "
+        f"(losses compared at all {args.warmup + args.steps} steps on every rank)\n"
+    )
+    print(
+        f"| param dtype | system | losses / final parameters vs fully_shard | step (median) | vs fully_shard | {dev.memory_label} | "
+        "vs fully_shard | first step | all-gathers / reduce-scatters per step (run time) |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
     print()
     for line in notes + [f"FAIL: {failure}" for failure in failures]:
         print(line)
-    print("PASS: aot_eager losses and parameters bitwise equal to fully_shard, Inductor within "
-          f"{args.inductor_rtol}; every parameter all-gathered and reduce-scattered" if ok else "FAILED")
-    print("GPU_CHECK_JSON " + json.dumps(dict(ok=ok, failures=failures, world=world, device=dev.device.type,
-                                              backend=backend, results=results)), flush=True)
+    print(
+        "PASS: aot_eager losses and parameters bitwise equal to fully_shard, Inductor within "
+        f"{args.inductor_rtol}; every parameter all-gathered and reduce-scattered"
+        if ok
+        else "FAILED"
+    )
+    print(
+        "GPU_CHECK_JSON "
+        + json.dumps(
+            dict(ok=ok, failures=failures, world=world, device=dev.device.type, backend=backend, results=results)
+        ),
+        flush=True,
+    )
     return ok
 
 
@@ -322,8 +365,16 @@ def main() -> int:
     mesh = init_device_mesh(device.type, (world,))
     dev = Device(device)
     torch.manual_seed(0)
-    base = GPT(GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=args.layers, n_head=args.heads, d_model=args.d_model))
-    systems = ["fully_shard", *([] if args.no_control else ["fully_shard (control)"]), *(f"ours {c}" for c in args.compilers)]
+    base = GPT(
+        GPTConfig(
+            vocab_size=args.vocab, block_size=args.seq, n_layer=args.layers, n_head=args.heads, d_model=args.d_model
+        )
+    )
+    systems = [
+        "fully_shard",
+        *([] if args.no_control else ["fully_shard (control)"]),
+        *(f"ours {c}" for c in args.compilers),
+    ]
     results, skipped = [], []
     start = time.monotonic()
     for dtype_name in args.dtypes:
@@ -339,8 +390,12 @@ def main() -> int:
                 ref_params = final
             results.append(r)
             if rank == 0:
-                print(f"# {time.monotonic() - start:6.1f} s  {dtype_name} {system}: median {r['median_s'] * 1e3:.1f} ms, "
-                      f"first step {r['first_step_s']:.1f} s, peak {_mib(r['peak_bytes'])}", file=sys.stderr, flush=True)
+                print(
+                    f"# {time.monotonic() - start:6.1f} s  {dtype_name} {system}: median {r['median_s'] * 1e3:.1f} ms, "
+                    f"first step {r['first_step_s']:.1f} s, peak {_mib(r['peak_bytes'])}",
+                    file=sys.stderr,
+                    flush=True,
+                )
     ok = report(results, args, dev, world, backend, skipped) if rank == 0 else True
     verdict = torch.tensor([int(ok)], device=device)
     dist.broadcast(verdict, 0)

@@ -58,11 +58,23 @@ def main() -> None:
     t_a2a = seconds(lambda: dist.all_to_all_single(received, full), args.repeat)
     sent = (world - 1) * (large - small) * 4  # bytes each rank sends in a ring all-gather, beyond the small one
     if dist.get_rank() == 0:
-        print(json.dumps({"world": world, "small_s": t_small, "large_s": t_large, "alpha_s": t_small,
-                          "bytes_per_s_per_rank": sent / (t_large - t_small), "reduce_scatter_s": t_rs,
-                          "all_reduce_s": t_ar, "all_to_all_s": t_a2a,
-                          "reduce_scatter_over_all_gather": t_rs / t_large,
-                          "all_reduce_over_all_gather": t_ar / t_large, "all_to_all_over_all_gather": t_a2a / t_large}))
+        print(
+            json.dumps(
+                {
+                    "world": world,
+                    "small_s": t_small,
+                    "large_s": t_large,
+                    "alpha_s": t_small,
+                    "bytes_per_s_per_rank": sent / (t_large - t_small),
+                    "reduce_scatter_s": t_rs,
+                    "all_reduce_s": t_ar,
+                    "all_to_all_s": t_a2a,
+                    "reduce_scatter_over_all_gather": t_rs / t_large,
+                    "all_reduce_over_all_gather": t_ar / t_large,
+                    "all_to_all_over_all_gather": t_a2a / t_large,
+                }
+            )
+        )
     dist.destroy_process_group()
 
 

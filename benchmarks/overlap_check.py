@@ -23,13 +23,24 @@ NETNS = "fsdp2overlaptest"
 SIZE = ["--layers", "4", "--d-model", "512", "--vocab", "8192", "--seq", "256", "--steps", "4"]  # 17 M parameters
 
 
-
 def median_step(mode: str, prefix: list[str], port: int) -> float:
     import json
 
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    cmd = [*prefix, torchrun, "--master-addr", "127.0.0.1", "--master-port", str(port), "--nproc-per-node", "2",
-           os.path.join(ROOT, "benchmarks", "step_time.py"), "--mode", mode, *SIZE]
+    cmd = [
+        *prefix,
+        torchrun,
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(port),
+        "--nproc-per-node",
+        "2",
+        os.path.join(ROOT, "benchmarks", "step_time.py"),
+        "--mode",
+        mode,
+        *SIZE,
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     if out.returncode != 0:
         sys.exit(out.stderr[-3000:])
@@ -43,8 +54,25 @@ def main() -> None:
     try:
         shaped = ["ip", "netns", "exec", NETNS]
         subprocess.run([*shaped, "ip", "link", "set", "lo", "up"], check=True)
-        subprocess.run([*shaped, "tc", "qdisc", "replace", "dev", "lo", "root", "tbf", "rate", "1gbit", "burst", "1mb",
-                        "latency", "200ms"], check=True)
+        subprocess.run(
+            [
+                *shaped,
+                "tc",
+                "qdisc",
+                "replace",
+                "dev",
+                "lo",
+                "root",
+                "tbf",
+                "rate",
+                "1gbit",
+                "burst",
+                "1mb",
+                "latency",
+                "200ms",
+            ],
+            check=True,
+        )
         plain_fast, full_fast = median_step("plain", [], 29811), median_step("full", [], 29812)
         plain_slow, full_slow = median_step("plain", shaped, 29813), median_step("full", shaped, 29814)
     finally:

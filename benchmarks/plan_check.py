@@ -20,31 +20,87 @@ GIB, MIB = 2**30, 2**20
 
 # name: (description, source, factory, kwargs, world, profile, plan options, tokens/s/rank, peak bytes, step s)
 ROWS = {
-    "tt8": ("Llama 3.1 8B, 8 H100, bs 2 x 8192, SAC op, eager (CALIBRATION)", f"{TT}, Table 1 'FSDP'",
-            "llama:llama3_8b", {"batch": 2, "seq": 8192}, 8, "h100-nvlink",
-            {"ac": "selective", "compiler": "aot_eager", "mp": "bf16"}, 5762, 82.4 * GIB, None),
-    "tt8c": ("Llama 3.1 8B, 8 H100, bs 2 x 8192, SAC op, torch.compile", f"{TT}, Table 1 'FSDP + torch.compile'",
-             "llama:llama3_8b", {"batch": 2, "seq": 8192}, 8, "h100-nvlink",
-             {"ac": "selective", "compiler": "inductor-blocks", "mp": "bf16"}, 6667, 77.0 * GIB, None),
-    "tt128": ("Llama 3.1 8B, 128 H100, bs 2 x 8192, SAC op, eager", f"{TT}, Table 3 'FSDP'",
-              "llama:llama3_8b", {"batch": 2, "seq": 8192}, 128, "h100-infiniband",
-              {"ac": "selective", "compiler": "aot_eager", "mp": "bf16"}, 5605, 67.0 * GIB, None),
-    "tt128c": ("Llama 3.1 8B, 128 H100, bs 2 x 8192, SAC op, torch.compile", f"{TT}, Table 3 'FSDP + torch.compile'",
-               "llama:llama3_8b", {"batch": 2, "seq": 8192}, 128, "h100-infiniband",
-               {"ac": "selective", "compiler": "inductor-blocks", "mp": "bf16"}, 6514, 62.0 * GIB, None),
-    "gpt-lo": ("GPT 29.5M, 2 ranks gloo loopback, full pipeline", "benchmarks/run.py, full, mean of 3 runs (2026-12-01)",
-               "cli_factories:gpt_bench", {}, 2, "cpu-gloo-loopback", {}, None, 1304 * MIB, 2.912),
-    "gpt-1g": ("GPT 29.5M, 2 ranks gloo 1 Gbit/s, full pipeline", "benchmarks/run.py, full, mean of 3 runs (2026-12-01)",
-               "cli_factories:gpt_bench", {}, 2, "cpu-gloo-1gbit", {}, None, 1307 * MIB, 3.616),
+    "tt8": (
+        "Llama 3.1 8B, 8 H100, bs 2 x 8192, SAC op, eager (CALIBRATION)",
+        f"{TT}, Table 1 'FSDP'",
+        "llama:llama3_8b",
+        {"batch": 2, "seq": 8192},
+        8,
+        "h100-nvlink",
+        {"ac": "selective", "compiler": "aot_eager", "mp": "bf16"},
+        5762,
+        82.4 * GIB,
+        None,
+    ),
+    "tt8c": (
+        "Llama 3.1 8B, 8 H100, bs 2 x 8192, SAC op, torch.compile",
+        f"{TT}, Table 1 'FSDP + torch.compile'",
+        "llama:llama3_8b",
+        {"batch": 2, "seq": 8192},
+        8,
+        "h100-nvlink",
+        {"ac": "selective", "compiler": "inductor-blocks", "mp": "bf16"},
+        6667,
+        77.0 * GIB,
+        None,
+    ),
+    "tt128": (
+        "Llama 3.1 8B, 128 H100, bs 2 x 8192, SAC op, eager",
+        f"{TT}, Table 3 'FSDP'",
+        "llama:llama3_8b",
+        {"batch": 2, "seq": 8192},
+        128,
+        "h100-infiniband",
+        {"ac": "selective", "compiler": "aot_eager", "mp": "bf16"},
+        5605,
+        67.0 * GIB,
+        None,
+    ),
+    "tt128c": (
+        "Llama 3.1 8B, 128 H100, bs 2 x 8192, SAC op, torch.compile",
+        f"{TT}, Table 3 'FSDP + torch.compile'",
+        "llama:llama3_8b",
+        {"batch": 2, "seq": 8192},
+        128,
+        "h100-infiniband",
+        {"ac": "selective", "compiler": "inductor-blocks", "mp": "bf16"},
+        6514,
+        62.0 * GIB,
+        None,
+    ),
+    "gpt-lo": (
+        "GPT 29.5M, 2 ranks gloo loopback, full pipeline",
+        "benchmarks/run.py, full, mean of 3 runs (2026-12-01)",
+        "cli_factories:gpt_bench",
+        {},
+        2,
+        "cpu-gloo-loopback",
+        {},
+        None,
+        1304 * MIB,
+        2.912,
+    ),
+    "gpt-1g": (
+        "GPT 29.5M, 2 ranks gloo 1 Gbit/s, full pipeline",
+        "benchmarks/run.py, full, mean of 3 runs (2026-12-01)",
+        "cli_factories:gpt_bench",
+        {},
+        2,
+        "cpu-gloo-1gbit",
+        {},
+        None,
+        1307 * MIB,
+        3.616,
+    ),
 }
 
 
 def plan_row(name: str):
     import importlib
 
+    from fsdp2_compile.cli.model_loading import call_factory, fake_group
     from fsdp2_compile.config import MixedPrecisionPolicy
     from fsdp2_compile.planner.plan import Layout, make_plan
-    from fsdp2_compile.cli.model_loading import call_factory, fake_group
 
     desc, source, target, kwargs, world, profile, opts, *_ = ROWS[name]
     module, attr = target.split(":")
@@ -95,13 +151,17 @@ def main() -> None:
         if peak:
             got = plan.peak_reserved_bytes[profile]
             unit, div = ("GiB", GIB) if peak > GIB * 4 else ("MiB", MIB)
-            rows.append(("peak memory (reserved / RSS)", f"{peak / div:.1f} {unit}", f"{got / div:.1f} {unit}",
-                         got / peak))
+            rows.append(
+                ("peak memory (reserved / RSS)", f"{peak / div:.1f} {unit}", f"{got / div:.1f} {unit}", got / peak)
+            )
         for quantity, pub, got, ratio in rows:
             print(f"| {desc} | {source} | {quantity} | {pub} | {got} | {ratio:.2f} |", flush=True)
-        print(f"<!-- {name}: mfu {plan.mfu[profile]:.3f}, compute {plan.compute_s[profile]}, exposed "
-              f"{plan.exposed_comm_s[profile]:.3f} s, peak allocated {plan.per_rank_bytes['peak'] / GIB:.2f} GiB, "
-              f"activations {plan.per_rank_bytes['activations'] / GIB:.2f} GiB -->", flush=True)
+        print(
+            f"<!-- {name}: mfu {plan.mfu[profile]:.3f}, compute {plan.compute_s[profile]}, exposed "
+            f"{plan.exposed_comm_s[profile]:.3f} s, peak allocated {plan.per_rank_bytes['peak'] / GIB:.2f} GiB, "
+            f"activations {plan.per_rank_bytes['activations'] / GIB:.2f} GiB -->",
+            flush=True,
+        )
     if args.json:
         print(json.dumps(raw, indent=1))
 

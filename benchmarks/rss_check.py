@@ -82,6 +82,7 @@ def worker(side: str, model_name: str, steps: int) -> None:
         fully_shard(model)
     else:
         import fsdp2_compile as fc
+
         for block in blocks:
             fc.shard(block)
         fc.shard_compile(model)
@@ -117,14 +118,30 @@ def run_side(side: str, model_name: str, steps: int, port: int) -> dict:
     """One side's torchrun job; one that dies (fully_shard's eager run on gloo aborts now and then, see run.py) is
     run once more, on another port, and said so on stderr."""
     for attempt in range(2):
-        cmd = [TORCHRUN, "--master-addr", "127.0.0.1", "--master-port", str(port + 100 * attempt), "--nproc-per-node",
-               "2", os.path.abspath(__file__), "--worker", side, model_name, "--steps", str(steps)]
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800,
-                             env={**os.environ, "OMP_NUM_THREADS": "1"})
+        cmd = [
+            TORCHRUN,
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(port + 100 * attempt),
+            "--nproc-per-node",
+            "2",
+            os.path.abspath(__file__),
+            "--worker",
+            side,
+            model_name,
+            "--steps",
+            str(steps),
+        ]
+        out = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=1800, env={**os.environ, "OMP_NUM_THREADS": "1"}
+        )
         lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
         if not out.returncode and lines:
             return json.loads(lines[-1])
-        why = [l for l in out.stderr.splitlines() if any(w in l for w in ("terminate called", "Signal", "Error"))]
+        why = [
+            line for line in out.stderr.splitlines() if any(w in line for w in ("terminate called", "Signal", "Error"))
+        ]
         print(f"# {side} {model_name} failed (attempt {attempt + 1}): {why[-2:]}", file=sys.stderr, flush=True)
     raise RuntimeError(f"{' '.join(cmd)} failed twice:\n{out.stderr[-3000:]}")
 
@@ -148,13 +165,17 @@ def main() -> None:
             peaks[side] = [peak for _, peak in r["phases"]["last step"]]
             if args.phases:
                 for phase, ranks in r["phases"].items():
-                    shown = "  ".join(f"rank {i}: {cur:7.1f} cur {peak:7.1f} peak"
-                                      for i, (cur, peak) in enumerate(ranks))
+                    shown = "  ".join(
+                        f"rank {i}: {cur:7.1f} cur {peak:7.1f} peak" for i, (cur, peak) in enumerate(ranks)
+                    )
                     print(f"  {model_name:5s} {side:6s} {phase:10s} {shown}")
         ratio = max(o / e for o, e in zip(peaks["ours"], peaks["fsdp2"]))
         over |= ratio > 1.0
-        print(f"{model_name:5s} peak RSS per rank (MiB): fsdp2 eager {peaks['fsdp2']}  ours {peaks['ours']}  "
-              f"ours / eager {ratio:.3f}x", flush=True)
+        print(
+            f"{model_name:5s} peak RSS per rank (MiB): fsdp2 eager {peaks['fsdp2']}  ours {peaks['ours']}  "
+            f"ours / eager {ratio:.3f}x",
+            flush=True,
+        )
     sys.exit(1 if over else 0)
 
 

@@ -80,26 +80,35 @@ def main() -> None:
         points[f"after step {seed}"] = rss()
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     before = local_bytes(model.parameters()) + local_bytes(
-        t for state in opt.state.values() for t in state.values() if torch.is_tensor(t))
+        t for state in opt.state.values() for t in state.values() if torch.is_tensor(t)
+    )
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step(args.steps)
     live = peak = 0
-    for _, nbytes in sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                            if e.name() == "[memory]"):
+    for _, nbytes in sorted(
+        (e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"
+    ):
         live += nbytes
         peak = max(peak, live)
     runtime = points[f"after step {args.steps - 1}"] - before
     factor_runtime = runtime if args.runtime_mib is None else args.runtime_mib * MIB
     if rank == 0:
-        print(json.dumps({
-            "model": vars(args), "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_", "default"),
-            "rss_mib": {k: round(v / MIB) for k, v in points.items()},
-            "peak_rss_mib": round(peak_rss / MIB),
-            "tensors_before_step_mib": round(before / MIB, 1),
-            "live_tensor_peak_mib": round((before + peak) / MIB, 1),
-            "runtime_mib": round(runtime / MIB),
-            "glibc_factor": round((peak_rss - factor_runtime) / (before + peak), 3),
-        }, indent=1), flush=True)
+        print(
+            json.dumps(
+                {
+                    "model": vars(args),
+                    "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_", "default"),
+                    "rss_mib": {k: round(v / MIB) for k, v in points.items()},
+                    "peak_rss_mib": round(peak_rss / MIB),
+                    "tensors_before_step_mib": round(before / MIB, 1),
+                    "live_tensor_peak_mib": round((before + peak) / MIB, 1),
+                    "runtime_mib": round(runtime / MIB),
+                    "glibc_factor": round((peak_rss - factor_runtime) / (before + peak), 3),
+                },
+                indent=1,
+            ),
+            flush=True,
+        )
     dist.destroy_process_group()
 
 

@@ -117,7 +117,11 @@ def run(system: str, steps: int, malloc_check: bool, world: int = 2, config: dic
     try:
         with tempfile.TemporaryDirectory() as out:
             ctx = mp.start_processes(
-                _rank, args=(world, _free_port(), out, system, steps, config or {}), nprocs=world, join=False, start_method="spawn"
+                _rank,
+                args=(world, _free_port(), out, system, steps, config or {}),
+                nprocs=world,
+                join=False,
+                start_method="spawn",
             )
             codes = []
             for p in ctx.processes:
@@ -144,18 +148,25 @@ def main() -> None:
     parser.add_argument("--malloc-check", action="store_true", help="MALLOC_CHECK_=3 and MALLOC_PERTURB_ in the ranks")
     parser.add_argument("--system", choices=("ours", "fsdp2"), default="ours")
     parser.add_argument("--compare", action="store_true", help="also run fully_shard once; compare losses bitwise")
-    parser.add_argument("--config", default="{}", help="CompileConfig fields as a Python dict, e.g. \"{'prefetch': False}\"")
+    parser.add_argument(
+        "--config", default="{}", help="CompileConfig fields as a Python dict, e.g. \"{'prefetch': False}\""
+    )
     args = parser.parse_args()
     config = ast.literal_eval(args.config)
 
     reference = run("fsdp2", args.steps, args.malloc_check)["result"] if args.compare else None
     aborts = 0
     for i in range(args.runs):
-        print(f"run {i + 1}/{args.runs}: {args.system} {config}, {args.steps} steps, malloc check {args.malloc_check}", flush=True)
+        print(
+            f"run {i + 1}/{args.runs}: {args.system} {config}, {args.steps} steps, malloc check {args.malloc_check}",
+            flush=True,
+        )
         ended = run(args.system, args.steps, args.malloc_check, config=config)
         if ended["result"] is None:
             aborts += 1
-            print(f"  ABORTED: exit codes {ended['codes']} after {ended['seconds']:.0f} s, steps done per rank {ended['steps_done']}")
+            print(
+                f"  ABORTED: exit codes {ended['codes']} after {ended['seconds']:.0f} s, steps done per rank {ended['steps_done']}"
+            )
             continue
         res = ended["result"]
         (rss0, counts0), (rss1, counts1) = res["marks"][min(100, args.steps)], res["marks"][args.steps]

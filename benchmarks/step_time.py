@@ -47,7 +47,9 @@ CONFIGS = {
 
 def build(args) -> torch.nn.Module:
     torch.manual_seed(0)
-    cfg = GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=args.layers, n_head=args.heads, d_model=args.d_model)
+    cfg = GPTConfig(
+        vocab_size=args.vocab, block_size=args.seq, n_layer=args.layers, n_head=args.heads, d_model=args.d_model
+    )
     model = GPT(cfg)
     if args.mode == "compute":
         return model
@@ -148,15 +150,28 @@ def main() -> None:
     graphs = [r for r in compiled_graphs() if r.kind in ("forward", "backward")]
     colls = [c for r in graphs for c in collectives(r.gm)]
     if rank == 0:
-        print(json.dumps(dict(
-            mode=args.mode, layers=args.layers, world=world, optimizer_in_backward=args.optimizer_in_backward,
-            params=sum(p.numel() for p in model.parameters()),
-            median_s=statistics.median(timed), mean_s=statistics.mean(timed), first_step_s=times[0],
-            compile_s=compiling.item(),
-            peak_rss_mib=[int(b) / 2**20 for b in every.tolist()],
-            collectives_per_step=len(colls) or None, bytes_per_step=sum(c.nbytes for c in colls) or None,
-            exposed_comm_estimate_s=sum(r.timeline.exposed_comm_s for r in graphs if r.timeline) if graphs else None,
-        )), flush=True)
+        print(
+            json.dumps(
+                dict(
+                    mode=args.mode,
+                    layers=args.layers,
+                    world=world,
+                    optimizer_in_backward=args.optimizer_in_backward,
+                    params=sum(p.numel() for p in model.parameters()),
+                    median_s=statistics.median(timed),
+                    mean_s=statistics.mean(timed),
+                    first_step_s=times[0],
+                    compile_s=compiling.item(),
+                    peak_rss_mib=[int(b) / 2**20 for b in every.tolist()],
+                    collectives_per_step=len(colls) or None,
+                    bytes_per_step=sum(c.nbytes for c in colls) or None,
+                    exposed_comm_estimate_s=sum(r.timeline.exposed_comm_s for r in graphs if r.timeline)
+                    if graphs
+                    else None,
+                )
+            ),
+            flush=True,
+        )
     dist.destroy_process_group()
 
 

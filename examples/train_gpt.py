@@ -62,7 +62,11 @@ def main() -> None:
     model = GPT(cfg)
     unsharded = sum(p.numel() * p.element_size() for p in model.parameters())
 
-    mp = fc.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.bf16 else fc.MixedPrecisionPolicy()
+    mp = (
+        fc.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if args.bf16
+        else fc.MixedPrecisionPolicy()
+    )
     for block in model.blocks:
         fc.shard(block, mesh, mp_policy=mp)
     (fc.shard if args.eager else fc.shard_compile)(model, mesh, mp_policy=mp)
@@ -98,11 +102,15 @@ def main() -> None:
     every = [dict(zip(mine, row.tolist())) for row in gathered.view(world, -1)]
     if rank == 0:
         mib = 2**20
-        print(f"\nper-rank memory (unsharded model: params {unsharded / mib:.2f} MiB, "
-              f"+ grads {unsharded / mib:.2f} MiB, + AdamW state {2 * unsharded / mib:.2f} MiB)")
+        print(
+            f"\nper-rank memory (unsharded model: params {unsharded / mib:.2f} MiB, "
+            f"+ grads {unsharded / mib:.2f} MiB, + AdamW state {2 * unsharded / mib:.2f} MiB)"
+        )
         for r, m in enumerate(every):
-            print(f"  rank {r}: params {m['params'] / mib:.2f} MiB  grads {m['grads'] / mib:.2f} MiB  "
-                  f"AdamW state {m['optimizer'] / mib:.2f} MiB  peak RSS {m['peak_rss'] / mib:.0f} MiB")
+            print(
+                f"  rank {r}: params {m['params'] / mib:.2f} MiB  grads {m['grads'] / mib:.2f} MiB  "
+                f"AdamW state {m['optimizer'] / mib:.2f} MiB  peak RSS {m['peak_rss'] / mib:.0f} MiB"
+            )
         print("\ncollectives of each compiled graph" + (" (eager: none compiled)" if args.eager else ""))
         for record in compiled_graphs():
             counts = defaultdict(lambda: [0, 0])

@@ -169,8 +169,13 @@ CheckpointWrapper = _resolve("torch.distributed.algorithms._checkpoint.checkpoin
 checkpoint_wrapper = _resolve("torch.distributed.algorithms._checkpoint.checkpoint_wrapper:checkpoint_wrapper")
 """Wrap a module so that its forward is activation-checkpointed (a `CheckpointWrapper`)."""
 
-_FUNCTIONAL_COLLECTIVES = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "all_to_all_single",
-                           "wait_tensor")
+_FUNCTIONAL_COLLECTIVES = (
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "all_reduce",
+    "all_to_all_single",
+    "wait_tensor",
+)
 functional_collectives = types.SimpleNamespace(
     **{op: _resolve(f"torch.ops:_c10d_functional.{op}") for op in _FUNCTIONAL_COLLECTIVES}
 )
@@ -282,7 +287,9 @@ def fake_output_by_meta_kernel(fn: Callable[..., torch.Tensor], args: tuple, kwa
     tensors = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
     fake_mode = getattr(tensors[0], "fake_mode", None) if tensors else None
     if fake_mode is None or any(
-        not isinstance(t, _FakeTensor) or t.fake_mode is not fake_mode or t.device != tensors[0].device
+        not isinstance(t, _FakeTensor)
+        or t.fake_mode is not fake_mode
+        or t.device != tensors[0].device
         or not all(isinstance(d, int) for d in (*t.shape, *t.stride()))
         for t in tensors
     ):
@@ -340,7 +347,6 @@ def fake_process_group(rank: int, world_size: int) -> None:
     torch.distributed.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
 
 
-
 _get_default_store = _resolve("torch.distributed.distributed_c10d:_get_default_store")
 _get_default_group = _resolve("torch.distributed.distributed_c10d:_get_default_group")
 _get_default_timeout = _resolve("torch.distributed.distributed_c10d:_get_default_timeout")
@@ -350,7 +356,6 @@ _resolve_process_group = _resolve("torch.distributed.distributed_c10d:_resolve_p
 def default_store():
     """The key-value store of the default process group."""
     return _get_default_store()
-
 
 
 def group_size(group_name: str) -> int:
@@ -428,7 +433,9 @@ def _pin_communication_order(gm: fx.GraphModule) -> fx.GraphModule:
     graph = fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
     pinned = fx.GraphModule(gm, graph)
-    comm = [n for n in graph.nodes if n.op == "call_function" and getattr(n.target, "namespace", "") == "_c10d_functional"]
+    comm = [
+        n for n in graph.nodes if n.op == "call_function" and getattr(n.target, "namespace", "") == "_c10d_functional"
+    ]
     preserve_node_ordering(graph, {later: OrderedSet([earlier]) for earlier, later in zip(comm, comm[1:])})
     pinned.recompile()
     return pinned
@@ -486,7 +493,7 @@ def root_mesh_groups(mesh) -> list[str]:
 _concatenate_meshes = _resolve("torch.distributed.device_mesh:DeviceMesh._concatenate")
 
 
-def concatenate_meshes(meshes: list) -> "torch.distributed.device_mesh.DeviceMesh":
+def concatenate_meshes(meshes: list) -> torch.distributed.device_mesh.DeviceMesh:
     """One mesh of the dims of `meshes` (slices of one root mesh, e.g. mesh["dp"] and mesh["tp"]), in that order:
     what a parameter sharded over dp on top of tensor parallelism lives on (FSDP2 builds the same). Raises
     RuntimeError for meshes of different roots or overlapping dims."""

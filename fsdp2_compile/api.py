@@ -8,16 +8,12 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
-from torch import nn
+from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from torch import fx
-
-from fsdp2_compile.compiler.compile_gc import full_collections_deferred
-
 from fsdp2_compile._torch_private import module_call_impl, set_compiled_call_impl
-
 from fsdp2_compile.compiler.backend import check_input_devices, compile_sharded
+from fsdp2_compile.compiler.compile_gc import full_collections_deferred
 from fsdp2_compile.compiler.report import GraphRecord, dump_requested
 from fsdp2_compile.config import CompileConfig, MixedPrecisionPolicy
 from fsdp2_compile.runtime.free_memory import resolve_memory_budget

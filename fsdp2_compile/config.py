@@ -90,9 +90,11 @@ class CompileConfig:
     def __post_init__(self) -> None:
         if self.compiler not in ("aot_eager", "inductor"):
             raise ValueError(f"CompileConfig.compiler={self.compiler!r} is not one of: 'aot_eager', 'inductor'")
-        ok = self.buckets in ("shard_calls", "none") or (
-            _is_int(self.buckets) and self.buckets > 0
-        ) or (isinstance(self.buckets, tuple) and all(isinstance(b, str) for b in self.buckets))
+        ok = (
+            self.buckets in ("shard_calls", "none")
+            or (_is_int(self.buckets) and self.buckets > 0)
+            or (isinstance(self.buckets, tuple) and all(isinstance(b, str) for b in self.buckets))
+        )
         if not ok:
             raise ValueError(
                 f"CompileConfig.buckets={self.buckets!r}: use 'shard_calls', 'none', a positive byte cap (int), "
@@ -103,14 +105,17 @@ class CompileConfig:
                 f"CompileConfig.prefetch_depth={self.prefetch_depth!r}: use a whole number of buckets >= 0 "
                 "(0 = no prefetch, 2 = the default)"
             )
-        if self.memory_budget_bytes is not None and not (_is_int(self.memory_budget_bytes) and self.memory_budget_bytes > 0):
+        if self.memory_budget_bytes is not None and not (
+            _is_int(self.memory_budget_bytes) and self.memory_budget_bytes > 0
+        ):
             raise ValueError(
                 f"CompileConfig.memory_budget_bytes={self.memory_budget_bytes!r}: use a positive number of bytes, "
                 "or None for prefetch_depth + 1 times the largest bucket"
             )
         fraction = self.memory_budget_fraction
-        if fraction is not None and not (isinstance(fraction, (int, float)) and not isinstance(fraction, bool)
-                                         and 0.0 < fraction <= 1.0):
+        if fraction is not None and not (
+            isinstance(fraction, (int, float)) and not isinstance(fraction, bool) and 0.0 < fraction <= 1.0
+        ):
             raise ValueError(
                 f"CompileConfig.memory_budget_fraction={fraction!r}: use a fraction of the free memory in (0, 1], "
                 "e.g. 0.2, or None"
@@ -121,9 +126,7 @@ class CompileConfig:
                 f"(got {self.memory_budget_bytes!r} and {fraction!r})"
             )
         keep = self.keep_gathered
-        if keep is not None and not (
-            (_is_int(keep) and keep >= 0) or (isinstance(keep, float) and 0.0 <= keep <= 1.0)
-        ):
+        if keep is not None and not ((_is_int(keep) and keep >= 0) or (isinstance(keep, float) and 0.0 <= keep <= 1.0)):
             raise ValueError(
                 f"CompileConfig.keep_gathered={keep!r}: use a number of bytes (int >= 0), a fraction of the "
                 "gathered parameter bytes (float in [0, 1]), or None"

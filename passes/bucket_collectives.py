@@ -21,6 +21,7 @@ from collections import defaultdict
 import torch
 from torch import fx
 
+from fsdp2_compile.compiler.pass_api import Fact, PassContext, contract
 from fsdp2_compile.core.graph import ancestors_after, insert_call, insert_op, positions, stable_topological_sort, val
 from fsdp2_compile.core.ir import (
     BUCKET,
@@ -37,7 +38,6 @@ from fsdp2_compile.core.ir import (
     fsdp_collective_kind,
     nbytes,
 )
-from fsdp2_compile.compiler.pass_api import Fact, PassContext, contract
 
 aten = torch.ops.aten
 AG, RS, AR = AllGatherArgs.op, ReduceScatterArgs.op, AllReduceArgs.op
@@ -129,7 +129,9 @@ def _fuse_reduce_scatters(graph: fx.Graph, members: list[fx.Node]) -> None:
     grads = [ReduceScatterArgs.of(m).input for m in members]
     widths = [math.prod(val(g).shape) // world for g in grads]
     with graph.inserting_after(last):
-        per_rank = [insert_call(graph, aten.view.default, (g, [world, w]), tag(Role.COPY_IN)) for g, w in zip(grads, widths)]
+        per_rank = [
+            insert_call(graph, aten.view.default, (g, [world, w]), tag(Role.COPY_IN)) for g, w in zip(grads, widths)
+        ]
         packed = insert_call(graph, aten.cat.default, (per_rank, 1), tag(Role.COPY_IN))
         flat = insert_call(graph, aten.view.default, (packed, [-1]), tag(Role.COPY_IN))
         reduced = insert_op(graph, call.replace(input=flat), tag(Role.REDUCE_SCATTER))
@@ -155,8 +157,15 @@ def _log_bucket(ctx: PassContext, kind: Role, members: list[fx.Node]) -> None:
     if log.isEnabledFor(logging.INFO):
         params = [p for m in members for p in m.meta[PARAMS]]
         size = sum(nbytes(val(CollectiveArgs.of(m).input)) for m in members)
-        log.info("%s graph: bucket %r fuses %d %s collectives (%d bytes of input): %s",
-                 ctx.kind, members[0].meta[BUCKET], len(members), kind, size, ", ".join(params))
+        log.info(
+            "%s graph: bucket %r fuses %d %s collectives (%d bytes of input): %s",
+            ctx.kind,
+            members[0].meta[BUCKET],
+            len(members),
+            kind,
+            size,
+            ", ".join(params),
+        )
 
 
 @contract(requires=(Fact.UNSHARD_LOWERED, Fact.REDUCE_GRAD_LOWERED), provides=(Fact.BUCKETED,))

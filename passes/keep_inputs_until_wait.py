@@ -18,8 +18,8 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from fsdp2_compile.core.ir import KEEP_ALIVE, ROLE, WAIT, KeepAliveArgs, Role, collective_kind
 from fsdp2_compile.compiler.pass_api import Fact, PassContext, contract
+from fsdp2_compile.core.ir import KEEP_ALIVE, ROLE, WAIT, KeepAliveArgs, Role, collective_kind
 
 
 @contract(requires=(Fact.ORDERED,), provides=(Fact.COLLECTIVES_SAFE,))

@@ -17,6 +17,7 @@ import torch
 from torch import fx
 
 from fsdp2_compile._torch_private import to_copy
+from fsdp2_compile.compiler.pass_api import Fact, PassContext, contract
 from fsdp2_compile.core.graph import insert_call, insert_contiguous, insert_op, nodes_calling, val
 from fsdp2_compile.core.ir import (
     REDUCE_GRAD,
@@ -30,7 +31,6 @@ from fsdp2_compile.core.ir import (
     WaitArgs,
 )
 from fsdp2_compile.core.ops import divide_factors, padded_rows
-from fsdp2_compile.compiler.pass_api import Fact, PassContext, contract
 
 aten = torch.ops.aten
 convert = torch.ops.prims.convert_element_type.default
@@ -61,7 +61,9 @@ def lower_reduce_grad(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             x = insert_op(graph, WaitArgs(x), tag(Role.WAIT))
             stashed = a.replicate_size > 1 and not a.requires_all_reduce  # HSDP accumulation: keep the reduced shard
             if stashed:
-                x = insert_op(graph, StashGradArgs(x, a.partial_key, a.reduce_dtype, rows, a.reduce_dtype, a.fqn), tag())
+                x = insert_op(
+                    graph, StashGradArgs(x, a.partial_key, a.reduce_dtype, rows, a.reduce_dtype, a.fqn), tag()
+                )
             elif a.replicate_size > 1:
                 if a.partial_key:
                     x = insert_op(graph, AddPendingGradArgs(x, a.partial_key, a.reduce_dtype, a.fqn), tag())

@@ -16,10 +16,26 @@ import torch
 from torch import fx
 
 from fsdp2_compile._torch_private import to_copy
-from fsdp2_compile.core.graph import fold_repeated_unshards, insert_call, insert_contiguous, insert_op, nodes_calling, val
-from fsdp2_compile.core.ir import PREFETCH, UNSHARD, AllGatherArgs, ReleaseUnshardedArgs, Role, Tags, UnshardArgs, WaitArgs
-from fsdp2_compile.core.ops import padded_rows
 from fsdp2_compile.compiler.pass_api import Fact, PassContext, contract
+from fsdp2_compile.core.graph import (
+    fold_repeated_unshards,
+    insert_call,
+    insert_contiguous,
+    insert_op,
+    nodes_calling,
+    val,
+)
+from fsdp2_compile.core.ir import (
+    PREFETCH,
+    UNSHARD,
+    AllGatherArgs,
+    ReleaseUnshardedArgs,
+    Role,
+    Tags,
+    UnshardArgs,
+    WaitArgs,
+)
+from fsdp2_compile.core.ops import padded_rows
 
 aten = torch.ops.aten
 
@@ -41,8 +57,13 @@ def lower_unshard(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         with graph.inserting_before(node):
             x = a.shard
             if a.compute_device is not None and a.compute_device != val(x).device:
-                x = insert_call(graph, to_copy.default, (x,), tag(Role.TO_DEVICE),
-                                {"device": a.compute_device, "non_blocking": True})
+                x = insert_call(
+                    graph,
+                    to_copy.default,
+                    (x,),
+                    tag(Role.TO_DEVICE),
+                    {"device": a.compute_device, "non_blocking": True},
+                )
             if a.param_dtype is not None and a.param_dtype != val(x).dtype:
                 x = insert_call(graph, torch.ops.prims.convert_element_type.default, (x, a.param_dtype), tag(Role.CAST))
             missing = rows - val(x).shape[0]

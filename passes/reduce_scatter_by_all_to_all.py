@@ -19,9 +19,9 @@ import torch.distributed as dist
 from torch import fx
 
 from fsdp2_compile._torch_private import one_thread_gloo_backend, resolve_group
+from fsdp2_compile.compiler.pass_api import Fact, PassContext, contract
 from fsdp2_compile.core.graph import insert_call, insert_op, val
 from fsdp2_compile.core.ir import ROLE, WAIT, AllToAllArgs, ReduceScatterArgs, Role, fsdp_collective_kind
-from fsdp2_compile.compiler.pass_api import Fact, PassContext, contract
 
 aten = torch.ops.aten
 

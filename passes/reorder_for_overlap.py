@@ -17,11 +17,10 @@ import logging
 
 from torch import fx
 
-from fsdp2_compile.core.ir import Role
-from fsdp2_compile.compiler.selective_unshard import KEPT_META
 from fsdp2_compile.compiler.overlap import anchors_at, emit_order, find_units, graph_start, memory_budget
 from fsdp2_compile.compiler.pass_api import Fact, PassContext, contract
-
+from fsdp2_compile.compiler.selective_unshard import KEPT_META
+from fsdp2_compile.core.ir import Role
 
 log = logging.getLogger("fsdp2_compile")
 
@@ -49,7 +48,12 @@ def reorder_for_overlap(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     gathers = [u for u in units if u.kind == Role.ALL_GATHER]
     budget = memory_budget(ctx.config, gathers, gm.meta.get(KEPT_META))
     distances = prefetch_distances(gathers, ctx.config.prefetch_depth, budget)
-    log.info("%s graph: structural prefetch distances %s (depth %d, budget %d bytes)",
-             ctx.kind, distances, ctx.config.prefetch_depth, budget)
+    log.info(
+        "%s graph: structural prefetch distances %s (depth %d, budget %d bytes)",
+        ctx.kind,
+        distances,
+        ctx.config.prefetch_depth,
+        budget,
+    )
     emit_order(gm, units, anchors_at(gathers, distances, graph_start(gm)))
     return gm

@@ -19,12 +19,11 @@ import logging
 from torch import fx
 
 from fsdp2_compile.compiler.cost_model import compute_time, node_time, simulate
-from fsdp2_compile.core.graph import positions, stable_topological_sort
-from fsdp2_compile.core.ir import Role
-from fsdp2_compile.compiler.selective_unshard import KEPT_META
 from fsdp2_compile.compiler.overlap import anchors_at, emit_order, find_units, graph_start, memory_budget
 from fsdp2_compile.compiler.pass_api import Fact, PassContext, contract
-
+from fsdp2_compile.compiler.selective_unshard import KEPT_META
+from fsdp2_compile.core.graph import positions, stable_topological_sort
+from fsdp2_compile.core.ir import Role
 
 log = logging.getLogger("fsdp2_compile")
 
@@ -59,14 +58,23 @@ def schedule(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     if ctx.config.schedule and ctx.config.prefetch and gathers:
         structural = positions(gm.graph)
         baseline = simulate(gm, profile)
-        distances = cost_distances(gm, gathers, ctx.config.prefetch_depth, memory_budget(ctx.config, gathers, gm.meta.get(KEPT_META)), profile)
+        distances = cost_distances(
+            gm, gathers, ctx.config.prefetch_depth, memory_budget(ctx.config, gathers, gm.meta.get(KEPT_META)), profile
+        )
         emit_order(gm, units, anchors_at(gathers, distances, graph_start(gm)))
         estimate = simulate(gm, profile).total_s
         slower = estimate > baseline.total_s
         if slower:  # back to the structural order (emit_order moved the nodes in place)
             stable_topological_sort(gm, key=lambda n: (structural[n],))
-        log.info("%s graph: cost-model prefetch distances %s: estimated step %.3f ms vs %.3f ms structural, "
-                 "keeping the %s order (profile %s)", ctx.kind, distances, estimate * 1e3, baseline.total_s * 1e3,
-                 "structural" if slower else "cost-model", profile.name)
+        log.info(
+            "%s graph: cost-model prefetch distances %s: estimated step %.3f ms vs %.3f ms structural, "
+            "keeping the %s order (profile %s)",
+            ctx.kind,
+            distances,
+            estimate * 1e3,
+            baseline.total_s * 1e3,
+            "structural" if slower else "cost-model",
+            profile.name,
+        )
     ctx.timeline = simulate(gm, profile)
     return gm

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from torch import fx
 
-from fsdp2_compile.core.ir import ROLE, WAIT, Role, collective_kind
 from fsdp2_compile.compiler.pass_api import Fact, PassContext, contract
+from fsdp2_compile.core.ir import ROLE, WAIT, Role, collective_kind
 
 
 @contract(provides=(Fact.TP_TAGGED,))

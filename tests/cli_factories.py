@@ -148,8 +148,7 @@ def tp_mlp_sequence_parallel(layers: int = 2):
 
 def _sequence_parallel_plan(block):
     from torch.distributed.tensor import Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
-                                                   SequenceParallel)
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
     return {
         "norm": SequenceParallel(),
@@ -159,4 +158,3 @@ def _sequence_parallel_plan(block):
 
 
 tp_mlp_sequence_parallel.tp_plan = _sequence_parallel_plan
-

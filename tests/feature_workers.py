@@ -114,7 +114,10 @@ def saved_bytes(fw: fx.GraphModule, user_outputs: int = 1) -> dict:
     in all and without the graph's inputs (parameter shards, token ids): the saved activations."""
     outs = fw.graph.output_node().args[0]
     saved = [o for o in outs[user_outputs:] if isinstance(o, fx.Node) and isinstance(o.meta.get("val"), torch.Tensor)]
-    nbytes = lambda nodes: sum(_nbytes(o.meta["val"]) for o in nodes)
+
+    def nbytes(nodes) -> int:
+        return sum(_nbytes(o.meta["val"]) for o in nodes)
+
     return {
         "first_output_shape": tuple(outs[0].meta["val"].shape),
         "total": nbytes(saved),

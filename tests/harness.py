@@ -31,10 +31,22 @@ from torch.multiprocessing.spawn import ProcessContext, _wrap
 import fsdp2_compile
 
 PRELOAD = [
-    "torch", "torch.distributed",
-    *(m.name for m in pkgutil.walk_packages(fsdp2_compile.__path__, "fsdp2_compile.") if not m.name.endswith("__main__")),
-    "workers", "checkpoint_workers", "module_api_workers", "feature_workers", "real_model_workers", "tp_workers",
-    "tp_plan_workers", "tp_checkpoint_workers", "fault_workers",
+    "torch",
+    "torch.distributed",
+    *(
+        m.name
+        for m in pkgutil.walk_packages(fsdp2_compile.__path__, "fsdp2_compile.")
+        if not m.name.endswith("__main__")
+    ),
+    "workers",
+    "checkpoint_workers",
+    "module_api_workers",
+    "feature_workers",
+    "real_model_workers",
+    "tp_workers",
+    "tp_plan_workers",
+    "tp_checkpoint_workers",
+    "fault_workers",
 ]
 """What each rank's server imports before forking ranks: every module of fsdp2_compile (so a rank never mixes
 what the server imported with files edited since) and the worker modules. One that fails to import there is

@@ -9,8 +9,8 @@ from models import batch, local_slice, loss_fn, make_model, make_optimizer
 from workers import _gpt_steps
 
 import fsdp2_compile as fc
-from fsdp2_compile.core.ir import PARAMS, CollectiveArgs, fsdp_collective_kind, nbytes, val
 from fsdp2_compile.compiler.report import clear_compiled_graphs, collectives, compiled_graphs
+from fsdp2_compile.core.ir import PARAMS, CollectiveArgs, fsdp_collective_kind, nbytes, val
 
 STEPS = 4
 
@@ -79,10 +79,15 @@ def reshard_to_smaller_group(rank: int, world_size: int, size: int) -> dict:
     records = compiled_graphs()
     out["graphs"] = [(r.kind, _collectives_with_group_sizes(r.gm)) for r in records]
     backward = next(r.gm for r in records if r.kind == "backward")
-    out["saved_rows_bytes"] = sum(nbytes(val(n)) for n in backward.graph.find_nodes(op="placeholder")
-                                  if n.name.startswith("post_forward"))
-    regathered = {p for n in backward.graph.nodes if fsdp_collective_kind(n) == "all_gather"
-                  and CollectiveArgs.of(n).ranks() == size for p in n.meta[PARAMS]}
+    out["saved_rows_bytes"] = sum(
+        nbytes(val(n)) for n in backward.graph.find_nodes(op="placeholder") if n.name.startswith("post_forward")
+    )
+    regathered = {
+        p
+        for n in backward.graph.nodes
+        if fsdp_collective_kind(n) == "all_gather" and CollectiveArgs.of(n).ranks() == size
+        for p in n.meta[PARAMS]
+    }
     out["regathered_bytes"] = sum(p.numel() * p.element_size() for k, p in model.named_parameters() if k in regathered)
     return out
 
@@ -149,7 +154,9 @@ def _collectives_with_group_sizes(gm) -> list[tuple[str, int, tuple[str, ...]]]:
     for node in gm.graph.nodes:
         kind = fsdp_collective_kind(node)
         if kind is not None:
-            groups = sorted({".".join(p.split(".")[:2]) if p.startswith("blocks.") else "root" for p in node.meta[PARAMS]})
+            groups = sorted(
+                {".".join(p.split(".")[:2]) if p.startswith("blocks.") else "root" for p in node.meta[PARAMS]}
+            )
             out.append((str(kind), CollectiveArgs.of(node).ranks(), tuple(groups)))
     return out
 
@@ -210,7 +217,6 @@ def blocks_traced_once(rank: int, world_size: int, last_block_keeps: bool) -> di
     from gpt import GPT
     from models import GPT_CFG
     from torch.distributed.fsdp import fully_shard
-
     from workers import _saved_gathered_params
 
     out = {}
@@ -225,7 +231,9 @@ def blocks_traced_once(rank: int, world_size: int, last_block_keeps: bool) -> di
         out[system] = _gpt_steps(model, make_optimizer(model), rank, world_size, range(STEPS))
     graphs = {r.kind: r.gm for r in compiled_graphs()}
     out["calls"] = {
-        kind: [n.args[1] for n in gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.invoke_subgraph)]
+        kind: [
+            n.args[1] for n in gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.invoke_subgraph)
+        ]
         for kind, gm in graphs.items()
     }
     out["gathers"] = {kind: sum(c.kind == "all_gather" for c in collectives(gm)) for kind, gm in graphs.items()}
@@ -253,8 +261,9 @@ def optimizer_in_backward(rank: int, world_size: int, variant: str) -> dict:
     from fsdp2_compile.core.ir import BUCKET, DELIVER_GRAD, WAIT, DeliverGradArgs, Role, WaitArgs
 
     hsdp = variant.startswith("hsdp")
-    mesh = init_device_mesh("cpu", (2, world_size // 2) if hsdp else (world_size,),
-                            mesh_dim_names=("replicate", "shard") if hsdp else None)
+    mesh = init_device_mesh(
+        "cpu", (2, world_size // 2) if hsdp else (world_size,), mesh_dim_names=("replicate", "shard") if hsdp else None
+    )
     bf16 = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if variant == "bf16" else {}
     systems = {
         "fsdp2": lambda m: fully_shard(m, mesh=mesh, mp_policy=MixedPrecisionPolicy(**bf16)),
@@ -377,8 +386,9 @@ def sum_only_reductions(rank: int, world_size: int, reduce_dtype: torch.dtype, f
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    mesh = init_device_mesh("cpu", (2, world_size // 2) if hsdp else (world_size,),
-                            mesh_dim_names=("replicate", "shard") if hsdp else None)
+    mesh = init_device_mesh(
+        "cpu", (2, world_size // 2) if hsdp else (world_size,), mesh_dim_names=("replicate", "shard") if hsdp else None
+    )
     out = {}
     for system in ("fsdp2", "ours"):
         clear_compiled_graphs()
@@ -395,8 +405,13 @@ def sum_only_reductions(rank: int, world_size: int, reduce_dtype: torch.dtype, f
         opt = make_optimizer(model)
         out[system] = _gpt_steps(model, opt, rank, world_size, range(STEPS))
         out[f"{system}_params"] = {k: p.full_tensor() for k, p in model.named_parameters()}
-    out["divisions"] = sum(1 for r in compiled_graphs() if r.kind == "backward" for n in r.gm.graph.nodes
-                           if n.target is torch.ops.aten.div.Tensor)
+    out["divisions"] = sum(
+        1
+        for r in compiled_graphs()
+        if r.kind == "backward"
+        for n in r.gm.graph.nodes
+        if n.target is torch.ops.aten.div.Tensor
+    )
     return out
 
 
@@ -456,6 +471,8 @@ def kept_per_optimizer(rank: int, world_size: int) -> dict:
                 opts[1].step()
         out[system] = losses
         out[f"{system}_kept"] = kept
-        out[f"{system}_forwards"] = [[c.kind for c in collectives(r.gm)] for r in compiled_graphs() if r.kind == "forward"]
+        out[f"{system}_forwards"] = [
+            [c.kind for c in collectives(r.gm)] for r in compiled_graphs() if r.kind == "forward"
+        ]
         out[f"{system}_params"] = [{k: p.full_tensor() for k, p in m.named_parameters()} for m in models]
     return out

@@ -45,16 +45,37 @@ def hf_model(name: str) -> tuple[nn.Module, nn.ModuleList]:
     torch.manual_seed(0)
     if name == "llama":
         cfg = LlamaConfig(
-            vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=True, attention_dropout=0.0,
-            attn_implementation="sdpa", bos_token_id=0, eos_token_id=0, initializer_range=0.2,
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=32,
+            tie_word_embeddings=True,
+            attention_dropout=0.0,
+            attn_implementation="sdpa",
+            bos_token_id=0,
+            eos_token_id=0,
+            initializer_range=0.2,
         )
         model = LlamaForCausalLM(cfg)
         layers = model.model.layers
     elif name == "gpt2":
         cfg = GPT2Config(
-            vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0,
-            attn_pdrop=0.0, tie_word_embeddings=True, attn_implementation="sdpa", bos_token_id=0, eos_token_id=0, initializer_range=0.2,
+            vocab_size=VOCAB,
+            n_positions=32,
+            n_embd=32,
+            n_layer=2,
+            n_head=2,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            tie_word_embeddings=True,
+            attn_implementation="sdpa",
+            bos_token_id=0,
+            eos_token_id=0,
+            initializer_range=0.2,
         )
         model = GPT2LMHeadModel(cfg)
         layers = model.transformer.h
@@ -114,7 +135,11 @@ def branchy_loss(model: nn.Module, step: int, rank: int, world_size: int) -> tor
 
 
 def train_steps(
-    model: nn.Module, steps: int, loss_of: Callable[[nn.Module, int, int, int], torch.Tensor], rank: int = 0, world_size: int = 1
+    model: nn.Module,
+    steps: int,
+    loss_of: Callable[[nn.Module, int, int, int], torch.Tensor],
+    rank: int = 0,
+    world_size: int = 1,
 ) -> dict:
     """AdamW steps on `loss_of(model, step, rank, world_size)`. Returns each step's loss averaged over the ranks
     ("losses"), the full gradients of the first step ("grads": unlike AdamW's steps, they show a wrongly scaled

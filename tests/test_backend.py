@@ -12,9 +12,7 @@ import pytest
 
 
 def python(code: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=300
-    )
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=300)
 
 
 def test_backend_by_name_without_importing_the_package():
@@ -100,7 +98,7 @@ def test_inductor_keeps_the_collectives_where_the_scheduler_put_them(fake_pg):
 
     def inductor_sequence(code: str) -> list[tuple[str, int]]:
         seq, mms = [], 0
-        for line in code[code.index("    def call(self, args):"):].splitlines():  # the subgraphs are defined above
+        for line in code[code.index("    def call(self, args):") :].splitlines():  # the subgraphs are defined above
             if matmul.search(line):
                 mms += 1
             elif (m := comm.search(line)) and not line.lstrip().startswith("assert"):
@@ -214,11 +212,23 @@ def test_full_collections_wait_only_while_the_fsdp2_backend_compiles():
 def test_the_compile_profile_benchmark_reports_the_compile_phases():
     # benchmarks/compile_profile.py (where compile time goes) runs a 1-layer GPT in a fresh interpreter
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "compile_profile.py"), "--layers", "1",
-                           "--gc-deferral", "both"], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(root, "benchmarks", "compile_profile.py"),
+            "--layers",
+            "1",
+            "--gc-deferral",
+            "both",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [[c.strip() for c in line.strip("|").split("|")] for line in proc.stdout.splitlines()
-            if line.startswith("| 1 |")]
+    rows = [
+        [c.strip() for c in line.strip("|").split("|")] for line in proc.stdout.splitlines() if line.startswith("| 1 |")
+    ]
     assert [cells[1] for cells in rows] == ["on", "off"]
     for cells in rows:
         assert float(cells[2].removesuffix(" s")) > 0 and float(cells[5]) > 0  # first step, Dynamo's tracing

@@ -42,7 +42,9 @@ def test_dcp_save_and_load_at_another_world_size(tmp_path, save_ranks, save_hsdp
 
 
 @pytest.mark.parametrize(
-    "saver,world_size,hsdp", [("fsdp2", 2, False), ("ours", 2, False), ("fsdp2", 4, True)], ids=["fsdp2", "ours", "fsdp2-hsdp"]
+    "saver,world_size,hsdp",
+    [("fsdp2", 2, False), ("ours", 2, False), ("fsdp2", 4, True)],
+    ids=["fsdp2", "ours", "fsdp2-hsdp"],
 )
 def test_checkpoints_move_between_fsdp2_eager_and_shard_compile(tmp_path, saver, world_size, hsdp):
     # hsdp: both systems on a 2x2 (replicate, shard) mesh
@@ -72,7 +74,9 @@ def test_meta_device_model_is_materialised_shard_by_shard():
             assert result["local"][name] == ((min(rows, p.shape[0] - r * rows), *p.shape[1:]), "cpu"), name
         full = results[0]["full"][name]
         if name.endswith("bias") or "ln" in name:  # LayerNorm (1, 0) and zero biases, exactly
-            torch.testing.assert_close(full, torch.ones_like(full) if name.endswith("weight") else torch.zeros_like(full))
+            torch.testing.assert_close(
+                full, torch.ones_like(full) if name.endswith("weight") else torch.zeros_like(full)
+            )
         else:  # normal(0, 0.02) drawn on the shards: the statistics of the whole tensor
             assert abs(full.std().item() - 0.02) < 0.002 and abs(full.mean().item()) < 0.002, name
     assert results[0]["losses"][-1] < results[0]["losses"][0]  # and it trains

@@ -14,9 +14,9 @@ import xml.etree.ElementTree as ET
 import pytest
 import torch
 
-from fsdp2_compile.debug.sizes import size_text
 from fsdp2_compile.compiler.pipeline import PASSES
-from fsdp2_compile.planner.plan import sharded_bytes, analytical_bytes, shard_for_plan
+from fsdp2_compile.debug.sizes import size_text
+from fsdp2_compile.planner.plan import analytical_bytes, shard_for_plan, sharded_bytes
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -25,16 +25,25 @@ FACTORIES = os.path.join(HERE, "cli_factories.py")
 
 def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "fsdp2_compile", *args], capture_output=True, text=True, cwd=ROOT,
-        env={**os.environ, **(env or {})}, timeout=300, check=False,
+        [sys.executable, "-m", "fsdp2_compile", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
+        timeout=300,
+        check=False,
     )
 
 
 def graph_counts(text: str) -> tuple[int, int, int, int]:
     """Nodes, all-gathers, reduce-scatters, all-reduces of a dumped graph text."""
     nodes = len(re.findall(r"^\s*(?:%\w+ : |return\b)", text, re.MULTILINE))
-    return (nodes, text.count("all_gather_into_tensor.default]"), text.count("reduce_scatter_tensor.default]"),
-            text.count("all_reduce.default]"))
+    return (
+        nodes,
+        text.count("all_gather_into_tensor.default]"),
+        text.count("reduce_scatter_tensor.default]"),
+        text.count("all_reduce.default]"),
+    )
 
 
 def check_summary_rows(stdout: str, folder, kind: str) -> list[str]:
@@ -70,7 +79,10 @@ def test_dump_end_to_end(tmp_path):
     trace = json.loads((out / "trace.json").read_text())
     lanes = {e["tid"] for e in trace["traceEvents"] if e["ph"] == "X"}
     assert lanes == {1, 2}
-    assert {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"} == {"compute", "communication"}
+    assert {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"} == {
+        "compute",
+        "communication",
+    }
     curve = [tuple(map(float, row.split(","))) for row in (out / "memory.csv").read_text().splitlines()[1:]]
     peak = max(b for _, b in curve)
     assert peak > 0 and f"peak memory {size_text(peak)}" in r.stdout  # the plot and the summary agree
@@ -87,9 +99,9 @@ def test_summary_counts_match_the_compiled_graphs(fake_pg, tmp_path, monkeypatch
     import cli_factories
 
     import fsdp2_compile as fc
+    from fsdp2_compile.compiler.report import clear_compiled_graphs, collectives, compiled_graphs
     from fsdp2_compile.debug.dump import pass_stats
     from fsdp2_compile.planner.tensor_parallel import hsdp_mesh
-    from fsdp2_compile.compiler.report import clear_compiled_graphs, collectives, compiled_graphs
 
     monkeypatch.setenv("FSDP2_COMPILE_DUMP", str(tmp_path))
     clear_compiled_graphs()
@@ -108,7 +120,7 @@ def test_summary_counts_match_the_compiled_graphs(fake_pg, tmp_path, monkeypatch
         for kind in ("all_gather", "reduce_scatter", "all_reduce"):
             assert final.counts[kind] == sum(c.kind == kind for c in found)
         names = [p.__name__ for p in PASSES]
-        lowered = stats[1 + names.index("lower_reduce_grad"):]  # stats[0] is the captured graph
+        lowered = stats[1 + names.index("lower_reduce_grad") :]  # stats[0] is the captured graph
         assert all(s.bytes_by_dtype == final.bytes_by_dtype for s in lowered)
         if hsdp and record.kind == "backward":  # 3 buckets; each all-reduce moves its reduced shard: 1/2
             assert final.counts["all_reduce"] == final.counts["reduce_scatter"] == 3
@@ -117,7 +129,14 @@ def test_summary_counts_match_the_compiled_graphs(fake_pg, tmp_path, monkeypatch
         else:
             assert final.counts["all_reduce"] == 0
     clear_compiled_graphs()
-    assert sorted(os.listdir(tmp_path / "rank3")) == ["backward", "forward", "memory.csv", "memory.png", "summary.txt", "trace.json"]
+    assert sorted(os.listdir(tmp_path / "rank3")) == [
+        "backward",
+        "forward",
+        "memory.csv",
+        "memory.png",
+        "summary.txt",
+        "trace.json",
+    ]
 
 
 def test_snapshots_carry_exact_provenance_and_bytes(fake_pg):
@@ -127,8 +146,8 @@ def test_snapshots_carry_exact_provenance_and_bytes(fake_pg):
     import cli_factories
 
     import fsdp2_compile as fc
-    from fsdp2_compile.debug.dump import annotate, pass_stats
     from fsdp2_compile.compiler.report import clear_compiled_graphs, compiled_graphs
+    from fsdp2_compile.debug.dump import annotate, pass_stats
 
     world = 4  # the fake group's size
     model, (idx,) = cli_factories.tiny()
@@ -146,16 +165,22 @@ def test_snapshots_carry_exact_provenance_and_bytes(fake_pg):
     snaps = {s.name: s for s in forward.snapshots}
     note = re.compile(r"# bucket='([^']*)' params=\[([^\]]*)\] role=all_gather$")
 
-    lowered = [note.search(line) for line in annotate(snaps["lower_unshard"]).splitlines()
-               if "all_gather_into_tensor.default]" in line]
+    lowered = [
+        note.search(line)
+        for line in annotate(snaps["lower_unshard"]).splitlines()
+        if "all_gather_into_tensor.default]" in line
+    ]
     assert all(lowered) and sorted(m.group(2) for m in lowered) == sorted(names)  # one parameter each
     gathers = [f for f in snaps["lower_unshard"].nodes.values() if f.role == "all_gather"]
     assert sum(f.nbytes for f in gathers) == padded
     stats = {s.name: s for s in pass_stats(forward)}
     assert stats["lower_unshard"].bytes_by_dtype == {("all_gather", "float32"): padded}
 
-    bucketed = [note.search(line) for line in annotate(snaps["bucket_collectives"]).splitlines()
-                if "all_gather_into_tensor.default]" in line]
+    bucketed = [
+        note.search(line)
+        for line in annotate(snaps["bucket_collectives"]).splitlines()
+        if "all_gather_into_tensor.default]" in line
+    ]
     assert all(bucketed) and len(bucketed) == len(buckets)
     assert {m.group(1): set(m.group(2).split(", ")) for m in bucketed} == buckets
     assert stats["bucket_collectives"].bytes_by_dtype == {("all_gather", "float32"): padded}
@@ -258,13 +283,23 @@ def test_plan_hsdp_shards_over_n_over_r_and_adds_the_all_reduces():
 
 
 def test_plan_text_names_the_mesh():
-    from fsdp2_compile.planner.plan import format_plan
-    from fsdp2_compile.planner.plan import Plan
+    from fsdp2_compile.planner.plan import Plan, format_plan
 
     bytes_ = {"params": 10, "grads": 10, "optimizer": 20, "gathered_peak": 1, "activations": 1, "total": 42}
     analytical = {"params": 10.0, "grads": 10.0, "optimizer": 20.0}
-    plan = Plan(1024, 1, 80, bytes_, analytical, 5, {"all_reduce": 1}, {"h100-nvlink": 1.0}, {"h100-nvlink": 0.5},
-                "method", replicate=8)
+    plan = Plan(
+        1024,
+        1,
+        80,
+        bytes_,
+        analytical,
+        5,
+        {"all_reduce": 1},
+        {"h100-nvlink": 1.0},
+        {"h100-nvlink": 0.5},
+        "method",
+        replicate=8,
+    )
     text = format_plan(plan, 1.0, 2**20)
     assert text.startswith("plan: 1 parameters, 80 blocks, world size 1024, mesh 8 x 128 (replicate x shard)\n")
     assert "numel*bytes/(N/R)" in text and "128 or 8 ranks" in text
@@ -276,8 +311,14 @@ def test_plan_text_names_the_mesh():
 @pytest.mark.parametrize(
     "world_size, replicate, message",
     [
-        ("6", "4", ("--world-size 6 is not a multiple of --replicate 4: HSDP needs --world-size = --replicate x "
-                    "shard size; pass a --replicate that divides 6 or a --world-size that is a multiple of 4")),
+        (
+            "6",
+            "4",
+            (
+                "--world-size 6 is not a multiple of --replicate 4: HSDP needs --world-size = --replicate x "
+                "shard size; pass a --replicate that divides 6 or a --world-size that is a multiple of 4"
+            ),
+        ),
         ("4", "0", "--replicate must be >= 1, got 0"),
     ],
 )
@@ -330,7 +371,10 @@ def test_help_does_not_import_torch():
         "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('fsdp2_compile.')))\n"
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
-    assert r.stdout.splitlines()[-1] == "['fsdp2_compile.cli', 'fsdp2_compile.cli.main', 'fsdp2_compile.cli.model_loading']"
+    assert (
+        r.stdout.splitlines()[-1]
+        == "['fsdp2_compile.cli', 'fsdp2_compile.cli.main', 'fsdp2_compile.cli.model_loading']"
+    )
 
 
 def test_unwritable_out_fails_before_compiling(tmp_path):
@@ -417,8 +461,9 @@ def test_dump_tp_end_to_end(tmp_path):
     r = cli("dump", f"{FACTORIES}:tp_mlp_real", "--world-size", "4", "--tp", "2", "--out", str(out), "-q")
     assert r.returncode == 0, r.stderr
     assert "sharded over 4 ranks, mesh 2 x 2 (dp x tp)" in r.stdout
-    assert ("tensor parallel 2: the default plan (Linear layers by name), per block: colwise up_proj; rowwise "
-            "down_proj") in r.stdout
+    assert (
+        "tensor parallel 2: the default plan (Linear layers by name), per block: colwise up_proj; rowwise down_proj"
+    ) in r.stdout
     assert r.stdout.count("tensor parallel: 2 collectives (all_reduce x2)") == 2  # forward and backward
     final = [line.split() for line in r.stdout.splitlines() if line.strip().startswith("keep_inputs_until_wait")]
     assert len(final) == 2 and all(row[4] == "0" and row[6] == "2" for row in final)  # all_reduce 0, tp 2
@@ -427,13 +472,28 @@ def test_dump_tp_end_to_end(tmp_path):
 
 
 def test_plan_tp_json_keeps_its_keys_and_adds_tp_ones():
-    r = cli("plan", f"{FACTORIES}:tp_mlp", "--world-size", "4", "--tp", "2", "--hardware", "h100-nvlink", "--json",
-            "-q")
+    r = cli(
+        "plan", f"{FACTORIES}:tp_mlp", "--world-size", "4", "--tp", "2", "--hardware", "h100-nvlink", "--json", "-q"
+    )
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
-    for key in ("world_size", "replicate", "shard_size", "per_rank_bytes", "comm_bytes_per_step",
-                "collective_buffer_bytes", "step_time_s", "exposed_comm_s", "tp", "tp_plan", "tp_comm_bytes_per_step",
-                "tp_collective_buffer_bytes", "tp_collectives_per_layer", "tp_collectives_per_step", "tp_comm_s"):
+    for key in (
+        "world_size",
+        "replicate",
+        "shard_size",
+        "per_rank_bytes",
+        "comm_bytes_per_step",
+        "collective_buffer_bytes",
+        "step_time_s",
+        "exposed_comm_s",
+        "tp",
+        "tp_plan",
+        "tp_comm_bytes_per_step",
+        "tp_collective_buffer_bytes",
+        "tp_collectives_per_layer",
+        "tp_collectives_per_step",
+        "tp_comm_s",
+    ):
         assert key in out, key
     assert out["tp"] == 2 and out["shard_size"] == 2 and out["per_rank_bytes"]["params"] == 1584 * 4
     assert out["tp_collectives_per_layer"] == {"forward": {"all_reduce": 1}, "backward": {"all_reduce": 1}}
@@ -453,8 +513,10 @@ def test_dump_shows_which_buckets_selective_unsharding_keeps_and_the_bytes_saved
     gathered = {kind: dict(row.findall(text)) for kind, text in sections.items()}
     kept = sorted(set(gathered["forward"]) - set(gathered["backward"]) - {"<root>"})  # the root: kept by default
     assert kept and set(gathered["backward"]) < set(gathered["forward"])
-    line = re.compile(r"selective unsharding: kept gathered for backward: (.+) \((.+) gathered of .+ resharded, "
-                      r"budget .+\): backward does not gather them again")
+    line = re.compile(
+        r"selective unsharding: kept gathered for backward: (.+) \((.+) gathered of .+ resharded, "
+        r"budget .+\): backward does not gather them again"
+    )
     for text in sections.values():
         names, kept_bytes = line.search(text).groups()
         assert sorted(names.split(", ")) == kept

@@ -41,8 +41,15 @@ def blocks(page: str) -> list[dict]:
     found = []
     for m in FENCE.finditer(text):
         language, *attrs = m["info"].split() or [""]
-        found.append(dict(page=page, line=text.count("\n", 0, m.start()) + 1, language=language, attrs=attrs,
-                          body=textwrap.dedent(m["body"])))
+        found.append(
+            dict(
+                page=page,
+                line=text.count("\n", 0, m.start()) + 1,
+                language=language,
+                attrs=attrs,
+                body=textwrap.dedent(m["body"]),
+            )
+        )
     return found
 
 
@@ -50,13 +57,20 @@ ALL = [b for page in PAGES for b in blocks(page)]
 
 
 def runnable(marker: str) -> list:
-    return [pytest.param(b, id=f"{b['page']}:{b['line']}") for b in ALL
-            if b["language"] in CODE_LANGUAGES and b["attrs"] and b["attrs"][0].split("=")[0] == marker]
+    return [
+        pytest.param(b, id=f"{b['page']}:{b['line']}")
+        for b in ALL
+        if b["language"] in CODE_LANGUAGES and b["attrs"] and b["attrs"][0].split("=")[0] == marker
+    ]
 
 
 def test_every_code_block_is_marked():
-    unmarked = [f"{b['page']}:{b['line']}" for b in ALL if b["language"] in CODE_LANGUAGES
-                and (len(b["attrs"]) != 1 or b["attrs"][0].split("=")[0] not in ("torchrun", "run", "snippet", "norun"))]
+    unmarked = [
+        f"{b['page']}:{b['line']}"
+        for b in ALL
+        if b["language"] in CODE_LANGUAGES
+        and (len(b["attrs"]) != 1 or b["attrs"][0].split("=")[0] not in ("torchrun", "run", "snippet", "norun"))
+    ]
     assert not unmarked, f"code blocks without exactly one marker (see this file's docstring): {unmarked}"
     assert runnable("torchrun") and runnable("run") and runnable("snippet")
 
@@ -67,8 +81,13 @@ def test_script_block_runs_as_written(block, tmp_path):
     name = re.match(r"# (\w+\.py)\b", block["body"])
     script = tmp_path / (name[1] if name else "block.py")
     script.write_text(block["body"])
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), str(script)],
-                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), str(script)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     if script.name == "use.py":  # README's example trains: every rank's loss falls over its 5 steps
         for rank in range(ranks):
@@ -116,18 +135,55 @@ def _run_py():
 
 
 def test_markdown_rendering_of_a_small_results_file(tmp_path):
-    report = dict(command="benchmarks/run.py --modes fsdp2 full", commit="abc1234", date="2026-01-01", rate="8mbit",
-                  steps=3, params=2_000_000, world=2, compute_s=1.0, crashes=[],
-                  rows=[dict(link="loopback", mode="fsdp2", median_s=2.0, peak_rss_mib=400, collectives_per_step=None,
-                             bytes_per_step=None),
-                        dict(link="loopback", mode="full", median_s=1.5, peak_rss_mib=300, collectives_per_step=6,
-                             bytes_per_step=3_000_000),
-                        dict(link="8mbit", mode="fsdp2", median_s=4.0, peak_rss_mib=400, collectives_per_step=None,
-                             bytes_per_step=None),
-                        dict(link="8mbit", mode="full", median_s=3.3, peak_rss_mib=500, collectives_per_step=6,
-                             bytes_per_step=3_000_000)],
-                  compile=[dict(layers=4, first_minus_median_s=2.0, compiling_s=1.0),
-                           dict(layers=8, first_minus_median_s=5.0, compiling_s=1.5)])
+    report = dict(
+        command="benchmarks/run.py --modes fsdp2 full",
+        commit="abc1234",
+        date="2026-01-01",
+        rate="8mbit",
+        steps=3,
+        params=2_000_000,
+        world=2,
+        compute_s=1.0,
+        crashes=[],
+        rows=[
+            dict(
+                link="loopback",
+                mode="fsdp2",
+                median_s=2.0,
+                peak_rss_mib=400,
+                collectives_per_step=None,
+                bytes_per_step=None,
+            ),
+            dict(
+                link="loopback",
+                mode="full",
+                median_s=1.5,
+                peak_rss_mib=300,
+                collectives_per_step=6,
+                bytes_per_step=3_000_000,
+            ),
+            dict(
+                link="8mbit",
+                mode="fsdp2",
+                median_s=4.0,
+                peak_rss_mib=400,
+                collectives_per_step=None,
+                bytes_per_step=None,
+            ),
+            dict(
+                link="8mbit",
+                mode="full",
+                median_s=3.3,
+                peak_rss_mib=500,
+                collectives_per_step=6,
+                bytes_per_step=3_000_000,
+            ),
+        ],
+        compile=[
+            dict(layers=4, first_minus_median_s=2.0, compiling_s=1.0),
+            dict(layers=8, first_minus_median_s=5.0, compiling_s=1.5),
+        ],
+    )
     text = _run_py().render_markdown(report)
     assert text.startswith("Measured at abc1234 (2026-01-01) with `benchmarks/run.py --modes fsdp2 full`: GPT of 2.0 M")
     # loopback: the floor is the compute alone; 8 Mbit/s = 1 MB/s, so 3 MB a step floors at 3 s (fsdp2 rows use full's)
@@ -138,8 +194,12 @@ def test_markdown_rendering_of_a_small_results_file(tmp_path):
     assert "| layers |" not in _run_py().render_markdown(report, compile_table=False)
     path = tmp_path / "results.json"
     path.write_text(__import__("json").dumps(report))
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "run.py"), "--markdown", str(path)],
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "run.py"), "--markdown", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0 and proc.stdout.strip() == text, proc.stderr
 
 
@@ -152,7 +212,9 @@ def test_the_pages_tables_are_run_py_output():
     found = 0
     for page in PAGES:
         text = open(os.path.join(ROOT, page)).read()
-        for cmd, table in re.findall(r"<!-- benchmark table: (.*?) -->\n(.*?)\n<!-- end benchmark table -->", text, re.S):
+        for cmd, table in re.findall(
+            r"<!-- benchmark table: (.*?) -->\n(.*?)\n<!-- end benchmark table -->", text, re.S
+        ):
             assert "benchmarks/run.py --markdown benchmarks/results.json" in cmd, (page, cmd)
             assert table == run.render_markdown(report, compile_table="(step table)" not in cmd), page
             found += 1
@@ -162,6 +224,9 @@ def test_the_pages_tables_are_run_py_output():
 def test_no_tracked_file_speaks_of_sessions_or_issue_numbers():
     files = subprocess.run(["git", "ls-files"], capture_output=True, text=True, cwd=ROOT).stdout.split()
     words = re.compile(r"\bsessions?\b|\bissue [0-9]+|\bhelper-[0-9]", re.I)
-    hits = [f for f in files if os.path.isfile(os.path.join(ROOT, f))
-            and words.search(open(os.path.join(ROOT, f), errors="replace").read())]
+    hits = [
+        f
+        for f in files
+        if os.path.isfile(os.path.join(ROOT, f)) and words.search(open(os.path.join(ROOT, f), errors="replace").read())
+    ]
     assert not hits, hits

@@ -36,8 +36,8 @@ def compile_tiny(mp: bool = False):
 def test_compact_view_rows(fake_pg, mp):
     """One row per collective and wait, casts of a bucket in one row, consecutive compute merged with no view op
     named, every parameter shard input named by its parameter; far fewer rows than nodes."""
-    from fsdp2_compile.debug.graph_view import compact_rows, input_params
     from fsdp2_compile.core.ir import WAIT, collective_kind
+    from fsdp2_compile.debug.graph_view import compact_rows, input_params
 
     model, records = compile_tiny(mp)
     names = {n for n, _ in model.named_parameters()}
@@ -50,7 +50,8 @@ def test_compact_view_rows(fake_pg, mp):
             comm = [n for n in row.nodes if collective_kind(n) is not None or n.target is WAIT]
             assert len(comm) == (row.category in ("all_gather", "reduce_scatter", "all_reduce", "wait"))
             assert row.category != "compute" or not {"view", "reshape", "slice", "t"} & set(
-                op.split(" ")[0] for op in row.text.split(": ", 1)[1].split(", "))
+                op.split(" ")[0] for op in row.text.split(": ", 1)[1].split(", ")
+            )
         for a, b in zip(rows, rows[1:]):
             assert not (a.category == b.category == "compute")
         casts = [r for r in rows if r.category == "cast"]
@@ -96,7 +97,9 @@ def test_compile_logs_one_line_at_start_and_end(fake_pg, caplog):
     starts = [m for m in lines if m.startswith("compiling ")]
     ends = [m for m in lines if m.startswith("compiled ")]
     assert [m.split()[1] for m in starts] == ["forward", "backward"]
-    assert ends[0].startswith("compiled forward graph in ") and "3 all_gather, 0 reduce_scatter, 0 all_reduce" in ends[0]
+    assert (
+        ends[0].startswith("compiled forward graph in ") and "3 all_gather, 0 reduce_scatter, 0 all_reduce" in ends[0]
+    )
     assert "2 all_gather, 3 reduce_scatter, 0 all_reduce" in ends[1]  # the root is kept for backward
 
 
@@ -114,8 +117,10 @@ def test_unwritable_dump_folder_warns_once_and_training_goes_on(fake_pg, tmp_pat
     assert not dump_requested()  # no snapshots kept for a dump that cannot be written
 
 
-@pytest.mark.parametrize("n, text", [(0, "0 B"), (512, "512 B"), (3 * 1024 + 256, "3.25 KiB"),
-                                     (1.5 * 2**20, "1.50 MiB"), (2 * 2**30, "2.00 GiB")])
+@pytest.mark.parametrize(
+    "n, text",
+    [(0, "0 B"), (512, "512 B"), (3 * 1024 + 256, "3.25 KiB"), (1.5 * 2**20, "1.50 MiB"), (2 * 2**30, "2.00 GiB")],
+)
 def test_size_text(n, text):
     from fsdp2_compile.debug.sizes import size_text
 
@@ -137,15 +142,13 @@ def compile_tp():
     new input shapes: automatic dynamic shapes), tracing the TP model fails with a RecursionError in
     proxy_tensor's thunks (reported, not fixed here)."""
     import cli_factories
+    import torch
     from torch.distributed.device_mesh import init_device_mesh
 
     import fsdp2_compile as fc
-    from fsdp2_compile.planner.tensor_parallel import apply_tp, default_tp_plan
-    from fsdp2_compile.compiler.report import clear_compiled_graphs, compiled_graphs
-
-    import torch
-
     from fsdp2_compile._torch_private import clear_dtensor_caches
+    from fsdp2_compile.compiler.report import clear_compiled_graphs, compiled_graphs
+    from fsdp2_compile.planner.tensor_parallel import apply_tp, default_tp_plan
 
     clear_compiled_graphs()
     clear_dtensor_caches()  # DTensor's caches hold meshes of process groups earlier tests destroyed
@@ -155,9 +158,13 @@ def compile_tp():
     apply_tp(model, mesh["tp"], default_tp_plan(model.blocks[0]))
     for block in model.blocks:
         fc.shard(block, mesh["dp"])
-    fc.shard_compile(model, mesh["dp"], compile_config=fc.CompileConfig(hardware="cpu-gloo-loopback",
-                                                                        check_rank_consistency=False,
-                                                                        keep_snapshots=True))
+    fc.shard_compile(
+        model,
+        mesh["dp"],
+        compile_config=fc.CompileConfig(
+            hardware="cpu-gloo-loopback", check_rank_consistency=False, keep_snapshots=True
+        ),
+    )
     model(idx).sum().backward()
     records = compiled_graphs()
     clear_compiled_graphs()
@@ -167,9 +174,9 @@ def compile_tp():
 def test_tp_collectives_have_their_own_colour_rows_and_summary_column(fake_pg, tmp_path):
     """A real FSDP + TP graph: TP's all-reduces (one per block each way) are drawn in their own colour with their own
     legend entry, and counted in the summary's tp column, never in FSDP's all_reduce column."""
+    from fsdp2_compile.compiler.report import collectives, is_tp
     from fsdp2_compile.debug.dump import pass_stats, summarize, write_graph
     from fsdp2_compile.debug.graph_view import COLOURS, compact_rows
-    from fsdp2_compile.compiler.report import collectives, is_tp
 
     records = compile_tp()
     assert [r.kind for r in records] == ["forward", "backward"]
@@ -178,8 +185,9 @@ def test_tp_collectives_have_their_own_colour_rows_and_summary_column(fake_pg, t
         assert len([n for n in tp_nodes if n.target.__name__.startswith("all_reduce")]) == 2  # one per block
         rows = compact_rows(record.gm)
         tp_rows = [r for r in rows if r.category == "tp"]
-        assert len(tp_rows) == 2 and all(r.text.startswith("tensor parallel all_reduce: 1.00 KiB float32")
-                                         for r in tp_rows)
+        assert len(tp_rows) == 2 and all(
+            r.text.startswith("tensor parallel all_reduce: 1.00 KiB float32") for r in tp_rows
+        )
         assert len([r for r in rows if r.category == "tp_wait"]) == 2
         assert not [r for r in rows if r.category == "all_reduce"]  # no HSDP: FSDP has no all-reduce
         stats = pass_stats(record)

@@ -37,7 +37,9 @@ def test_a_rank_raising_in_its_pass_pipeline_is_named_by_the_others_at_once():
     words = "rank 1 failed to compile its forward graph: ValueError: injected failure in a pass on rank 1."
     assert words in r0["error"], r0
     assert "second line" not in r0["error"]  # only the first line of the message is published
-    assert abs(r0["seconds"] - r1["seconds"]) < 3 and r0["seconds"] < WAIT_S  # named at once, not after the bounded wait
+    assert (
+        abs(r0["seconds"] - r1["seconds"]) < 3 and r0["seconds"] < WAIT_S
+    )  # named at once, not after the bounded wait
 
 
 def test_a_rank_raising_before_its_first_compile_is_named_after_the_bounded_wait():

@@ -27,6 +27,7 @@ from test_training import PARAM_ATOL, PARAM_RTOL, assert_params_close
 
 WORLD_SIZE = 2
 
+
 @functools.cache
 def ranks() -> list[dict]:
     return run_ranks(features, WORLD_SIZE, timeout=600)

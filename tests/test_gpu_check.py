@@ -25,9 +25,25 @@ def _json(stdout: str) -> dict:
 
 
 def test_cpu_mode_on_two_ranks_reports_bitwise_parity_with_fully_shard():
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           os.path.join(ROOT, "benchmarks", "gpu_check.py"), "--device", "cpu", "--size", "tiny",
-           "--compilers", "aot_eager", "--warmup", "1", "--steps", "2"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        os.path.join(ROOT, "benchmarks", "gpu_check.py"),
+        "--device",
+        "cpu",
+        "--size",
+        "tiny",
+        "--compilers",
+        "aot_eager",
+        "--warmup",
+        "1",
+        "--steps",
+        "2",
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert out.returncode == 0, f"exit {out.returncode}\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
     assert "| param dtype | system | losses / final parameters vs fully_shard |" in out.stdout
@@ -47,16 +63,27 @@ def test_cpu_mode_on_two_ranks_reports_bitwise_parity_with_fully_shard():
 
 
 def _fake_result(system: str, losses, params_bitwise=True, diff=0.0) -> dict:
-    return dict(system=system, dtype="fp32", losses=losses, median_s=0.1, first_step_s=1.0, peak_bytes=2**20, params=10,
-                runtime_collectives={"all_gather": 6, "reduce_scatter": 3}, params_bitwise=params_bitwise,
-                params_max_abs_diff=diff,
-                graph_coverage=None if system.startswith("fully_shard") else dict(
-                    forward_gathers_all=True, backward_reduces_all=True, missing_gather=[], missing_reduce=[]))
+    return dict(
+        system=system,
+        dtype="fp32",
+        losses=losses,
+        median_s=0.1,
+        first_step_s=1.0,
+        peak_bytes=2**20,
+        params=10,
+        runtime_collectives={"all_gather": 6, "reduce_scatter": 3},
+        params_bitwise=params_bitwise,
+        params_max_abs_diff=diff,
+        graph_coverage=None
+        if system.startswith("fully_shard")
+        else dict(forward_gathers_all=True, backward_reduces_all=True, missing_gather=[], missing_reduce=[]),
+    )
 
 
 def test_report_fails_on_a_one_ulp_loss_difference_or_different_parameters(capsys):
-    args = SimpleNamespace(inductor_rtol=5e-2, budget_s=400, layers=2, d_model=64, heads=4, vocab=256, seq=32, batch=2,
-                           warmup=1, steps=1)
+    args = SimpleNamespace(
+        inductor_rtol=5e-2, budget_s=400, layers=2, d_model=64, heads=4, vocab=256, seq=32, batch=2, warmup=1, steps=1
+    )
     dev = gpu_check.Device(torch.device("cpu"))
     ref = _fake_result("fully_shard", [[5.0, 4.0]])
     same = _fake_result("ours aot_eager", [[5.0, 4.0]])
@@ -72,7 +99,8 @@ def test_report_fails_on_a_one_ulp_loss_difference_or_different_parameters(capsy
 
 def test_sh_skips_clearly_without_cuda():
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHON=sys.executable)
-    out = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu_check.sh")], capture_output=True, text=True,
-                         timeout=120, env=env)
+    out = subprocess.run(
+        ["bash", os.path.join(ROOT, "benchmarks", "gpu_check.sh")], capture_output=True, text=True, timeout=120, env=env
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("SKIP: gpu_check needs a CUDA GPU; none is available")

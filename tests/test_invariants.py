@@ -7,11 +7,11 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from fsdp2_compile.config import CompileConfig
 from fsdp2_compile.compiler.invariants import UnsafeGraphError, check_collectives_safe
+from fsdp2_compile.compiler.pipeline import PassContext, run_pipeline
+from fsdp2_compile.config import CompileConfig
 from fsdp2_compile.core.ops import KEEP_ALIVE, REDUCE_GRAD, UNSHARD, ParamSpec
 from fsdp2_compile.passes import keep_inputs_until_wait
-from fsdp2_compile.compiler.pipeline import PassContext, run_pipeline
 
 funcol = torch.ops._c10d_functional
 fp32 = torch.float32
@@ -40,7 +40,9 @@ def freed_before_wait(gm) -> bool:
 def test_an_input_freed_before_its_wait_is_refused(fake_pg):
     gm = reduce_then_compute(fake_pg)
     assert freed_before_wait(gm)  # the hazard: fx frees `buf` right after starting the collective
-    with pytest.raises(UnsafeGraphError, match=r"input mul\w* of collective reduce_scatter_tensor\w* is last used before its wait"):
+    with pytest.raises(
+        UnsafeGraphError, match=r"input mul\w* of collective reduce_scatter_tensor\w* is last used before its wait"
+    ):
         check_collectives_safe(gm)
 
 
@@ -84,13 +86,21 @@ def test_every_pipeline_output_is_safe(fake_pg, config):
         h = x
         for i, s in enumerate((s0, s1, s2)):
             h = torch.relu(h @ gather(s, i))
-        grads = [REDUCE_GRAD(h.t() @ h * (i + 1), 4, 4, fake_pg, fp32, fp32, f"b{i}.w", f"b{i}", 1, "") for i in range(3)]
+        grads = [
+            REDUCE_GRAD(h.t() @ h * (i + 1), 4, 4, fake_pg, fp32, fp32, f"b{i}.w", f"b{i}", 1, "") for i in range(3)
+        ]
         return h, grads
 
     shard = torch.randn(4, 16)
-    gm = run_pipeline(make_fx(f, tracing_mode="fake")(shard, shard, shard, torch.randn(2, 16)), PassContext("backward", config=config))
+    gm = run_pipeline(
+        make_fx(f, tracing_mode="fake")(shard, shard, shard, torch.randn(2, 16)), PassContext("backward", config=config)
+    )
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    collectives = [n for n in gm.graph.nodes if n.target in (funcol.all_gather_into_tensor.default, funcol.reduce_scatter_tensor.default)]
+    collectives = [
+        n
+        for n in gm.graph.nodes
+        if n.target in (funcol.all_gather_into_tensor.default, funcol.reduce_scatter_tensor.default)
+    ]
     assert len(collectives) == 6  # one all-gather and one reduce-scatter per block
     for c in collectives:
         [wait] = c.users

@@ -10,7 +10,6 @@ from module_api_workers import (
     aborted_iteration,
     cpu_offload,
     divide_factor,
-    sum_only_reductions,
     hsdp_accumulation,
     kept_per_optimizer,
     module_api,
@@ -18,6 +17,7 @@ from module_api_workers import (
     optimizer_in_backward_changes,
     reshard_after_backward,
     reshard_to_smaller_group,
+    sum_only_reductions,
 )
 from torch import nn
 
@@ -53,8 +53,11 @@ def test_reshard_after_forward_int_gathers_backward_from_the_smaller_group():
     assert {(kind, size) for kind, size, _ in graphs["forward"]} == {("all_gather", 4)}
     backward = {(kind, groups): size for kind, size, groups in graphs["backward"]}
     assert backward == {
-        ("all_gather", ("blocks.1",)): 2, ("all_gather", ("blocks.0",)): 2,
-        ("reduce_scatter", ("blocks.1",)): 4, ("reduce_scatter", ("blocks.0",)): 4, ("reduce_scatter", ("root",)): 4,
+        ("all_gather", ("blocks.1",)): 2,
+        ("all_gather", ("blocks.0",)): 2,
+        ("reduce_scatter", ("blocks.1",)): 4,
+        ("reduce_scatter", ("blocks.0",)): 4,
+        ("reduce_scatter", ("root",)): 4,
     }
     assert result["saved_rows_bytes"] == result["regathered_bytes"] // 2 > 0
 
@@ -71,8 +74,10 @@ def test_reshard_after_backward_false_keeps_parameters_for_the_next_forward():
         assert torch.equal(value, result["fsdp2_params"][name]), name
     kinds = [(kind, [c for c, _, _ in collectives]) for kind, collectives in result["graphs"]]
     assert kinds == [
-        ("forward", ["all_gather"] * 3), ("backward", ["all_gather"] * 2),  # first micro-batch: no reduction
-        ("forward", []), ("backward", ["reduce_scatter"] * 3),  # second: the parameters kept, nothing gathered
+        ("forward", ["all_gather"] * 3),
+        ("backward", ["all_gather"] * 2),  # first micro-batch: no reduction
+        ("forward", []),
+        ("backward", ["reduce_scatter"] * 3),  # second: the parameters kept, nothing gathered
     ]
 
 
@@ -89,7 +94,6 @@ def test_an_optimizer_step_drops_only_the_kept_parameters_it_holds():
     assert result["ours_resharding_kept"] == [[False, False]] * 4
     # the second model's forwards after its first take its kept parameters: one forward graph gathers nothing
     assert [] in result["ours_forwards"] and [] not in result["ours_resharding_forwards"]
-
 
 
 def test_cpu_offload_policy_trains_as_fully_shard_on_a_cpu_mesh():
@@ -146,8 +150,15 @@ def test_explicit_prefetch_lists_steer_the_scheduler(fake_pg):
 
 @pytest.mark.parametrize(
     "variant, world_size",
-    [("every_step", 2), ("accumulating_unsynced", 2), ("hsdp", 4), ("hsdp_partial", 4), ("bf16", 2),
-     ("blocks_hooked", 2), ("activation_checkpointing", 2)],
+    [
+        ("every_step", 2),
+        ("accumulating_unsynced", 2),
+        ("hsdp", 4),
+        ("hsdp_partial", 4),
+        ("bf16", 2),
+        ("blocks_hooked", 2),
+        ("activation_checkpointing", 2),
+    ],
 )
 def test_optimizer_in_backward_by_post_accumulate_grad_hooks_trains_as_fully_shard(variant, world_size):
     """FSDP2's optimizer in backward: an optimizer per sharded parameter, stepped (and its gradient cleared) by a
@@ -199,8 +210,10 @@ def test_gradient_divide_factor_sums_scaled_gradients():
             assert torch.equal(grads[factor][k], g * scale), (factor, k)
 
 
-@pytest.mark.parametrize("reduce_dtype,force_sum,hsdp",
-                         [(torch.float32, True, False), (torch.float64, False, False), (torch.float32, True, True)])
+@pytest.mark.parametrize(
+    "reduce_dtype,force_sum,hsdp",
+    [(torch.float32, True, False), (torch.float64, False, False), (torch.float32, True, True)],
+)
 def test_sum_only_reductions_as_fully_shard(reduce_dtype, force_sum, hsdp):
     """FSDP2's divide rule with a divide factor of 3: `set_force_sum_reduction_for_comms(True)` sums (HSDP: the
     reduce-scatter and the all-reduce), then divides by 3; a reduce dtype other than fp32 / bf16 (fp16's overflow
@@ -260,9 +273,11 @@ def test_every_fully_shard_method_exists_and_says_what_it_does_here(fake_pg):
     assert all(info.force_sum_reduction for info in model._param_infos(recurse=False))
     with pytest.raises(TypeError, match=r"set_force_sum_reduction_for_comms\(enable=1\): use True or False"):
         model.set_force_sum_reduction_for_comms(1)
-    for call, what in ((lambda: model.set_all_reduce_hook(print), "post-accumulate-grad hook"),
-                       (lambda: model.set_custom_all_gather(None), "inserts and buckets the all-gathers"),
-                       (lambda: model.set_reduce_scatter_unused_params(True), "the same parameters")):
+    for call, what in (
+        (lambda: model.set_all_reduce_hook(print), "post-accumulate-grad hook"),
+        (lambda: model.set_custom_all_gather(None), "inserts and buckets the all-gathers"),
+        (lambda: model.set_reduce_scatter_unused_params(True), "the same parameters"),
+    ):
         with pytest.raises(NotImplementedError, match=f"ShardedLinear.*not supported by fsdp2_compile.*{what}"):
             call()
 
@@ -283,6 +298,9 @@ def test_reset_iter_state_on_a_submodule_names_the_root(fake_pg):
     fc.shard(model[0])
     fc.shard(model)
     model.reset_iter_state()
-    with pytest.raises(RuntimeError, match=r"ShardedLinear.reset_iter_state must be called on the root .*inside "
-                                           r"ShardedSequential: call it on the outermost module passed to shard"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"ShardedLinear.reset_iter_state must be called on the root .*inside "
+        r"ShardedSequential: call it on the outermost module passed to shard",
+    ):
         model[0].reset_iter_state()

@@ -6,12 +6,12 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from fsdp2_compile.compiler.pipeline import PassContext, run_pipeline
+from fsdp2_compile.compiler.report import collectives
 from fsdp2_compile.config import CompileConfig
 from fsdp2_compile.core.graph import PARAMS
 from fsdp2_compile.core.ops import REDUCE_GRAD, UNSHARD, ParamSpec
 from fsdp2_compile.passes import bucket_collectives, lower_reduce_grad, lower_unshard, reorder_for_overlap, schedule
-from fsdp2_compile.compiler.pipeline import PassContext, run_pipeline
-from fsdp2_compile.compiler.report import collectives
 
 funcol = torch.ops._c10d_functional
 AG, RS, WAIT = funcol.all_gather_into_tensor.default, funcol.reduce_scatter_tensor.default, funcol.wait_tensor.default
@@ -97,8 +97,13 @@ def test_reorder_prefetches_one_bucket_ahead_and_waits_right_before_first_use(fa
     nodes, gathers, first_compute = positions_of(gm)
     b0, b1, b2 = (nodes.index(g) for g in gathers)
     assert b0 < first_compute and b1 < first_compute  # b1's gather starts before b0's compute
-    mm_b1 = next(i for i, n in enumerate(nodes) if n.target is torch.ops.aten.mm.default and i > b1 and any(
-        a.meta.get(PARAMS) == ("b1.w",) for a in n.all_input_nodes))
+    mm_b1 = next(
+        i
+        for i, n in enumerate(nodes)
+        if n.target is torch.ops.aten.mm.default
+        and i > b1
+        and any(a.meta.get(PARAMS) == ("b1.w",) for a in n.all_input_nodes)
+    )
     assert b2 < mm_b1  # b2's gather starts before b1's compute
     for wait in (n for n in nodes if n.target is WAIT):
         first_use = min(nodes.index(u) for u in wait.users)
@@ -191,8 +196,8 @@ def test_schedules_are_identical_for_identical_inputs_and_simulated(fake_pg):
 
 
 def test_scheduler_never_picks_an_order_it_estimates_slower(fake_pg):
-    from fsdp2_compile.core.hardware import PROFILES
     from fsdp2_compile.compiler.cost_model import simulate
+    from fsdp2_compile.core.hardware import PROFILES
 
     for name, profile in PROFILES.items():
         ctx = PassContext("forward", profile=profile)
@@ -213,8 +218,8 @@ def test_scheduler_restores_the_structural_order_when_its_own_is_estimated_slowe
     import dataclasses
     import importlib
 
-    from fsdp2_compile.core.hardware import PROFILES
     from fsdp2_compile.compiler.cost_model import simulate
+    from fsdp2_compile.core.hardware import PROFILES
 
     schedule_module = importlib.import_module("fsdp2_compile.passes.schedule")
 
@@ -239,14 +244,16 @@ def test_scheduler_restores_the_structural_order_when_its_own_is_estimated_slowe
 def test_hsdp_reduce_scatter_then_all_reduce_per_bucket_overlapping_the_next_gradient(fake_pg):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from fsdp2_compile.core.hardware import PROFILES
     from fsdp2_compile.compiler.cost_model import collective_time
+    from fsdp2_compile.core.hardware import PROFILES
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     shard_group, replicas = mesh.get_group("shard").group_name, mesh.get_group("replicate").group_name
 
     def f(g0, g1, g2, x):
-        grad = lambda g, name, bucket: REDUCE_GRAD(torch.relu(g), 8, 2, shard_group, fp32, fp32, name, bucket, 2, replicas)
+        def grad(g, name, bucket):
+            return REDUCE_GRAD(torch.relu(g), 8, 2, shard_group, fp32, fp32, name, bucket, 2, replicas)
+
         return grad(g0, "b1.a", "b1"), grad(g1, "b1.b", "b1"), grad(g2, "b0.w", "b0"), torch.relu(x)
 
     t = torch.randn(16, 3)
@@ -282,8 +289,8 @@ def test_cost_model_prefetches_only_as_far_as_hides_the_gather(fake_pg):
     Where communication is slow (1 Gbit/s), one bucket's compute does not hide it and both orders are the same."""
     import dataclasses
 
-    from fsdp2_compile.core.hardware import PROFILES
     from fsdp2_compile.compiler.cost_model import simulate
+    from fsdp2_compile.core.hardware import PROFILES
 
     slow_compute = dataclasses.replace(PROFILES["cpu-gloo-loopback"], name="slow-compute", flops_per_s=1e6)
     for profile, differs in ((slow_compute, True), (PROFILES["cpu-gloo-1gbit"], False)):

@@ -9,9 +9,12 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from fsdp2_compile.core.graph import PARAMS, ROLE
-from fsdp2_compile.core.ops import REDUCE_GRAD, UNSHARD, ParamSpec
+from fsdp2_compile.compiler.pass_api import Fact, PassOrderError, check_contracts, provides, requires
+from fsdp2_compile.compiler.pipeline import PASSES, PassContext, run_pipeline
+from fsdp2_compile.compiler.rank_consistency import graph_groups
+from fsdp2_compile.compiler.report import collectives
 from fsdp2_compile.config import CompileConfig
+from fsdp2_compile.core.graph import PARAMS, ROLE
 from fsdp2_compile.core.ir import (
     AllGatherArgs,
     CollectiveArgs,
@@ -22,7 +25,7 @@ from fsdp2_compile.core.ir import (
     collective_kind,
     nbytes,
 )
-from fsdp2_compile.compiler.pass_api import Fact, PassOrderError, check_contracts, provides, requires
+from fsdp2_compile.core.ops import REDUCE_GRAD, UNSHARD, ParamSpec
 from fsdp2_compile.passes import (
     bucket_collectives,
     combine_tied_grads,
@@ -30,9 +33,6 @@ from fsdp2_compile.passes import (
     lower_reduce_grad,
     lower_unshard,
 )
-from fsdp2_compile.compiler.pipeline import PASSES, PassContext, run_pipeline
-from fsdp2_compile.compiler.rank_consistency import graph_groups
-from fsdp2_compile.compiler.report import collectives
 
 aten = torch.ops.aten
 funcol = torch.ops._c10d_functional
@@ -101,8 +101,10 @@ def test_an_offloaded_shard_is_copied_to_the_compute_device_and_its_gradient_bac
         full = UNSHARD(shard, ParamSpec(32, 4, fake_pg, bf16, fp32, "w", "", True, compute_device=device))
         return REDUCE_GRAD(full * 2, 8, 4, fake_pg, fp32, fp32, "w", "", 1, "", out_device=shard.device)
 
-    gm = lower_reduce_grad(lower_unshard(make_fx(f, tracing_mode="fake")(torch.randn(8, 3)), PassContext("forward")),
-                           PassContext("backward"))
+    gm = lower_reduce_grad(
+        lower_unshard(make_fx(f, tracing_mode="fake")(torch.randn(8, 3)), PassContext("forward")),
+        PassContext("backward"),
+    )
     to_device = [n for n in calls(gm) if n.meta.get(ROLE) == Role.TO_DEVICE]
     assert [n.meta["val"].device.type for n in to_device] == ["meta", "cpu"]
     first, last = to_device
@@ -147,9 +149,14 @@ def test_a_two_rank_reduce_scatter_on_gloo_becomes_an_all_to_all_and_a_local_sum
     before = collectives(gm)
     gm = module.reduce_scatter_by_all_to_all(gm, ctx)
     assert collectives(gm) == before  # the same reduce-scatter, counted alike
-    expected = [funcol.all_to_all_single.default, funcol.wait_tensor.default, aten.slice.Tensor, aten.slice.Tensor,
-                aten.add.Tensor] + ([aten.div.Tensor] if op == "avg" else [])
-    assert targets(gm)[-len(expected) - 1:-1] == expected
+    expected = [
+        funcol.all_to_all_single.default,
+        funcol.wait_tensor.default,
+        aten.slice.Tensor,
+        aten.slice.Tensor,
+        aten.add.Tensor,
+    ] + ([aten.div.Tensor] if op == "avg" else [])
+    assert targets(gm)[-len(expected) - 1 : -1] == expected
     a2a = next(n for n in calls(gm) if n.target is funcol.all_to_all_single.default)
     assert a2a.args[1:3] == ([3, 3], [3, 3]) and a2a.meta[ROLE] == Role.REDUCE_SCATTER
     assert tuple(calls(gm)[-1].meta["val"].shape) == (3, 5)
@@ -181,7 +188,9 @@ def test_combine_tied_grads_reduces_the_sum_once(fake_pg):
 
 def test_combine_tied_grads_leaves_different_parameters_alone(fake_pg):
     def f(a, b):
-        return REDUCE_GRAD(a, 3, 4, fake_pg, fp32, fp32, "x", "", 1, "") + REDUCE_GRAD(b, 3, 4, fake_pg, fp32, fp32, "y", "", 1, "")
+        return REDUCE_GRAD(a, 3, 4, fake_pg, fp32, fp32, "x", "", 1, "") + REDUCE_GRAD(
+            b, 3, 4, fake_pg, fp32, fp32, "y", "", 1, ""
+        )
 
     x = torch.randn(10, 4)
     gm = combine_tied_grads(make_fx(f, tracing_mode="fake")(x, x), PassContext("backward"))
@@ -250,8 +259,11 @@ def test_a_misordered_pass_list_is_refused_with_a_clear_message(fake_pg):
     """Bucketing before lowering (and a pipeline that reorders after choosing the final order) are refused before
     any pass runs, naming the pass, what it lacks and which pass provides it."""
     misordered = [combine_tied_grads, bucket_collectives, lower_unshard, lower_reduce_grad]
-    with pytest.raises(PassOrderError, match=r"pass #1 bucket_collectives requires 'reduce_grad_lowered', "
-                                             r"'unshard_lowered'.*'unshard_lowered' is provided by lower_unshard"):
+    with pytest.raises(
+        PassOrderError,
+        match=r"pass #1 bucket_collectives requires 'reduce_grad_lowered', "
+        r"'unshard_lowered'.*'unshard_lowered' is provided by lower_unshard",
+    ):
         check_contracts(misordered)
     gm = make_fx(lambda x: (x * 2).sum(), tracing_mode="fake")(torch.randn(3))
     before = str(gm.graph)
@@ -321,15 +333,24 @@ def test_inserted_nodes_get_the_fake_values_the_fake_mode_would_give():
     aten, c10d = torch.ops.aten, torch.ops._c10d_functional
     mode = FakeTensorMode()
     with mode:
-        table, a, b = torch.empty(2, 96), torch.empty(3, 8, dtype=torch.bfloat16), torch.empty(5, 8, dtype=torch.bfloat16)
+        table, a, b = (
+            torch.empty(2, 96),
+            torch.empty(3, 8, dtype=torch.bfloat16),
+            torch.empty(5, 8, dtype=torch.bfloat16),
+        )
         cols = table[:, 16:48]
     calls = [
-        (aten.view.default, (a, [-1]), {}), (aten.slice.Tensor, (table, 1, 16, 48), {}),
-        (aten.clone.default, (cols,), {"memory_format": torch.contiguous_format}), (aten.view.default, (table, [4, 48]), {}),
-        (aten.cat.default, ([a.view(-1), b.view(-1)],), {}), (c10d.all_gather_into_tensor.default, (a, 4, "g"), {}),
-        (c10d.reduce_scatter_tensor.default, (b.view(-1), "avg", 2, "g"), {}), (c10d.wait_tensor.default, (a,), {}),
+        (aten.view.default, (a, [-1]), {}),
+        (aten.slice.Tensor, (table, 1, 16, 48), {}),
+        (aten.clone.default, (cols,), {"memory_format": torch.contiguous_format}),
+        (aten.view.default, (table, [4, 48]), {}),
+        (aten.cat.default, ([a.view(-1), b.view(-1)],), {}),
+        (c10d.all_gather_into_tensor.default, (a, 4, "g"), {}),
+        (c10d.reduce_scatter_tensor.default, (b.view(-1), "avg", 2, "g"), {}),
+        (c10d.wait_tensor.default, (a,), {}),
         (torch.ops.prims.convert_element_type.default, (a, torch.float32), {}),
-        (aten.constant_pad_nd.default, (b, [0, 0, 0, 3]), {}), (aten.mul.Tensor, (a, 0.5), {}),
+        (aten.constant_pad_nd.default, (b, [0, 0, 0, 3]), {}),
+        (aten.mul.Tensor, (a, 0.5), {}),
         (aten.div.Tensor, (cols, 3.0), {}),
         (torch.ops.fsdp2.reduce_grad.default, (b, 3, 2, "g", torch.float32, torch.bfloat16, "w", "", 1, ""), {}),
     ]
@@ -341,11 +362,15 @@ def test_inserted_nodes_get_the_fake_values_the_fake_mode_would_give():
         describe = lambda t: (type(t), t.shape, t.stride(), t.storage_offset(), t.dtype, t.device, t.fake_mode)  # noqa: E731
         assert describe(fast) == describe(slow), op
         first = args[0] if isinstance(args[0], torch.Tensor) else None
-        shares = lambda t: first is not None and t.untyped_storage()._cdata == first.untyped_storage()._cdata  # noqa: E731
-        assert shares(fast) == (op in (aten.view.default, aten.slice.Tensor)), op
+        shares = first is not None and fast.untyped_storage()._cdata == first.untyped_storage()._cdata
+        assert shares == (op in (aten.view.default, aten.slice.Tensor)), op
     offloaded = (b, 3, 2, "g", torch.float32, torch.bfloat16, "w", "", 1, "")
-    assert fake_output_by_meta_kernel(_META_OUTPUTS[torch.ops.fsdp2.reduce_grad.default], offloaded,
-                                      {"out_device": torch.device("meta")}) is None  # a device named: the op's own fake
+    assert (
+        fake_output_by_meta_kernel(
+            _META_OUTPUTS[torch.ops.fsdp2.reduce_grad.default], offloaded, {"out_device": torch.device("meta")}
+        )
+        is None
+    )  # a device named: the op's own fake
     with FakeTensorMode():
         other = torch.empty(4)
     assert fake_output_by_meta_kernel(aten.cat.default, ([a.view(-1), other],), {}) is None  # two modes' tensors

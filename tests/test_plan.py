@@ -15,10 +15,10 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import cli_factories  # noqa: E402
 
+from fsdp2_compile.cli.model_loading import call_factory, fake_group  # noqa: E402
 from fsdp2_compile.debug.sizes import size_text  # noqa: E402
 from fsdp2_compile.planner.plan import Layout, make_plan  # noqa: E402
 from fsdp2_compile.planner.trace import trace_step  # noqa: E402
-from fsdp2_compile.cli.model_loading import call_factory, fake_group  # noqa: E402
 
 T, D, H = 8, 8, 32  # tokens (batch 2 x seq 4), width, hidden width
 F32 = 4
@@ -140,11 +140,26 @@ def test_a_factory_without_layers_is_cut_by_the_planner():
 def test_json_keys_and_peak():
     plan = _plan(cli_factories.tiny_plain_meta, ac="full")
     out = plan.to_json()
-    for key in ("world_size", "per_rank_bytes", "comm_bytes_per_step", "step_time_s", "exposed_comm_s",
-                "tokens_per_s_per_rank", "mfu", "assumptions"):
+    for key in (
+        "world_size",
+        "per_rank_bytes",
+        "comm_bytes_per_step",
+        "step_time_s",
+        "exposed_comm_s",
+        "tokens_per_s_per_rank",
+        "mfu",
+        "assumptions",
+    ):
         assert key in out
-    assert set(out["per_rank_bytes"]) >= {"params", "grads", "optimizer", "gathered_peak", "activations", "peak",
-                                          "total"}
+    assert set(out["per_rank_bytes"]) >= {
+        "params",
+        "grads",
+        "optimizer",
+        "gathered_peak",
+        "activations",
+        "peak",
+        "total",
+    }
     for key in ("step_time_s", "exposed_comm_s", "tokens_per_s_per_rank", "mfu"):
         assert set(out[key]) == {"h100-nvlink"}
     assert out["assumptions"]["attention"] == "fused" and out["assumptions"]["ac"] == "full"
@@ -179,13 +194,17 @@ def test_plan_against_the_2_rank_run_measured_here():
     come from the benchmark and the plan is deterministic. Bounds: the planner's 15% target, on time, memory and step time
     over compute alone (measured 1.15 and 1.42: the ratio that the machine's own speed drift between runs cancels)."""
     with fake_group(2):
-        plan = make_plan(cli_factories.gpt_bench, Layout(2), call=call_factory,
-                         profiles=["cpu-gloo-loopback", "cpu-gloo-1gbit"])
+        plan = make_plan(
+            cli_factories.gpt_bench, Layout(2), call=call_factory, profiles=["cpu-gloo-loopback", "cpu-gloo-1gbit"]
+        )
     measured = {"cpu-gloo-loopback": (2.912, 1304, 1.15), "cpu-gloo-1gbit": (3.616, 1307, 1.42)}
     ratios = []
     for profile, (step_s, rss_mib, over_compute) in measured.items():
-        ratios += [plan.step_time_s[profile] / step_s, plan.peak_reserved_bytes[profile] / (rss_mib * 2**20),
-                   plan.step_time_s[profile] / sum(plan.compute_s[profile].values()) / over_compute]
+        ratios += [
+            plan.step_time_s[profile] / step_s,
+            plan.peak_reserved_bytes[profile] / (rss_mib * 2**20),
+            plan.step_time_s[profile] / sum(plan.compute_s[profile].values()) / over_compute,
+        ]
     assert all(0.85 <= r <= 1.15 for r in ratios), ratios
 
 
@@ -277,9 +296,9 @@ def test_selective_unsharding_plans_what_the_pipeline_compiles():
     compiler keeps when it compiles the whole model with the same setting, and its bytes per step are that
     compile's; the bytes it saves are the kept buckets' backward all-gathers, and the step is no slower."""
     from fsdp2_compile.api import make_backend
+    from fsdp2_compile.compiler.report import clear_compiled_graphs, compiled_graphs
     from fsdp2_compile.config import CompileConfig
     from fsdp2_compile.planner.plan import shard_for_plan, wire_bytes
-    from fsdp2_compile.compiler.report import clear_compiled_graphs, compiled_graphs
 
     plain, kept = _plan(tiny_layers), _plan(tiny_layers, keep_gathered=0.25)
     with fake_group(8):

@@ -160,13 +160,21 @@ def test_input_on_the_wrong_device_is_named(case, words):
         assert messages["good_input_after_errors"] == "ok"
 
 
-@pytest.mark.parametrize("case, name", [
-    ("replaced_before_compile", "fc.weight"), ("replaced_after_compile", "fc2.weight"), ("replaced_eager", "fc.weight"),
-])
+@pytest.mark.parametrize(
+    "case, name",
+    [
+        ("replaced_before_compile", "fc.weight"),
+        ("replaced_after_compile", "fc2.weight"),
+        ("replaced_eager", "fc.weight"),
+    ],
+)
 def test_parameter_replaced_after_shard_is_named(case, name):
     for messages in bad_input_messages():
         assert messages[case].startswith("TypeError"), messages[case]
-        assert f"parameter '{name}' was replaced" in messages[case] and "before calling fsdp2_compile.shard" in messages[case]
+        assert (
+            f"parameter '{name}' was replaced" in messages[case]
+            and "before calling fsdp2_compile.shard" in messages[case]
+        )
 
 
 def test_parameter_used_on_one_rank_only_fails_on_every_rank_naming_it():

@@ -149,7 +149,9 @@ def test_hsdp_mesh_replicates_over_dim_0_and_shards_over_dim_1(fake_pg):
 
 
 def test_two_dim_mesh_without_dim_names_is_refused(fake_pg):
-    with pytest.raises(ValueError, match=r"2-D mesh \(2, 2\) without dim names.*mesh_dim_names=\(\"replicate\", \"shard\"\)"):
+    with pytest.raises(
+        ValueError, match=r"2-D mesh \(2, 2\) without dim names.*mesh_dim_names=\(\"replicate\", \"shard\"\)"
+    ):
         fc.shard(nn.Linear(4, 4), init_device_mesh("cpu", (2, 2)))
 
 
@@ -191,8 +193,11 @@ def test_default_reshard_after_forward_keeps_the_root_as_fully_shard_does(fake_p
     for root_kwargs in ({}, {"reshard_after_forward": True}):
         reference = built(fully_shard, **root_kwargs)
         reference(torch.zeros(2, 4))  # fully_shard decides the root at its first forward
-        groups = {name: m._get_fsdp_state()._fsdp_param_group for name, m in reference.named_modules()
-                  if hasattr(m, "_get_fsdp_state")}
+        groups = {
+            name: m._get_fsdp_state()._fsdp_param_group
+            for name, m in reference.named_modules()
+            if hasattr(m, "_get_fsdp_state")
+        }
         expected = {name: g.post_forward_mesh_info is not None for name, g in groups.items()}
         assert expected == {"": bool(root_kwargs), "1": True, "1.0": True}
         assert _group_reshards(built(fc.shard, **root_kwargs)) == expected

@@ -22,6 +22,8 @@ def test_hundreds_of_steps_under_malloc_perturb_match_fully_shard_bitwise():
     mine, ref = ours["result"], eager["result"]
     assert len(mine["losses"]) == len(ref["losses"]) == STEPS
     differ = [i for i, (a, b) in enumerate(zip(mine["losses"], ref["losses"])) if a != b]
-    assert not differ, f"losses differ from fully_shard from step {differ[0]}: {mine['losses'][differ[0]]} vs {ref['losses'][differ[0]]}"
+    assert not differ, (
+        f"losses differ from fully_shard from step {differ[0]}: {mine['losses'][differ[0]]} vs {ref['losses'][differ[0]]}"
+    )
     (_, counts_early), (_, counts_end) = mine["marks"][100], mine["marks"][STEPS]
     assert counts_early == counts_end == (1, 1, 0)  # one forward and one backward graph, no recompiles

@@ -37,7 +37,10 @@ def test_fsdp_tp_matches_fully_shard_bitwise_and_a_single_process(name):
     # the placements fully_shard gives: dp sharding on top of TP's, strided where TP also shards dim 0
     assert r["placements"] == r["fsdp2_placements"]
     if name == "llama":
-        q, o = r["placements"]["model.layers.0.self_attn.q_proj.weight"], r["placements"]["model.layers.0.self_attn.o_proj.weight"]
+        q, o = (
+            r["placements"]["model.layers.0.self_attn.q_proj.weight"],
+            r["placements"]["model.layers.0.self_attn.o_proj.weight"],
+        )
         assert q == (("dp", "tp"), ("_S(0, 2)", "S(0)"))  # _StridedShard(0, split_factor=2), Shard(0)
         assert o == (("dp", "tp"), ("S(0)", "S(1)"))
 

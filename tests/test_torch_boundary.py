@@ -132,7 +132,9 @@ def test_no_private_torch_outside_boundary():
         for f in _scanned_files()
         for line, path in private_torch_uses(f.read_text())
     ]
-    assert not uses, "private torch APIs used outside fsdp2_compile/_torch_private.py (wrap them there):\n" + "\n".join(uses)
+    assert not uses, "private torch APIs used outside fsdp2_compile/_torch_private.py (wrap them there):\n" + "\n".join(
+        uses
+    )
 
 
 def test_scan_finds_every_form():
@@ -207,8 +209,9 @@ def test_import_checks_the_installed_torch(allow):
     if allow:
         env["FSDP2_COMPILE_ALLOW_UNSUPPORTED_TORCH"] = "1"
     code = "import torch; torch.__version__ = '2.14.0'; import fsdp2_compile._torch_private"
-    done = subprocess.run([sys.executable, "-W", "always", "-c", code], env=env, capture_output=True, text=True,
-                          timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-W", "always", "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
     assert "torch 2.14.0 is not supported" in done.stderr, done.stderr
     assert done.returncode == (0 if allow else 1), done.stderr
     assert ("UnsupportedTorchError" in done.stderr) is not allow

@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import fsdp2_compile as fc
+
 shard_module = __import__("importlib").import_module("fsdp2_compile.runtime.sharding")
 
 MESH_GROUPS = shard_module._mesh_groups
@@ -53,8 +54,13 @@ def refused(net: nn.Module, mesh, *patterns: str) -> None:
 
 def test_the_tp_mesh_passed_instead_of_the_dp_mesh(fake8):
     mesh = init_device_mesh("cpu", (4, 2), mesh_dim_names=("dp", "tp"))
-    refused(tp_net(mesh["tp"]), mesh["tp"], "tensor-parallel mesh (tp=2)", "shard's mesh (tp=2) has the same dim ['tp']",
-            "shard(module, mesh['dp'])")
+    refused(
+        tp_net(mesh["tp"]),
+        mesh["tp"],
+        "tensor-parallel mesh (tp=2)",
+        "shard's mesh (tp=2) has the same dim ['tp']",
+        "shard(module, mesh['dp'])",
+    )
     # the whole 2-D mesh: it contains the TP dim too
     refused(tp_net(mesh["tp"]), mesh, "shard's mesh (dp=4, tp=2) has the same dim ['tp']")
 
@@ -63,8 +69,14 @@ def test_a_dp_mesh_that_overlaps_the_tp_mesh(fake8):
     mesh = init_device_mesh("cpu", (4, 2), mesh_dim_names=("dp", "tp"))
     # another init_device_mesh over the same ranks, laid out the other way: its "dp" groups are mesh's tp pairs
     other = init_device_mesh("cpu", (2, 4), mesh_dim_names=("x", "dp"))
-    refused(tp_net(mesh["tp"]), other["dp"], "tensor-parallel mesh (tp=2)", "shard's mesh (dp=4) does not extend",
-            "they overlap", RECIPE)
+    refused(
+        tp_net(mesh["tp"]),
+        other["dp"],
+        "tensor-parallel mesh (tp=2)",
+        "shard's mesh (dp=4) does not extend",
+        "they overlap",
+        RECIPE,
+    )
     # the TP mesh under another name
     same_ranks = init_device_mesh("cpu", (4, 2), mesh_dim_names=("a", "dp"))
     refused(tp_net(mesh["tp"]), same_ranks["dp"], "does not extend", "they overlap")
@@ -75,8 +87,14 @@ def test_a_dp_mesh_over_other_ranks_than_the_tp_mesh(fake8):
         pytest.skip("a rank outside the 4-rank TP mesh holds no TP model")
     small = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))  # ranks 0-3 only
     whole = init_device_mesh("cpu", (8,), mesh_dim_names=("dp",))
-    refused(tp_net(small["tp"]), whole, "tensor-parallel mesh (tp=2)", "shard's mesh (dp=8) does not extend",
-            "meshes over different ranks", RECIPE)
+    refused(
+        tp_net(small["tp"]),
+        whole,
+        "tensor-parallel mesh (tp=2)",
+        "shard's mesh (dp=8) does not extend",
+        "meshes over different ranks",
+        RECIPE,
+    )
 
 
 def test_the_default_mesh_with_tp_parameters(fake8):
@@ -99,13 +117,19 @@ def test_partial_placements(fake8):
     mesh = init_device_mesh("cpu", (4, 2), mesh_dim_names=("dp", "tp"))
     net = tp_net(mesh["tp"])
     net[0].weight = nn.Parameter(distribute_tensor(torch.ones(8, 8), mesh["tp"], [Partial()]))
-    refused(net, mesh["dp"], "placements (Partial(sum),)", "cannot be sharded over shard's mesh (dp=4)",
-            "Shard or Replicate")
+    refused(
+        net,
+        mesh["dp"],
+        "placements (Partial(sum),)",
+        "cannot be sharded over shard's mesh (dp=4)",
+        "Shard or Replicate",
+    )
 
 
 def test_a_2d_tp_mesh(fake8):
     mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("dp", "tp", "cp"))
     net = tp_net(mesh["tp"])
     net[0].weight = nn.Parameter(distribute_tensor(torch.ones(8, 8), mesh["tp", "cp"], [Shard(0), Shard(1)]))
-    refused(net, mesh["dp"], "tensor-parallel mesh (tp=2, cp=2)", "a 2-D mesh", "1-D tensor parallelism only",
-            "mesh['tp']")
+    refused(
+        net, mesh["dp"], "tensor-parallel mesh (tp=2, cp=2)", "a 2-D mesh", "1-D tensor parallelism only", "mesh['tp']"
+    )

@@ -58,7 +58,9 @@ def test_hsdp_plus_tp_on_8_ranks_matches_fully_shard_and_a_single_process():
         assert torch.equal(ours["grads"][k], g), k
     assert ours["placements"] == fsdp2["placements"]
     assert ours["placements"]["model.layers.0.self_attn.q_proj.weight"] == (
-        ("replicate", "shard", "tp"), ("R", "_S(0, 2)", "S(0)"))
+        ("replicate", "shard", "tp"),
+        ("R", "_S(0, 2)", "S(0)"),
+    )
     ref_losses, ref_grads = hsdp_reference()
     torch.testing.assert_close(ours["losses"], ref_losses, rtol=1e-5, atol=0)
     for k, g in ref_grads.items():

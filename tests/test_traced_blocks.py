@@ -88,9 +88,9 @@ def test_aotautograd_traces_one_gather_op_per_block_call_and_the_passes_see_one_
 
     import fsdp2_compile as fc
     from fsdp2_compile.compiler import backend
+    from fsdp2_compile.compiler.report import clear_compiled_graphs, collectives, compiled_graphs
     from fsdp2_compile.core.grouped_unshard import REDUCE_GROUP, UNSHARD_GROUP
     from fsdp2_compile.core.ir import REDUCE_GRAD, UNSHARD
-    from fsdp2_compile.compiler.report import clear_compiled_graphs, collectives, compiled_graphs
 
     def count(gm, target):
         return len(gm.graph.find_nodes(op="call_function", target=target))
@@ -100,7 +100,9 @@ def test_aotautograd_traces_one_gather_op_per_block_call_and_the_passes_see_one_
 
     def counted(gm):
         groups = gm.graph.find_nodes(op="call_function", target=UNSHARD_GROUP)
-        seen.append(([len(g.args[0]) for g in groups], count(gm, UNSHARD), count(gm, REDUCE_GROUP), count(gm, REDUCE_GRAD)))
+        seen.append(
+            ([len(g.args[0]) for g in groups], count(gm, UNSHARD), count(gm, REDUCE_GROUP), count(gm, REDUCE_GRAD))
+        )
         split(gm)
         assert count(gm, UNSHARD_GROUP) == 0
 

@@ -119,7 +119,9 @@ def test_one_gather_per_parameter_one_reduce_scatter_per_trainable_parameter_and
     assert sum(c.nbytes for c in gathers) == sum(_padded_bytes(p.shape, 2, p.dtype) for p in managed.values())
     reductions = [c for c in bw["collectives"] if c.kind == "reduce_scatter"]
     assert sorted(p for c in reductions for p in c.params) == sorted(trainable)
-    assert sum(c.nbytes for c in reductions) == sum(_padded_bytes(managed[k].shape, 2, torch.float32) for k in trainable)
+    assert sum(c.nbytes for c in reductions) == sum(
+        _padded_bytes(managed[k].shape, 2, torch.float32) for k in trainable
+    )
     # with resharding, backward gathers again only parameters it needs, each once
     regathered = [p for c in bw["collectives"] if c.kind == "all_gather" for p in c.params]
     assert len(regathered) == len(set(regathered)) and set(regathered) <= set(trainable) | set(managed)
@@ -135,7 +137,13 @@ def test_without_resharding_gathered_parameters_are_kept_and_not_gathered_twice(
     assert fw["saved_gathered"]  # what backward needs is kept from forward
     assert result["live_after_forward"]  # ... and alive between forward and backward (what the measure sees)
     # and with resharding, the same model re-gathers in backward
-    assert [c for g in run("gpt", 2)["graphs"] if g["kind"] == "backward" for c in g["collectives"] if c.kind == "all_gather"]
+    assert [
+        c
+        for g in run("gpt", 2)["graphs"]
+        if g["kind"] == "backward"
+        for c in g["collectives"]
+        if c.kind == "all_gather"
+    ]
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -305,7 +313,11 @@ def test_ranks_recompiling_for_new_shapes_at_different_steps_do_not_wait_for_eac
     for step in range(4):
         x, y = batch("gpt", step)
         per_rank = [
-            loss_fn("gpt", model(local_slice(x, r, world)[:, : lengths[r][step]]), local_slice(y, r, world)[:, : lengths[r][step]])
+            loss_fn(
+                "gpt",
+                model(local_slice(x, r, world)[:, : lengths[r][step]]),
+                local_slice(y, r, world)[:, : lengths[r][step]],
+            )
             for r in range(world)
         ]
         sum(per_rank).div(world).backward()

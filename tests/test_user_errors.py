@@ -70,11 +70,14 @@ def test_hsdp_mesh_with_dims_named_shard_then_replicate(fake_pg):
         fc.shard(Net(), mesh)
 
 
-@pytest.mark.parametrize("value, exc, text", [
-    (3, ValueError, "must divide the shard group's size 4; use one of [1, 2, 4]"),
-    (0, ValueError, "reshard_after_forward=0"),
-    ("no", TypeError, "reshard_after_forward='no'"),
-])
+@pytest.mark.parametrize(
+    "value, exc, text",
+    [
+        (3, ValueError, "must divide the shard group's size 4; use one of [1, 2, 4]"),
+        (0, ValueError, "reshard_after_forward=0"),
+        ("no", TypeError, "reshard_after_forward='no'"),
+    ],
+)
 def test_reshard_after_forward_must_be_a_bool_or_a_divisor(fake_pg, value, exc, text):
     with raises(exc, text, "True"):
         fc.shard(Net(), reshard_after_forward=value)
@@ -170,21 +173,26 @@ def test_mp_policy_must_be_a_policy(fake_pg):
         fc.MixedPrecisionPolicy(cast_forward_inputs="yes")
 
 
-@pytest.mark.parametrize("kwargs, text", [
-    (dict(prefetch_depth=1.5), "prefetch_depth=1.5: use a whole number"),
-    (dict(prefetch_depth=-1), "prefetch_depth=-1"),
-    (dict(memory_budget_bytes=-100), "memory_budget_bytes=-100: use a positive number of bytes"),
-    (dict(memory_budget_bytes=0), "memory_budget_bytes=0"),
-    (dict(memory_budget_fraction=0.0), "memory_budget_fraction=0.0: use a fraction of the free memory in (0, 1]"),
-    (dict(memory_budget_fraction=1.5), "memory_budget_fraction=1.5"),
-    (dict(memory_budget_fraction="10%"), "memory_budget_fraction='10%'"),
-    (dict(memory_budget_fraction=0.2, memory_budget_bytes=1 << 30),
-     "set memory_budget_bytes or memory_budget_fraction, not both"),
-    (dict(buckets=True), "buckets=True"),
-    (dict(buckets=0), "buckets=0"),
-    (dict(compiler="xla"), "compiler='xla' is not one of"),
-    (dict(prefetch="no"), "prefetch='no': use True or False"),
-])
+@pytest.mark.parametrize(
+    "kwargs, text",
+    [
+        (dict(prefetch_depth=1.5), "prefetch_depth=1.5: use a whole number"),
+        (dict(prefetch_depth=-1), "prefetch_depth=-1"),
+        (dict(memory_budget_bytes=-100), "memory_budget_bytes=-100: use a positive number of bytes"),
+        (dict(memory_budget_bytes=0), "memory_budget_bytes=0"),
+        (dict(memory_budget_fraction=0.0), "memory_budget_fraction=0.0: use a fraction of the free memory in (0, 1]"),
+        (dict(memory_budget_fraction=1.5), "memory_budget_fraction=1.5"),
+        (dict(memory_budget_fraction="10%"), "memory_budget_fraction='10%'"),
+        (
+            dict(memory_budget_fraction=0.2, memory_budget_bytes=1 << 30),
+            "set memory_budget_bytes or memory_budget_fraction, not both",
+        ),
+        (dict(buckets=True), "buckets=True"),
+        (dict(buckets=0), "buckets=0"),
+        (dict(compiler="xla"), "compiler='xla' is not one of"),
+        (dict(prefetch="no"), "prefetch='no': use True or False"),
+    ],
+)
 def test_compile_config_fields(kwargs, text):
     with pytest.raises((ValueError, TypeError)) as info:
         fc.CompileConfig(**kwargs)
@@ -236,19 +244,26 @@ def test_parameter_replaced_after_shard(fake_pg):
         model(torch.randn(2, 8))
 
 
-@pytest.mark.parametrize("write, text", [
-    (lambda m: setattr(m.head.weight, "data", torch.zeros(3, 8)), "setting .data"),
-    (lambda m: m.head.weight.data.normal_(), ".normal_()"),
-    (lambda m: nn.init.zeros_(m.head.weight), ".zero_()"),
-    (lambda m: m.head.weight.copy_(torch.ones(3, 8)), ".copy_()"),
-    (lambda m: m.head.weight.__setitem__(0, 1.0), "item assignment"),
-    (lambda m: setattr(m.head.weight, "requires_grad", False), "setting .requires_grad"),
-])
+@pytest.mark.parametrize(
+    "write, text",
+    [
+        (lambda m: setattr(m.head.weight, "data", torch.zeros(3, 8)), "setting .data"),
+        (lambda m: m.head.weight.data.normal_(), ".normal_()"),
+        (lambda m: nn.init.zeros_(m.head.weight), ".zero_()"),
+        (lambda m: m.head.weight.copy_(torch.ones(3, 8)), ".copy_()"),
+        (lambda m: m.head.weight.__setitem__(0, 1.0), "item assignment"),
+        (lambda m: setattr(m.head.weight, "requires_grad", False), "setting .requires_grad"),
+    ],
+)
 def test_writing_a_gathered_parameter_is_refused(fake_pg, write, text):
     """`module.weight` of a sharded module is a gathered copy: a write would be lost silently."""
     model = fc.shard(Net())
-    with raises(RuntimeError, "parameter 'head.weight' of a sharded module is read as a gathered copy", text,
-                "fsdp2_compile.sharded_parameters()"):
+    with raises(
+        RuntimeError,
+        "parameter 'head.weight' of a sharded module is read as a gathered copy",
+        text,
+        "fsdp2_compile.sharded_parameters()",
+    ):
         write(model)
     with fc.sharded_parameters():  # what works: the shards, in place
         nn.init.zeros_(model.head.weight)
@@ -294,7 +309,11 @@ def test_optimizer_in_backward_with_sync_off_through_the_backend_route(fake_pg):
         p.register_post_accumulate_grad_hook(lambda p: None)
     compiled(torch.randn(2, 8))  # synced: the hooks run after the backward, with the reduced gradient
     model.set_requires_gradient_sync(False)
-    with raises(Exception, "parameter 'blocks.0.0.weight' has post-accumulate-grad hooks", "a zero gradient",
-                "fsdp2_compile.shard_compile(model)"):
+    with raises(
+        Exception,
+        "parameter 'blocks.0.0.weight' has post-accumulate-grad hooks",
+        "a zero gradient",
+        "fsdp2_compile.shard_compile(model)",
+    ):
         compiled(torch.randn(2, 8))
     torch._dynamo.reset()

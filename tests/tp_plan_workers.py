@@ -81,10 +81,15 @@ def sequence_parallel(rank: int, world_size: int, steps: int = 3) -> dict:
         _shard_all(model, model.layers, system, mesh["dp"], fc.CompileConfig())
         out = _train_tt(model, dp_rank, dp_size, steps, parallel=True)
         opt = out.pop("opt")
-        out["state_dict"] = {k: (tuple(map(str, v.placements)), _full(v).clone()) for k, v in model.state_dict().items()}
+        out["state_dict"] = {
+            k: (tuple(map(str, v.placements)), _full(v).clone()) for k, v in model.state_dict().items()
+        }
         names = {id(p): k for k, p in model.named_parameters()}
-        out["optim"] = {f"{names[id(p)]}.{s}": (tuple(map(str, v.placements)) if isinstance(v, DTensor) else (), _full(v).clone())
-                        for p, st in opt.state.items() for s, v in st.items()}
+        out["optim"] = {
+            f"{names[id(p)]}.{s}": (tuple(map(str, v.placements)) if isinstance(v, DTensor) else (), _full(v).clone())
+            for p, st in opt.state.items()
+            for s, v in st.items()
+        }
         result[system] = out
     return result
 
@@ -122,7 +127,9 @@ def hsdp_tp(rank: int, world_size: int, steps: int = 2) -> dict:
             loss = loss.detach().clone()
             dist.all_reduce(loss)
             losses.append(loss.item() / world_size)
-        placements = {k: (p.device_mesh.mesh_dim_names, tuple(map(str, p.placements))) for k, p in model.named_parameters()}
+        placements = {
+            k: (p.device_mesh.mesh_dim_names, tuple(map(str, p.placements))) for k, p in model.named_parameters()
+        }
         result[system] = dict(losses=losses, grads=grads, placements=placements)
     return result
 

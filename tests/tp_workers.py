@@ -22,8 +22,12 @@ from fsdp2_compile.compiler.report import clear_compiled_graphs, collectives, co
 
 STEPS = 3
 LLAMA_PLAN = {
-    "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(), "self_attn.v_proj": ColwiseParallel(),
-    "self_attn.o_proj": RowwiseParallel(), "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+    "self_attn.q_proj": ColwiseParallel(),
+    "self_attn.k_proj": ColwiseParallel(),
+    "self_attn.v_proj": ColwiseParallel(),
+    "self_attn.o_proj": RowwiseParallel(),
+    "mlp.gate_proj": ColwiseParallel(),
+    "mlp.up_proj": ColwiseParallel(),
     "mlp.down_proj": RowwiseParallel(),
 }
 GPT_PLAN = {"mlp.0": ColwiseParallel(), "mlp.2": RowwiseParallel()}
@@ -33,11 +37,14 @@ LLAMA_SP_PLAN = {
     "self_attn": PrepareModuleInput(
         input_kwarg_layouts={"hidden_states": Shard(1)}, desired_input_kwarg_layouts={"hidden_states": Replicate()}
     ),
-    "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(), "self_attn.v_proj": ColwiseParallel(),
+    "self_attn.q_proj": ColwiseParallel(),
+    "self_attn.k_proj": ColwiseParallel(),
+    "self_attn.v_proj": ColwiseParallel(),
     "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
     "post_attention_layernorm": SequenceParallel(),
     "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-    "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+    "mlp.gate_proj": ColwiseParallel(),
+    "mlp.up_proj": ColwiseParallel(),
     "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
 }
 """HF Llama with sequence-parallel norms: between the layers' matmuls the activations are split on the sequence."""
@@ -49,11 +56,17 @@ def _llama_sequence_parallel(model, layers, tp_mesh) -> None:
     the (tied, whole) head gathers the sequence back."""
     for layer in layers:
         parallelize_module(layer, tp_mesh, LLAMA_SP_PLAN)
-    parallelize_module(layers[0], tp_mesh, PrepareModuleInput(
-        input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True))
+    parallelize_module(
+        layers[0],
+        tp_mesh,
+        PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True),
+    )
     parallelize_module(model.model.norm, tp_mesh, SequenceParallel())
-    parallelize_module(model.lm_head, tp_mesh, PrepareModuleInput(
-        input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True))
+    parallelize_module(
+        model.lm_head,
+        tp_mesh,
+        PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True),
+    )
 
 
 def build(name: str, system: str, mesh=None, param_dtype=None):
@@ -103,8 +116,10 @@ def train(name: str, model, dp_rank: int = 0, dp_size: int = 1) -> tuple[list[fl
         loss = step_loss(name, model, step, dp_rank, dp_size)
         loss.backward()
         if step == 0:
-            grads = {k: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).float().clone()
-                     for k, p in model.named_parameters()}
+            grads = {
+                k: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).float().clone()
+                for k, p in model.named_parameters()
+            }
         opt.step()
         opt.zero_grad()
         loss = loss.detach().float().clone()
@@ -126,14 +141,18 @@ def tp_parity(rank: int, world_size: int, name: str, param_dtype=None) -> dict:
         model = build(name, system, mesh, param_dtype)
         out[system] = train(name, model, dp_rank, dp_size)
         if system == "ours":
-            out["placements"] = {k: (p.device_mesh.mesh_dim_names, tuple(map(str, p.placements)))
-                                 for k, p in model.named_parameters()}
-            out["sizes"] = [(p.numel(), p.to_local().numel(), any(pl.is_shard() for pl in p.placements[1:]))
-                            for p in model.parameters()]
+            out["placements"] = {
+                k: (p.device_mesh.mesh_dim_names, tuple(map(str, p.placements))) for k, p in model.named_parameters()
+            }
+            out["sizes"] = [
+                (p.numel(), p.to_local().numel(), any(pl.is_shard() for pl in p.placements[1:]))
+                for p in model.parameters()
+            ]
             out["graphs"] = [(r.kind, [(c.kind, bool(c.params)) for c in collectives(r.gm)]) for r in compiled_graphs()]
         else:
-            out["fsdp2_placements"] = {k: (p.device_mesh.mesh_dim_names, tuple(map(str, p.placements)))
-                                       for k, p in model.named_parameters()}
+            out["fsdp2_placements"] = {
+                k: (p.device_mesh.mesh_dim_names, tuple(map(str, p.placements))) for k, p in model.named_parameters()
+            }
     return out
 
 

@@ -45,9 +45,15 @@ def _saved_gathered_params(fw: torch.fx.GraphModule) -> list[str]:
     """Forward outputs (saved for backward) that are a gathered parameter, possibly through views/casts and through
     the subgraph of a block traced once (an output of its `invoke_subgraph` call that is one of its inputs)."""
     passthrough = {
-        torch.ops.aten.t.default, torch.ops.aten.view.default, torch.ops.aten.slice.Tensor,
-        torch.ops.aten.permute.default, torch.ops.aten.transpose.int, torch.ops.prims.convert_element_type.default,
-        torch.ops.aten._to_copy.default, torch.ops.aten.alias.default, torch.ops.aten.clone.default,
+        torch.ops.aten.t.default,
+        torch.ops.aten.view.default,
+        torch.ops.aten.slice.Tensor,
+        torch.ops.aten.permute.default,
+        torch.ops.aten.transpose.int,
+        torch.ops.prims.convert_element_type.default,
+        torch.ops.aten._to_copy.default,
+        torch.ops.aten.alias.default,
+        torch.ops.aten.clone.default,
     }
 
     def origin(node):
@@ -83,11 +89,15 @@ def _live_unsharded(model, opt) -> list[tuple[int, ...]]:
     opt_state = [v for s in opt.state.values() for k, v in s.items() if k != "step"]
     shards = [*params.values(), *(p.grad for p in params.values()), *opt_state]
     shard_ptrs = {t.to_local().data_ptr() for t in shards if isinstance(t, DTensor)}
-    shard_ptrs |= {t.data_ptr() for t in [*params.values(), *model.buffers()] if not isinstance(t, DTensor)}  # unmanaged
+    shard_ptrs |= {
+        t.data_ptr() for t in [*params.values(), *model.buffers()] if not isinstance(t, DTensor)
+    }  # unmanaged
     live = [
         o
         for o in gc.get_objects()
-        if type(o) in (torch.Tensor, torch.nn.Parameter) and tuple(o.shape) in full_shapes and o.data_ptr() not in shard_ptrs
+        if type(o) in (torch.Tensor, torch.nn.Parameter)
+        and tuple(o.shape) in full_shapes
+        and o.data_ptr() not in shard_ptrs
     ]
     return sorted({tuple(o.shape) for o in live})
 
@@ -136,7 +146,9 @@ def train(rank: int, world_size: int, name: str, spec: dict) -> dict:
         full=full,
         live_unsharded=live_unsharded,
         live_after_forward=live_after_forward,
-        param_types={k: (type(p).__name__, tuple(p.placements) if isinstance(p, DTensor) else None) for k, p in params.items()},
+        param_types={
+            k: (type(p).__name__, tuple(p.placements) if isinstance(p, DTensor) else None) for k, p in params.items()
+        },
         grad_placements={k: tuple(p.grad.placements) for k, p in params.items() if isinstance(p.grad, DTensor)},
         plain_grads=[k for k, p in params.items() if p.grad is not None and not isinstance(p.grad, DTensor)],
         opt_state_all_sharded=all(
@@ -150,11 +162,17 @@ def train(rank: int, world_size: int, name: str, spec: dict) -> dict:
         ),
         state_dict_types={k: type(v).__name__ for k, v in model.state_dict().items()},
         graphs=[
-            dict(kind=r.kind, collectives=collectives(r.gm), saved_gathered=_saved_gathered_params(r.gm) if r.kind == "forward" else [])
+            dict(
+                kind=r.kind,
+                collectives=collectives(r.gm),
+                saved_gathered=_saved_gathered_params(r.gm) if r.kind == "forward" else [],
+            )
             for r in compiled_graphs()
         ],
     )
-    result["collective_order"] = [(g["kind"], [(c.kind, c.params, c.nbytes) for c in g["collectives"]]) for g in result["graphs"]]
+    result["collective_order"] = [
+        (g["kind"], [(c.kind, c.params, c.nbytes) for c in g["collectives"]]) for g in result["graphs"]
+    ]
     return result if rank == 0 else dict(losses=losses, collective_order=result["collective_order"])
 
 
@@ -358,8 +376,11 @@ def other_backend(rank: int, world_size: int, backend: str) -> dict:
         warnings.simplefilter("always")
         losses = _gpt_steps(compiled, opt, rank, world_size, range(3))
     torch._dynamo.reset()
-    return dict(losses=losses, params={k: p.full_tensor() for k, p in model.named_parameters()},
-                warnings=[str(w.message) for w in caught if "fsdp2_compile" in str(w.message)])
+    return dict(
+        losses=losses,
+        params={k: p.full_tensor() for k, p in model.named_parameters()},
+        warnings=[str(w.message) for w in caught if "fsdp2_compile" in str(w.message)],
+    )
 
 
 def checkpoint_helpers(rank: int, world_size: int, path: str) -> dict:
@@ -420,7 +441,9 @@ def rank_dependent_lengths(rank: int, world_size: int, lengths: list[list[int]])
     losses = []
     for step, seq in enumerate(lengths[rank]):
         x, y = batch("gpt", step)
-        loss = loss_fn("gpt", model(local_slice(x, rank, world_size)[:, :seq]), local_slice(y, rank, world_size)[:, :seq])
+        loss = loss_fn(
+            "gpt", model(local_slice(x, rank, world_size)[:, :seq]), local_slice(y, rank, world_size)[:, :seq]
+        )
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -456,8 +479,9 @@ def two_process_group_rounds(rank: int, world_size: int) -> list[list[float]]:
     for r in range(2):
         if r:
             dist.destroy_process_group()
-            dist.init_process_group("gloo", store=dist.PrefixStore(f"round{r}", store), rank=rank,
-                                    world_size=world_size)
+            dist.init_process_group(
+                "gloo", store=dist.PrefixStore(f"round{r}", store), rank=rank, world_size=world_size
+            )
         model, opt, step = _gpt_for_checkpoint(rank, world_size)
         rounds.append([step(i) for i in range(3)])
     return rounds

@@ -68,8 +68,14 @@ class Progress:
                 from tqdm import tqdm
             except ImportError:
                 return
-            self.bar = tqdm(total=total, file=self.stream, desc=PROG, leave=False, mininterval=0,
-                            bar_format="{desc} [phase {n_fmt}/{total_fmt}, {elapsed}]")
+            self.bar = tqdm(
+                total=total,
+                file=self.stream,
+                desc=PROG,
+                leave=False,
+                mininterval=0,
+                bar_format="{desc} [phase {n_fmt}/{total_fmt}, {elapsed}]",
+            )
             self.stop = threading.Event()
             threading.Thread(target=self._tick, daemon=True).start()
 
@@ -111,8 +117,7 @@ def _mesh_words(world_size: int, replicate: int, tp: int = 1) -> str:
     if tp > 1:
         if replicate == 1:
             return f"{world_size} ranks, mesh {world_size // tp} x {tp} (dp x tp)"
-        return (f"{world_size} ranks, mesh {replicate} x {world_size // (replicate * tp)} x {tp} "
-                "(replicate x dp x tp)")
+        return f"{world_size} ranks, mesh {replicate} x {world_size // (replicate * tp)} x {tp} (replicate x dp x tp)"
     if replicate == 1:
         return f"{world_size} ranks"
     return f"{world_size} ranks, mesh {replicate} x {world_size // replicate} (replicate x shard)"
@@ -137,8 +142,10 @@ def check_out_folder(path: str) -> None:
         with tempfile.TemporaryFile(dir=path):
             pass
     except OSError as e:
-        raise UsageError(f"--out {path!r} is not a folder this process can write to ({e.strerror or e}); "
-                         "pass --out with a writable folder") from e
+        raise UsageError(
+            f"--out {path!r} is not a folder this process can write to ({e.strerror or e}); "
+            "pass --out with a writable folder"
+        ) from e
 
 
 def check_args(ns: argparse.Namespace) -> None:
@@ -171,10 +178,14 @@ def check_args(ns: argparse.Namespace) -> None:
         from fsdp2_compile.debug.sizes import size_text
 
         seconds = SECONDS_PER_MILLION_RANKS * ns.world_size / 1e6
-        print(f"{PROG}: warning: --world-size {ns.world_size:,} is simulated in this one process (the fake process "
-              f"group keeps per-rank state): expect about {size_text(memory_estimate(ns.world_size))} of memory "
-              f"(measured: {size_text(BYTES_PER_RANK)} per rank plus {size_text(BASE_BYTES)}, more for a large "
-              f"model) and about {seconds:.0f} s more run time", file=sys.stderr, flush=True)
+        print(
+            f"{PROG}: warning: --world-size {ns.world_size:,} is simulated in this one process (the fake process "
+            f"group keeps per-rank state): expect about {size_text(memory_estimate(ns.world_size))} of memory "
+            f"(measured: {size_text(BYTES_PER_RANK)} per rank plus {size_text(BASE_BYTES)}, more for a large "
+            f"model) and about {seconds:.0f} s more run time",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 # ---------------------------------------------------------------------------------------------- commands
@@ -184,14 +195,14 @@ def cmd_dump(ns: argparse.Namespace) -> int:
     with Progress(4, ns.quiet) as progress:
         progress.step(f"importing torch, the compiler and {ns.target}")
         from fsdp2_compile.api import shard_compile
+        from fsdp2_compile.cli.model_loading import call_factory, fake_group, load_target
+        from fsdp2_compile.compiler.report import clear_compiled_graphs, compiled_graphs
         from fsdp2_compile.config import CompileConfig
         from fsdp2_compile.core.hardware import PROFILES
         from fsdp2_compile.debug.dump import write_dump
         from fsdp2_compile.planner.plan import shard_blocks
         from fsdp2_compile.planner.reduced_depth import block_list
         from fsdp2_compile.planner.tensor_parallel import apply_tp, plan_meshes, plan_text, tp_plan_for
-        from fsdp2_compile.compiler.report import clear_compiled_graphs, compiled_graphs
-        from fsdp2_compile.cli.model_loading import call_factory, fake_group, load_target
 
         factory = load_target(ns.target)
         hardware = ns.hardware or "cpu-gloo-loopback"
@@ -221,10 +232,17 @@ def cmd_dump(ns: argparse.Namespace) -> int:
                 shard_blocks(model, mesh, reshard_after_forward=reshard, mp_policy=mp)
             clear_compiled_graphs()
             shard_compile(
-                model, mesh, reshard_after_forward=reshard, mp_policy=mp,
-                compile_config=CompileConfig(hardware=hardware, check_rank_consistency=False, keep_snapshots=True,
-                                             keep_gathered=ns.keep_gathered,
-                                             memory_budget_bytes=ns.memory_budget),
+                model,
+                mesh,
+                reshard_after_forward=reshard,
+                mp_policy=mp,
+                compile_config=CompileConfig(
+                    hardware=hardware,
+                    check_rank_consistency=False,
+                    keep_snapshots=True,
+                    keep_gathered=ns.keep_gathered,
+                    memory_budget_bytes=ns.memory_budget,
+                ),
             )
             try:
                 loss = loss_fn(model(*args))
@@ -252,16 +270,24 @@ def cmd_plan(ns: argparse.Namespace) -> int:
         progress.step(f"importing torch, the compiler and {ns.target}")
         import json
 
+        from fsdp2_compile.cli.model_loading import call_factory, fake_group, load_target
         from fsdp2_compile.core.hardware import PROFILES
         from fsdp2_compile.planner.plan import Layout, format_plan, make_plan
-        from fsdp2_compile.cli.model_loading import call_factory, fake_group, load_target
 
         factory = load_target(ns.target)
         profiles = [ns.hardware] if ns.hardware else list(PROFILES)
-        layout = Layout(ns.world_size, replicate=ns.replicate, tp=ns.tp,
-                        reshard_after_forward=False if ns.no_reshard else None, mp_policy=_mp_policy(ns.mp),
-                        attention=ns.attention, ac=ns.ac, compiler=ns.compiler, keep_gathered=ns.keep_gathered,
-                        memory_budget_bytes=ns.memory_budget)
+        layout = Layout(
+            ns.world_size,
+            replicate=ns.replicate,
+            tp=ns.tp,
+            reshard_after_forward=False if ns.no_reshard else None,
+            mp_policy=_mp_policy(ns.mp),
+            attention=ns.attention,
+            ac=ns.ac,
+            compiler=ns.compiler,
+            keep_gathered=ns.keep_gathered,
+            memory_budget_bytes=ns.memory_budget,
+        )
         with fake_group(ns.world_size):
             try:
                 plan = make_plan(factory, layout, call=call_factory, profiles=profiles, progress=progress.step)
@@ -313,13 +339,21 @@ def keep_gathered_arg(text: str) -> int | float:
 
 
 def _add_keep_gathered(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--keep-gathered", type=keep_gathered_arg, metavar="F|BYTES",
-                        help="selective unsharding (CompileConfig.keep_gathered): keep the last buckets of the "
-                             "forward gathered for backward, within this fraction of the gathered parameter bytes "
-                             "or this many bytes")
-    parser.add_argument("--memory-budget", type=_positive_bytes, metavar="BYTES",
-                        help="CompileConfig.memory_budget_bytes: gathered parameter bytes alive at once; what the "
-                             "prefetch window leaves keeps the last buckets gathered for backward")
+    parser.add_argument(
+        "--keep-gathered",
+        type=keep_gathered_arg,
+        metavar="F|BYTES",
+        help="selective unsharding (CompileConfig.keep_gathered): keep the last buckets of the "
+        "forward gathered for backward, within this fraction of the gathered parameter bytes "
+        "or this many bytes",
+    )
+    parser.add_argument(
+        "--memory-budget",
+        type=_positive_bytes,
+        metavar="BYTES",
+        help="CompileConfig.memory_budget_bytes: gathered parameter bytes alive at once; what the "
+        "prefetch window leaves keeps the last buckets gathered for backward",
+    )
 
 
 def _positive_bytes(text: str) -> int:
@@ -332,34 +366,36 @@ def _positive_bytes(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     fmt = argparse.RawDescriptionHelpFormatter
     parser = _Parser(
-        prog=PROG, formatter_class=fmt,
+        prog=PROG,
+        formatter_class=fmt,
         description="Inspect what the fsdp2 compiler does to a model, or plan its memory and time at N ranks.\n"
-                    "Both run in one process under a fake process group (no peers, no accelerator needed).",
+        "Both run in one process under a fake process group (no peers, no accelerator needed).",
         epilog="examples:\n"
-               f"  {PROG} dump examples/llama.py:llama_tiny --world-size 4 --out /tmp/dump\n"
-               f"  {PROG} plan examples/llama.py:llama3_70b --world-size 1024\n"
-               f"  {PROG} plan examples/llama.py:llama3_70b --world-size 1024 --replicate 8   # HSDP, 8 x 128\n"
-               f"  {PROG} plan examples/llama.py:llama3_8b --world-size 64 --tp 8   # FSDP 8 x TP 8\n"
-               f"  python -m fsdp2_compile plan examples/llama.py:llama3_8b --world-size 64 --json\n\n"
-               "exit codes: 0 ok, 1 runtime failure, 2 usage error",
+        f"  {PROG} dump examples/llama.py:llama_tiny --world-size 4 --out /tmp/dump\n"
+        f"  {PROG} plan examples/llama.py:llama3_70b --world-size 1024\n"
+        f"  {PROG} plan examples/llama.py:llama3_70b --world-size 1024 --replicate 8   # HSDP, 8 x 128\n"
+        f"  {PROG} plan examples/llama.py:llama3_8b --world-size 64 --tp 8   # FSDP 8 x TP 8\n"
+        f"  python -m fsdp2_compile plan examples/llama.py:llama3_8b --world-size 64 --json\n\n"
+        "exit codes: 0 ok, 1 runtime failure, 2 usage error",
     )
     sub = parser.add_subparsers(dest="command", metavar="{dump,plan}", parser_class=_Parser)
 
     dump = sub.add_parser(
-        "dump", formatter_class=fmt, help="compile a model and write its graphs after every pass, SVG/DOT, trace, "
-        "memory chart and a summary",
+        "dump",
+        formatter_class=fmt,
+        help="compile a model and write its graphs after every pass, SVG/DOT, trace, memory chart and a summary",
         description="Shard TARGET's model over N ranks (rank 0, fake process group), compile it with the fsdp2 "
-                    "backend, run forward + loss + backward once, and write to --out:\n"
-                    "  <graph>/NN_<pass>.txt   the graph after every pass, collectives annotated with params/bucket\n"
-                    "  <graph>/graph.svg, .dot the final graph, collectives / waits / casts highlighted\n"
-                    "  trace.json              simulated schedule (open in ui.perfetto.dev or chrome://tracing)\n"
-                    "  memory.png              estimated live bytes over the step\n"
-                    "  summary.txt             the table also printed on stdout\n"
-                    "Blocks of the model's longest nn.ModuleList are sharded first (FSDP2's pattern), then the root.\n"
-                    "In a real run, FSDP2_COMPILE_DUMP=DIR writes the same artefacts to DIR/rank<r>.",
+        "backend, run forward + loss + backward once, and write to --out:\n"
+        "  <graph>/NN_<pass>.txt   the graph after every pass, collectives annotated with params/bucket\n"
+        "  <graph>/graph.svg, .dot the final graph, collectives / waits / casts highlighted\n"
+        "  trace.json              simulated schedule (open in ui.perfetto.dev or chrome://tracing)\n"
+        "  memory.png              estimated live bytes over the step\n"
+        "  summary.txt             the table also printed on stdout\n"
+        "Blocks of the model's longest nn.ModuleList are sharded first (FSDP2's pattern), then the root.\n"
+        "In a real run, FSDP2_COMPILE_DUMP=DIR writes the same artefacts to DIR/rank<r>.",
         epilog=f"examples:\n  {PROG} dump examples/llama.py:llama3_8b --world-size 8 --mp bf16 --out /tmp/llama\n"
-               f"  {PROG} dump examples/llama.py:llama_tiny --world-size 4 --replicate 2 --out /tmp/hsdp\n"
-               f"  {PROG} dump mypkg.models:make_model --world-size 2 --no-reshard",
+        f"  {PROG} dump examples/llama.py:llama_tiny --world-size 4 --replicate 2 --out /tmp/hsdp\n"
+        f"  {PROG} dump mypkg.models:make_model --world-size 2 --no-reshard",
     )
     _add_model_args(dump)
     dump.add_argument("--no-reshard", action="store_true", help="reshard_after_forward=False")
@@ -371,28 +407,42 @@ def build_parser() -> argparse.ArgumentParser:
     dump.set_defaults(run=cmd_dump)
 
     plan = sub.add_parser(
-        "plan", formatter_class=fmt, help="per-rank memory, bytes on the wire and step time at N ranks (meta device)",
+        "plan",
+        formatter_class=fmt,
+        help="per-rank memory, bytes on the wire and step time at N ranks (meta device)",
         description="Plan TARGET's model at N ranks without its memory: build it (on the meta device), shard it "
-                    "with the real shard() for the per-rank parameter / gradient / AdamW bytes, compile reduced "
-                    "copies (1 and 2 blocks when the factory takes layers=) through the real pipeline for "
-                    "collectives, activations and the simulated step of every cost-model profile, scaled to the "
-                    "full block count.",
+        "with the real shard() for the per-rank parameter / gradient / AdamW bytes, compile reduced "
+        "copies (1 and 2 blocks when the factory takes layers=) through the real pipeline for "
+        "collectives, activations and the simulated step of every cost-model profile, scaled to the "
+        "full block count.",
         epilog=f"examples:\n  {PROG} plan examples/llama.py:llama3_70b --world-size 1024\n"
-               f"  {PROG} plan examples/llama.py:llama3_70b --world-size 1024 --replicate 8\n"
-               f"  {PROG} plan examples/llama.py:llama3_8b --world-size 64 --hardware h100-nvlink --json",
+        f"  {PROG} plan examples/llama.py:llama3_70b --world-size 1024 --replicate 8\n"
+        f"  {PROG} plan examples/llama.py:llama3_8b --world-size 64 --hardware h100-nvlink --json",
     )
     _add_model_args(plan)
     plan.add_argument("--hardware", help="only this cost-model profile (default: all of cost_model.PROFILES)")
     plan.add_argument("--no-reshard", action="store_true", help="reshard_after_forward=False")
     _add_keep_gathered(plan)
-    plan.add_argument("--attention", choices=["fused", "math"], default="fused",
-                      help="scaled_dot_product_attention as flash / memory-efficient (default) or unfused math")
-    plan.add_argument("--ac", choices=["none", "full", "selective"], default="none",
-                      help="activation checkpointing per block (selective: torchtitan's per-op policy); a model "
-                           "already wrapped in checkpoint_wrapper is planned as it is")
-    plan.add_argument("--compiler", choices=["aot_eager", "inductor", "inductor-blocks"], default="aot_eager",
-                      help="kernels the plan assumes: eager (default), Inductor-fused elementwise, or Inductor on "
-                           "each block only (torchtitan's per-block compile)")
+    plan.add_argument(
+        "--attention",
+        choices=["fused", "math"],
+        default="fused",
+        help="scaled_dot_product_attention as flash / memory-efficient (default) or unfused math",
+    )
+    plan.add_argument(
+        "--ac",
+        choices=["none", "full", "selective"],
+        default="none",
+        help="activation checkpointing per block (selective: torchtitan's per-op policy); a model "
+        "already wrapped in checkpoint_wrapper is planned as it is",
+    )
+    plan.add_argument(
+        "--compiler",
+        choices=["aot_eager", "inductor", "inductor-blocks"],
+        default="aot_eager",
+        help="kernels the plan assumes: eager (default), Inductor-fused elementwise, or Inductor on "
+        "each block only (torchtitan's per-block compile)",
+    )
     plan.add_argument("--json", action="store_true", help="print one JSON object")
     plan.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
     plan.set_defaults(run=cmd_plan)

@@ -32,23 +32,23 @@ from fsdp2_compile._torch_private import (
     min_cut_partition,
     subgraph_schemas_reused,
 )
-from fsdp2_compile.compiler.compile_gc import full_collections_deferred
 from fsdp2_compile.compiler.block_gathers import gather_again_in_backward, gather_outside_blocks
-from fsdp2_compile.config import CompileConfig
-from fsdp2_compile.compiler.rank_consistency import rank_check
-from fsdp2_compile.core.hardware import PROFILES, HardwareProfile
-from fsdp2_compile.runtime.link_profile import measured_profile
-from fsdp2_compile.runtime.grad_delivery import one_unshard_per_delivered_param
-from fsdp2_compile.core.graph import nodes_calling
+from fsdp2_compile.compiler.compile_gc import full_collections_deferred
 from fsdp2_compile.compiler.group_split import split_reduce_groups, split_unshard_groups
-from fsdp2_compile.core.ir import REDUCE_GRAD, UNSHARD, ReduceGradArgs, UnshardArgs
-from fsdp2_compile.compiler.selective_unshard import KEPT_META, KeptGathered, buckets_to_keep
-from fsdp2_compile.runtime.param_state import infos_of_values
 from fsdp2_compile.compiler.pipeline import PassContext, run_pipeline
 from fsdp2_compile.compiler.post_forward import gather_backward_from_post_forward_shards
+from fsdp2_compile.compiler.rank_consistency import rank_check
 from fsdp2_compile.compiler.report import GraphRecord, collectives, record_graph
-from fsdp2_compile.runtime.sharding import is_known_param
+from fsdp2_compile.compiler.selective_unshard import KEPT_META, KeptGathered, buckets_to_keep
 from fsdp2_compile.compiler.unsharded_after_backward import keep_unsharded_after_backward
+from fsdp2_compile.config import CompileConfig
+from fsdp2_compile.core.graph import nodes_calling
+from fsdp2_compile.core.hardware import PROFILES, HardwareProfile
+from fsdp2_compile.core.ir import REDUCE_GRAD, UNSHARD, ReduceGradArgs, UnshardArgs
+from fsdp2_compile.runtime.grad_delivery import one_unshard_per_delivered_param
+from fsdp2_compile.runtime.link_profile import measured_profile
+from fsdp2_compile.runtime.param_state import infos_of_values
+from fsdp2_compile.runtime.sharding import is_known_param
 
 __all__ = ["check_input_devices", "compile_sharded"]
 
@@ -199,8 +199,9 @@ def resolve_profile(config: CompileConfig, gm: fx.GraphModule) -> HardwareProfil
     return measured_profile(group) or PROFILES["cpu-gloo-loopback"]
 
 
-def _compiler(kind: str, config: CompileConfig, on_record: Callable[[GraphRecord], None] | None
-              ) -> Callable[[fx.GraphModule, Any], Callable]:
+def _compiler(
+    kind: str, config: CompileConfig, on_record: Callable[[GraphRecord], None] | None
+) -> Callable[[fx.GraphModule, Any], Callable]:
     def compile_graph(gm: fx.GraphModule, example_inputs: Any) -> Callable:
         with full_collections_deferred(config.defer_full_gc):  # a backward's is compiled at its first run
             return _compile_graph(gm, example_inputs)
@@ -215,27 +216,40 @@ def _compiler(kind: str, config: CompileConfig, on_record: Callable[[GraphRecord
             log.info("%s graph: cost-model profile %s (%s)", kind, ctx.profile.name, ctx.profile.source)
             gm = run_pipeline(gm, ctx, recompile=config.compiler == "inductor")  # else `boxed_call` generates it
             check_same_schedule(gm)
-        record = GraphRecord(kind, gm, ctx.snapshots, ctx.timeline, current_compile_id(), ctx.profile,
-                             gm.meta.get(KEPT_META))
+        record = GraphRecord(
+            kind, gm, ctx.snapshots, ctx.timeline, current_compile_id(), ctx.profile, gm.meta.get(KEPT_META)
+        )
         record_graph(record)
         if on_record is not None:
             on_record(record)
         if config.compiler == "inductor":
-            compiled = inductor_compile(gm, example_inputs, is_backward=kind == "backward",
-                                        is_inference=kind == "inference")
+            compiled = inductor_compile(
+                gm, example_inputs, is_backward=kind == "backward", is_inference=kind == "inference"
+            )
         else:
             compiled = boxed_call(gm)
         counts = Counter(c.kind for c in collectives(gm))
-        log.info("compiled %s graph in %.1f s: %d nodes, %d all_gather, %d reduce_scatter, %d all_reduce (%s)", kind,
-                 time.perf_counter() - start, len(gm.graph.nodes), counts["all_gather"], counts["reduce_scatter"],
-                 counts["all_reduce"], config.compiler)
+        log.info(
+            "compiled %s graph in %.1f s: %d nodes, %d all_gather, %d reduce_scatter, %d all_reduce (%s)",
+            kind,
+            time.perf_counter() - start,
+            len(gm.graph.nodes),
+            counts["all_gather"],
+            counts["reduce_scatter"],
+            counts["all_reduce"],
+            config.compiler,
+        )
         return compiled
 
     return compile_graph
 
 
-def compile_sharded(gm: fx.GraphModule, example_inputs: Sequence[Any], config: CompileConfig | None = None,
-                    on_record: Callable[[GraphRecord], None] | None = None):
+def compile_sharded(
+    gm: fx.GraphModule,
+    example_inputs: Sequence[Any],
+    config: CompileConfig | None = None,
+    on_record: Callable[[GraphRecord], None] | None = None,
+):
     """What the fsdp2 backend does (`api.fsdp2_backend`): lowers the fsdp2 ops of a captured graph of a sharded
     module into collectives. `on_record` is called with each compiled graph's record (the debug dump)."""
     config = config or CompileConfig()
@@ -248,8 +262,12 @@ def compile_sharded(gm: fx.GraphModule, example_inputs: Sequence[Any], config: C
         return _compile(gm, example_inputs, config, on_record)
 
 
-def _compile(gm: fx.GraphModule, example_inputs: Sequence[Any], config: CompileConfig,
-             on_record: Callable[[GraphRecord], None] | None):
+def _compile(
+    gm: fx.GraphModule,
+    example_inputs: Sequence[Any],
+    config: CompileConfig,
+    on_record: Callable[[GraphRecord], None] | None,
+):
     _check_sharded(gm, example_inputs)
     _check_graph_inputs(gm, example_inputs)
     _check_hooks_delivered(example_inputs)
@@ -265,5 +283,3 @@ def _compile(gm: fx.GraphModule, example_inputs: Sequence[Any], config: CompileC
             partition_fn=functools.partial(_partition, config=config),
             decompositions=inductor_decompositions() if config.compiler == "inductor" else None,
         )
-
-

@@ -56,7 +56,9 @@ def gather_outside_blocks(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> 
             gathered, anchor = (None if i is None else operands[i] for i in tensors)
             info = info_of.get(operands[index])
             if info is None:
-                raise RuntimeError(f"fsdp2_compile: cannot tell which parameter {call.node.format_node()} passes at {index}")
+                raise RuntimeError(
+                    f"fsdp2_compile: cannot tell which parameter {call.node.format_node()} passes at {index}"
+                )
             if gathered is None and anchor is None and _requires_grad(operands[index]):
                 plain[index] = operands[index], info
                 continue
@@ -131,8 +133,10 @@ def _take_unshards_out(
         elif node.op == "call_function" and node.target is UNSHARD:
             call = UnshardArgs.of(node)
             param = _param_of(call.shard)
-            moved.setdefault(outer(param, node), tuple(None if t is None else outer(t, node)
-                                                       for t in (call.gathered, call.grad_anchor)))
+            moved.setdefault(
+                outer(param, node),
+                tuple(None if t is None else outer(t, node) for t in (call.gathered, call.grad_anchor)),
+            )
             param.meta["example_value"] = node.meta.get("example_value")
             node.replace_all_uses_with(param)
             body.graph.erase_node(node)
@@ -185,7 +189,9 @@ def gather_again_in_backward(joint: fx.GraphModule) -> None:
             plans[id(body)] = plan
             _recompute(fw, bw, plan)
         elif plans[id(body)] != plan:
-            raise RuntimeError(f"fsdp2_compile: calls of block subgraph {bw.identifier} differ in which inputs are parameters")
+            raise RuntimeError(
+                f"fsdp2_compile: calls of block subgraph {bw.identifier} differ in which inputs are parameters"
+            )
         dropped, added = plan
         bw.set_operands([a for i, a in enumerate(bw.operands) if i not in dropped] + [fw.operands[k] for k in added])
     joint.graph.lint()

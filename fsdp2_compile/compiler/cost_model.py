@@ -15,7 +15,17 @@ from torch.utils.flop_counter import flop_registry
 
 from fsdp2_compile._torch_private import OpOverload
 from fsdp2_compile.core.hardware import HardwareProfile
-from fsdp2_compile.core.ir import KEEP_ALIVE, WAIT, CollectiveArgs, Role, SubgraphCall, WaitArgs, collective_kind, concrete, nbytes
+from fsdp2_compile.core.ir import (
+    KEEP_ALIVE,
+    WAIT,
+    CollectiveArgs,
+    Role,
+    SubgraphCall,
+    WaitArgs,
+    collective_kind,
+    concrete,
+    nbytes,
+)
 
 __all__ = [
     "Event",
@@ -25,8 +35,25 @@ __all__ = [
     "simulate",
 ]
 
-_VIEWS = {"view", "_unsafe_view", "slice", "t", "transpose", "permute", "expand", "alias", "select", "split",
-          "split_with_sizes", "unsqueeze", "squeeze", "as_strided", "detach", "unbind", "reshape"}
+_VIEWS = {
+    "view",
+    "_unsafe_view",
+    "slice",
+    "t",
+    "transpose",
+    "permute",
+    "expand",
+    "alias",
+    "select",
+    "split",
+    "split_with_sizes",
+    "unsqueeze",
+    "squeeze",
+    "as_strided",
+    "detach",
+    "unbind",
+    "reshape",
+}
 
 
 def _val(a):
@@ -135,8 +162,10 @@ def simulate(gm: fx.GraphModule, profile: HardwareProfile) -> Timeline:
                 tl.events.append(Event(n.name, "compute", now, duration))
                 tl.compute_s += duration
                 now += duration
-        is_view = n.op == "call_function" and getattr(n.target, "overloadpacket", None) is not None and (
-            n.target.overloadpacket.__name__ in _VIEWS or n.target is WAIT
+        is_view = (
+            n.op == "call_function"
+            and getattr(n.target, "overloadpacket", None) is not None
+            and (n.target.overloadpacket.__name__ in _VIEWS or n.target is WAIT)
         )
         if n.op == "call_function" and not is_view:
             owned[n] = nbytes(n.meta.get("val"))

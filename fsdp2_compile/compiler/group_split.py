@@ -40,8 +40,10 @@ def split_reduce_groups(gm: fx.GraphModule) -> None:
         call = ReduceGroupArgs.of(group)
         meta = {k: v for k, v in group.meta.items() if k != "val"}
         with gm.graph.inserting_before(group):
-            reduced = [shard_grad(f, g, lambda op, *args: insert_call(gm.graph, op, args, meta))
-                       for f, g in zip(REDUCTIONS[call.key], call.grads)]
+            reduced = [
+                shard_grad(f, g, lambda op, *args, meta=meta: insert_call(gm.graph, op, args, meta))
+                for f, g in zip(REDUCTIONS[call.key], call.grads)
+            ]
         for user, i in _outputs(group):
             user.replace_all_uses_with(reduced[i])
             gm.graph.erase_node(user)

@@ -19,11 +19,20 @@ from enum import IntEnum
 
 from torch import fx
 
+from fsdp2_compile.compiler.selective_unshard import KeptGathered
 from fsdp2_compile.core.graph import positions, stable_topological_sort
 from fsdp2_compile.core.ir import (
-    BUCKET, DELIVER_GRAD, PREFETCH, ROLE, AllReduceArgs, CollectiveArgs, Role, fsdp_collective_kind, nbytes, val,
+    BUCKET,
+    DELIVER_GRAD,
+    PREFETCH,
+    ROLE,
+    AllReduceArgs,
+    CollectiveArgs,
+    Role,
+    fsdp_collective_kind,
+    nbytes,
+    val,
 )
-from fsdp2_compile.compiler.selective_unshard import KeptGathered
 
 __all__ = ["Rank", "Unit", "anchors_at", "emit_order", "find_units", "graph_start", "memory_budget", "order_keys"]
 
@@ -98,8 +107,9 @@ def anchors_at(gathers: list[Unit], distances: list[int], start: fx.Node) -> dic
     """Gather k (in first-use order) starts `distances[k]` gathers early: right before gather k-d's first use, or at
     the graph's `start` when k-d < 0 — unless a bucket used before it asked to prefetch it (`ir.PREFETCH`, set by
     `set_modules_to_*_prefetch`): then right before the first such bucket's first use."""
-    anchors = {u.collective: gathers[k - d].first_use if d <= k else start
-               for k, (u, d) in enumerate(zip(gathers, distances))}
+    anchors = {
+        u.collective: gathers[k - d].first_use if d <= k else start for k, (u, d) in enumerate(zip(gathers, distances))
+    }
     for k, u in enumerate(gathers):
         for asking in gathers[:k]:
             if u.collective.meta.get(BUCKET) in asking.collective.meta.get(PREFETCH, ()):
@@ -192,8 +202,9 @@ def _place_finishes(units: list[Unit], key: dict[fx.Node, Key], end: Key, replic
     for u, later in zip(units, units[1:] + [None]):
         users = [user for n in u.finish for user in n.users]
         delivered = [user for user in users if user.target is DELIVER_GRAD]
-        early = later is not None and (delivered or replicated and any(
-            user.target is AllReduceArgs.op for user in users))
+        early = later is not None and (
+            delivered or replicated and any(user.target is AllReduceArgs.op for user in users)
+        )
         finish = (*key[later.collective][:-1], Rank.REPLICA_WAIT) if early else end
         if deliveries is not None and deliveries > finish:
             finish = (*deliveries, Rank.AFTER)

@@ -14,10 +14,10 @@ from enum import StrEnum
 
 from torch import fx
 
-from fsdp2_compile.config import CompileConfig
-from fsdp2_compile.core.hardware import PROFILES, HardwareProfile
 from fsdp2_compile.compiler.cost_model import Timeline
 from fsdp2_compile.compiler.report import Snapshot
+from fsdp2_compile.config import CompileConfig
+from fsdp2_compile.core.hardware import PROFILES, HardwareProfile
 
 __all__ = ["Fact", "Pass", "PassContext", "PassOrderError", "check_contracts", "contract", "provides", "requires"]
 

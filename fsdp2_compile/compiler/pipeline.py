@@ -12,6 +12,7 @@ from torch import fx
 from fsdp2_compile._torch_private import trace_graph_artifact
 from fsdp2_compile.compiler.invariants import check_collectives_safe
 from fsdp2_compile.compiler.pass_api import Pass, PassContext, check_contracts
+from fsdp2_compile.compiler.report import NodeFacts, Snapshot, dump_requested, node_facts, snapshot
 from fsdp2_compile.passes import (
     bucket_collectives,
     combine_tied_grads,
@@ -23,7 +24,6 @@ from fsdp2_compile.passes import (
     schedule,
     tag_tp_collectives,
 )
-from fsdp2_compile.compiler.report import NodeFacts, Snapshot, dump_requested, node_facts, snapshot
 
 __all__ = ["PASSES", "NodeFacts", "PassContext", "Snapshot", "node_facts", "run_pipeline"]
 

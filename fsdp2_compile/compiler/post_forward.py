@@ -12,7 +12,6 @@ Uncompiled (eager) runs gather from the whole group in backward.
 
 from __future__ import annotations
 
-
 import torch
 import torch.distributed as dist
 from torch import fx
@@ -23,6 +22,7 @@ from fsdp2_compile.core.ir import UNSHARD, UnshardArgs
 from fsdp2_compile.core.ops import padded_rows
 
 __all__ = ["gather_backward_from_post_forward_shards"]
+
 
 def gather_backward_from_post_forward_shards(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int) -> None:
     """For each parameter with a post-forward group that backward gathers again: forward saves this rank's rows of
@@ -47,8 +47,14 @@ def gather_backward_from_post_forward_shards(fw: fx.GraphModule, bw: fx.GraphMod
         with bw.graph.inserting_before(first_input):
             rows_in = bw.graph.placeholder(f"post_forward_{len(saved)}")
         rows_in.meta["val"] = val(saved[-1])
-        regather = call.replace(shard=rows_in, world_size=size, group_name=call.post_forward_group_name,
-                                param_dtype=None, post_forward_size=0, post_forward_group_name="")
+        regather = call.replace(
+            shard=rows_in,
+            world_size=size,
+            group_name=call.post_forward_group_name,
+            param_dtype=None,
+            post_forward_size=0,
+            post_forward_group_name="",
+        )
         node.args, node.kwargs = regather.as_args(), {}
     if not saved:
         return

@@ -51,9 +51,9 @@ import torch.distributed as dist
 from torch import fx
 
 from fsdp2_compile._torch_private import current_compile_id, default_store, group_ranks, group_timeout
-from fsdp2_compile.core.ir import schema_args
 from fsdp2_compile.compiler.report import collectives
 from fsdp2_compile.core.group_caches import dropped_with_groups
+from fsdp2_compile.core.ir import schema_args
 
 __all__ = ["check_same_schedule", "graph_groups", "rank_check", "schedule_signature"]
 
@@ -96,7 +96,7 @@ def _served(lines: list[str]) -> set[tuple[str, str]]:
 
 
 def _only_on(rank: int, served: set[tuple[str, str]]) -> str:
-    """"; all_gather of a, b on rank 0 only" per collective kind ("" when `served` is empty)."""
+    """ "; all_gather of a, b on rank 0 only" per collective kind ("" when `served` is empty)."""
     kinds = sorted({kind for kind, _ in served})
     return "".join(
         f"; {kind} of {', '.join(sorted(p for k, p in served if k == kind))} on rank {rank} only" for kind in kinds
@@ -127,7 +127,9 @@ def _config_error(records: dict[int, dict]) -> str | None:
     (low, base), *rest = sorted(records.items())
     diffs = [
         f"rank {r} has CompileConfig.{field}={value}, rank {low} {base['config'].get(field)}"
-        for r, record in rest for field, value in record["config"].items() if base["config"].get(field) != value
+        for r, record in rest
+        for field, value in record["config"].items()
+        if base["config"].get(field) != value
     ]
     if not diffs:
         return None
@@ -176,8 +178,10 @@ class _Exchange:
         with contextlib.suppress(dist.DistError):  # best effort: the store may be gone already
             for ch in self.channels:
                 store.add(f"{ch.key}/done", 1)
-            while wait and time.monotonic() < deadline and any(
-                store.add(f"{ch.key}/done", 0) < len(ch.ranks) for ch in self.channels
+            while (
+                wait
+                and time.monotonic() < deadline
+                and any(store.add(f"{ch.key}/done", 0) < len(ch.ranks) for ch in self.channels)
             ):
                 time.sleep(0.02)
 
@@ -197,7 +201,8 @@ class _Exchange:
                     "something this graph depends on changed on this rank only (a parameter's requires_grad, a "
                     "module setting such as set_requires_gradient_sync, an input's shape or dtype); "
                     "TORCH_LOGS=recompiles names the guard."
-                    if compile_id is not None and compile_id[1] > 0 else ""
+                    if compile_id is not None and compile_id[1] > 0
+                    else ""
                 )
                 raise RuntimeError(
                     f"fsdp2_compile: rank(s) {missing} did not publish their {self.kind} schedule within "
@@ -251,9 +256,11 @@ def _exchange(gm: fx.GraphModule, kind: str, world_if_none: bool, timeout_s: flo
 
 def _check(ex: _Exchange, gm: fx.GraphModule, config) -> None:
     """Publish this rank's config and schedule, read the peers', raise on any difference."""
-    config_fields = {
-        f.name: repr(getattr(config, f.name)) for f in dataclasses.fields(config) if not f.metadata.get("rank_local")
-    } if config else {}
+    config_fields = (
+        {f.name: repr(getattr(config, f.name)) for f in dataclasses.fields(config) if not f.metadata.get("rank_local")}
+        if config
+        else {}
+    )
     compare = config is None or config.check_rank_consistency
     mine = {"config": config_fields, "schedule": schedule_signature(gm) if compare else None}
     if all(json.dumps(mine) in ch.agreed for ch in ex.channels):
@@ -271,8 +278,11 @@ def _check(ex: _Exchange, gm: fx.GraphModule, config) -> None:
     error = _config_error(records)
     if error is None and compare:  # equal configs: every rank compares schedules, or none does
         error = next(
-            (_schedule_error(rank, mine["schedule"], r, rec["schedule"], ex.kind)
-             for r, rec in records.items() if rec["schedule"] != mine["schedule"]),
+            (
+                _schedule_error(rank, mine["schedule"], r, rec["schedule"], ex.kind)
+                for r, rec in records.items()
+                if rec["schedule"] != mine["schedule"]
+            ),
             None,
         )
     ex.finish(wait=error is not None)

@@ -16,17 +16,17 @@ from typing import TYPE_CHECKING
 import torch
 from torch import fx
 
-from fsdp2_compile.core.hardware import HardwareProfile
 from fsdp2_compile.compiler.cost_model import Timeline
+from fsdp2_compile.core.hardware import HardwareProfile
 from fsdp2_compile.core.ir import (
     BUCKET,
     PARAMS,
     ROLE,
     WAIT,
     AddPendingGradArgs,
-    Role,
     Collective,
     ReduceGradArgs,
+    Role,
     StashGradArgs,
     UnshardArgs,
     collective,

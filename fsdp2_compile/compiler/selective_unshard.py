@@ -44,8 +44,10 @@ class KeptGathered:
     def summary(self, size: Callable[[int], str] = lambda n: f"{n:,} bytes") -> str:
         """The decision in words (the dump's, the log's and the plan's line begins with it)."""
         names = ", ".join(b or "<root>" for b in self.buckets) or "nothing"
-        return (f"selective unsharding: kept gathered for backward: {names} ({size(self.kept_bytes)} gathered of "
-                f"{size(self.resharded_bytes)} resharded, budget {size(self.budget)})")
+        return (
+            f"selective unsharding: kept gathered for backward: {names} ({size(self.kept_bytes)} gathered of "
+            f"{size(self.resharded_bytes)} resharded, budget {size(self.budget)})"
+        )
 
     def describe(self, size: Callable[[int], str] = lambda n: f"{n:,} bytes") -> str:
         return f"{self.summary(size)}: backward does not gather them again"

@@ -19,6 +19,7 @@ from fsdp2_compile.core.ir import UNSHARD, KeepUnshardedArgs, Tags, UnshardArgs
 
 __all__ = ["keep_unsharded_after_backward"]
 
+
 def keep_unsharded_after_backward(fw: fx.GraphModule, bw: fx.GraphModule) -> None:
     """Insert `fsdp2::keep_unsharded` after the last gather of each parameter whose module set
     `reshard_after_backward` off (and that the next forward will not be given already kept)."""

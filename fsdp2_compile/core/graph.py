@@ -60,9 +60,19 @@ _META_OUTPUTS: dict[Any, Callable[..., torch.Tensor]] = {
     _c10d.all_gather_into_tensor.default: _gathered,
     _c10d.reduce_scatter_tensor.default: _scattered,
     _c10d.wait_tensor.default: torch.empty_like,
-    **{op: op for op in (_aten.view.default, _aten.slice.Tensor, _aten.clone.default, _aten.cat.default,
-                         _aten.constant_pad_nd.default, _aten.mul.Tensor, _aten.div.Tensor,
-                         torch.ops.prims.convert_element_type.default)},
+    **{
+        op: op
+        for op in (
+            _aten.view.default,
+            _aten.slice.Tensor,
+            _aten.clone.default,
+            _aten.cat.default,
+            _aten.constant_pad_nd.default,
+            _aten.mul.Tensor,
+            _aten.div.Tensor,
+            torch.ops.prims.convert_element_type.default,
+        )
+    },
     REDUCE_GRAD: _reduced,
 }
 """What the passes insert most (collectives, bucketing's copy-in / copy-out views, the casts, pads and scalings

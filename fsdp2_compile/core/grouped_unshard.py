@@ -23,12 +23,18 @@ import torch
 from torch import Tensor
 
 from fsdp2_compile._torch_private import dtensor_layout, dtensor_of
-from fsdp2_compile.core.op_args import op_view
 from fsdp2_compile.core.group_caches import dropped_with_groups
+from fsdp2_compile.core.op_args import op_view
 from fsdp2_compile.core.ops import ParamSpec, UnshardArgs, shard_grad, unshard, unshard_backward_context
 
 __all__ = [
-    "GROUPS", "GatherGroup", "REDUCE_GROUP", "REDUCTIONS", "UNSHARD_GROUP", "ReduceGroupArgs", "UnshardGroupArgs",
+    "GROUPS",
+    "GatherGroup",
+    "REDUCE_GROUP",
+    "REDUCTIONS",
+    "UNSHARD_GROUP",
+    "ReduceGroupArgs",
+    "UnshardGroupArgs",
     "group_key",
 ]
 
@@ -57,8 +63,12 @@ def unshard_group(shards: list[Tensor], key: str) -> list[Tensor]:
 
 @unshard_group.register_fake
 def _(shards, key):
-    return [shard.new_empty((a.dim0, *shard.shape[1:]), dtype=a.param_dtype or shard.dtype,
-                            device=a.compute_device or shard.device) for shard, a in zip(shards, _bound(key))]
+    return [
+        shard.new_empty(
+            (a.dim0, *shard.shape[1:]), dtype=a.param_dtype or shard.dtype, device=a.compute_device or shard.device
+        )
+        for shard, a in zip(shards, _bound(key))
+    ]
 
 
 REDUCTIONS: dict[str, tuple[SimpleNamespace, ...]] = dropped_with_groups({})
@@ -75,9 +85,14 @@ def reduce_group(grads: list[Tensor], key: str) -> list[Tensor]:
 
 @reduce_group.register_fake
 def _(grads, key):
-    return [grad.new_empty((f.reduce.local_rows, *grad.shape[1:]), dtype=f.reduce.out_dtype,
-                           device=(f.reduce.out_device if f.sync else None) or grad.device)
-            for f, grad in zip(REDUCTIONS[key], grads)]
+    return [
+        grad.new_empty(
+            (f.reduce.local_rows, *grad.shape[1:]),
+            dtype=f.reduce.out_dtype,
+            device=(f.reduce.out_device if f.sync else None) or grad.device,
+        )
+        for f, grad in zip(REDUCTIONS[key], grads)
+    ]
 
 
 REDUCE_GROUP = torch.fx.node.has_side_effect(torch.ops.fsdp2.reduce_group.default)
@@ -122,8 +137,10 @@ UNSHARD_GROUP = torch.ops.fsdp2.unshard_group.default
 
 
 UnshardGroupArgs = op_view(
-    "UnshardGroupArgs", UNSHARD_GROUP, "Arguments of `fsdp2::unshard_group`: a block call's shards and the key of "
-    "their static facts (before AOTAutograd's partition only)."
+    "UnshardGroupArgs",
+    UNSHARD_GROUP,
+    "Arguments of `fsdp2::unshard_group`: a block call's shards and the key of "
+    "their static facts (before AOTAutograd's partition only).",
 )
 ReduceGroupArgs = op_view(
     "ReduceGroupArgs", REDUCE_GROUP, "Arguments of `fsdp2::reduce_group` (GatherGroup's backward, until split)."

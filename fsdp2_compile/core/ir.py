@@ -30,6 +30,8 @@ import sympy
 import torch
 from torch import fx
 
+from fsdp2_compile._torch_private import OpOverload, group_size, op_name
+from fsdp2_compile._torch_private import functional_collectives as _funcol
 from fsdp2_compile.core import grouped_unshard, ops
 from fsdp2_compile.core.grouped_unshard import ReduceGroupArgs, UnshardGroupArgs
 from fsdp2_compile.core.op_args import OpArgs, op_view, schema_args
@@ -43,8 +45,6 @@ from fsdp2_compile.core.ops import (
     StashGradArgs,
     UnshardArgs,
 )
-from fsdp2_compile._torch_private import OpOverload, group_size, op_name
-from fsdp2_compile._torch_private import functional_collectives as _funcol
 
 __all__ = [
     "ADD_PENDING_GRAD",
@@ -216,8 +216,17 @@ def val(node: Any) -> Any:
 
 WaitArgs = op_view("WaitArgs", WAIT, "Arguments of `_c10d_functional::wait_tensor`.")
 _FSDP_VIEWS: dict[Any, type] = {
-    v.op: v for v in (UnshardArgs, ReduceGradArgs, StashGradArgs, AddPendingGradArgs, KeepAliveArgs,
-                      KeepUnshardedArgs, ReleaseUnshardedArgs, DeliverGradArgs)
+    v.op: v
+    for v in (
+        UnshardArgs,
+        ReduceGradArgs,
+        StashGradArgs,
+        AddPendingGradArgs,
+        KeepAliveArgs,
+        KeepUnshardedArgs,
+        ReleaseUnshardedArgs,
+        DeliverGradArgs,
+    )
 }
 
 
@@ -272,7 +281,7 @@ COLLECTIVE_KINDS: dict[OpOverload, Role] = {v.op: v.kind for v in _COLLECTIVE_VI
 
 
 def collective_kind(node: fx.Node) -> Role | None:
-    """"all_gather", "reduce_scatter", "all_reduce" or "all_to_all" for a functional collective node, else None.
+    """ "all_gather", "reduce_scatter", "all_reduce" or "all_to_all" for a functional collective node, else None.
     An all-to-all that carries out a reduce-scatter (`passes/reduce_scatter_by_all_to_all.py`) is one."""
     kind = COLLECTIVE_KINDS.get(node.target) if node.op == "call_function" else None
     if kind == Role.ALL_TO_ALL and node.meta.get(ROLE) == Role.REDUCE_SCATTER:

@@ -66,7 +66,6 @@ __all__ = [
 ]
 
 
-
 def padded_rows(dim0: int, world_size: int) -> int:
     """Rows of every rank's padded shard: ceil(dim0 / world_size), the chunk size of `torch.chunk`."""
     return -(-dim0 // world_size)
@@ -146,13 +145,14 @@ def unshard(
     x = x if spec.param_dtype is None else x.to(spec.param_dtype)
     x = pad_rows(x, padded_rows(spec.dim0, spec.world_size)).contiguous()
     full = _funcol.wait_tensor(_funcol.all_gather_into_tensor(x, spec.world_size, spec.group_name))
-    return full[:spec.dim0].clone() if full.shape[0] != spec.dim0 else full
+    return full[: spec.dim0].clone() if full.shape[0] != spec.dim0 else full
 
 
 @unshard.register_fake
 def _(shard, spec, gathered=None, grad_anchor=None):
-    return shard.new_empty((spec.dim0, *shard.shape[1:]), dtype=spec.param_dtype or shard.dtype,
-                           device=spec.compute_device or shard.device)
+    return shard.new_empty(
+        (spec.dim0, *shard.shape[1:]), dtype=spec.param_dtype or shard.dtype, device=spec.compute_device or shard.device
+    )
 
 
 class DivideFactors(NamedTuple):
@@ -165,8 +165,9 @@ class DivideFactors(NamedTuple):
     post: float | None
 
 
-def divide_factors(reduce_dtype: torch.dtype, world_size: int, replicate_size: int, divide_factor: float,
-                   force_sum: bool) -> DivideFactors:
+def divide_factors(
+    reduce_dtype: torch.dtype, world_size: int, replicate_size: int, divide_factor: float, force_sum: bool
+) -> DivideFactors:
     """FSDP2's rule (`_get_gradient_divide_factors`). fp32 / bf16 without `force_sum`: the collective averages,
     or with a divide factor f each rank's gradient is multiplied by 1/f and summed. Otherwise only sums: in a
     dtype other than fp32 / bf16 (fp16: overflow) each rank divides by the largest power of two p with p*p < f
@@ -174,7 +175,11 @@ def divide_factors(reduce_dtype: torch.dtype, world_size: int, replicate_size: i
     in fp32 / bf16 the sum is divided by f."""
     exact = reduce_dtype in (torch.float32, torch.bfloat16)
     if exact and not force_sum:
-        return DivideFactors(1.0 / divide_factor, None, "sum", None) if divide_factor else DivideFactors(None, None, "avg", None)
+        return (
+            DivideFactors(1.0 / divide_factor, None, "sum", None)
+            if divide_factor
+            else DivideFactors(None, None, "avg", None)
+        )
     factor = divide_factor or float(world_size * replicate_size)
     if exact:
         return DivideFactors(None, None, "sum", factor if factor != 1 else None)
@@ -219,8 +224,11 @@ def reduce_grad(
     x = pad_rows(x, padded_rows(grad.shape[0], world_size) * world_size).contiguous()
     out = _funcol.wait_tensor(_funcol.reduce_scatter_tensor(x, d.op, world_size, group_name))
     if replicate_size > 1 and not requires_all_reduce:
-        return torch.ops.fsdp2.stash_grad(out, partial_key, reduce_dtype, out.shape[0], reduce_dtype, fqn)[
-            :local_rows].to(out_dtype).clone()
+        return (
+            torch.ops.fsdp2.stash_grad(out, partial_key, reduce_dtype, out.shape[0], reduce_dtype, fqn)[:local_rows]
+            .to(out_dtype)
+            .clone()
+        )
     if replicate_size > 1:
         if partial_key:
             out = torch.ops.fsdp2.add_pending_grad(out, partial_key, reduce_dtype, fqn)
@@ -301,13 +309,24 @@ def _(grad, grad_key, fqn):
 def unshard_backward_context(a, n_inputs: int) -> SimpleNamespace:
     """What `fsdp2::unshard`'s backward needs of a call with `n_inputs` inputs and arguments `a` (`UnshardArgs`)."""
     return SimpleNamespace(
-        sync=a.requires_grad_sync, pending_key=a.pending_key, fqn=a.fqn,
+        sync=a.requires_grad_sync,
+        pending_key=a.pending_key,
+        fqn=a.fqn,
         grad_key=a.grad_key if a.grad_anchor is not None else "",
         reduce=ReduceGradArgs(
-            grad=None, local_rows=a.shard.shape[0], world_size=a.world_size, group_name=a.group_name,
-            reduce_dtype=a.reduce_dtype, out_dtype=a.shard.dtype, fqn=a.fqn, bucket=a.bucket,
-            replicate_size=a.replicate_size, replicate_group_name=a.replicate_group_name,
-            divide_factor=a.grad_divide_factor, requires_all_reduce=a.requires_all_reduce, partial_key=a.partial_key,
+            grad=None,
+            local_rows=a.shard.shape[0],
+            world_size=a.world_size,
+            group_name=a.group_name,
+            reduce_dtype=a.reduce_dtype,
+            out_dtype=a.shard.dtype,
+            fqn=a.fqn,
+            bucket=a.bucket,
+            replicate_size=a.replicate_size,
+            replicate_group_name=a.replicate_group_name,
+            divide_factor=a.grad_divide_factor,
+            requires_all_reduce=a.requires_all_reduce,
+            partial_key=a.partial_key,
             out_device=a.shard.device if a.compute_device is not None else None,
             force_sum_reduction=a.force_sum_reduction,
         ),
@@ -392,6 +411,7 @@ def keep_alive(tensors: list[Tensor]) -> None:
 def _(tensors):
     return None
 
+
 UNSHARD = torch.ops.fsdp2.unshard.default
 REDUCE_GRAD = torch.ops.fsdp2.reduce_grad.default
 KEEP_ALIVE = torch.fx.node.has_side_effect(torch.ops.fsdp2.keep_alive.default)
@@ -402,7 +422,6 @@ ADD_PENDING_GRAD = torch.fx.node.has_side_effect(torch.ops.fsdp2.add_pending_gra
 KEEP_UNSHARDED = torch.fx.node.has_side_effect(torch.ops.fsdp2.keep_unsharded.default)
 RELEASE_UNSHARDED = torch.fx.node.has_side_effect(torch.ops.fsdp2.release_unsharded.default)
 DELIVER_GRAD = torch.fx.node.has_side_effect(torch.ops.fsdp2.deliver_grad.default)
-
 
 
 class _ReadsSpec(OpArgs):
@@ -426,9 +445,13 @@ UnshardArgs = op_view(
 ReduceGradArgs = op_view("ReduceGradArgs", REDUCE_GRAD, "Arguments of `fsdp2::reduce_grad` (unshard's backward).")
 StashGradArgs = op_view("StashGradArgs", STASH_GRAD, "Arguments of `fsdp2::stash_grad` (backward, sync off).")
 AddPendingGradArgs = op_view(
-    "AddPendingGradArgs", ADD_PENDING_GRAD, "Arguments of `fsdp2::add_pending_grad` (synced backward after unsynced ones)."
+    "AddPendingGradArgs",
+    ADD_PENDING_GRAD,
+    "Arguments of `fsdp2::add_pending_grad` (synced backward after unsynced ones).",
 )
-KeepAliveArgs = op_view("KeepAliveArgs", KEEP_ALIVE, "Arguments of `fsdp2::keep_alive`: a wait and its collective's inputs.")
+KeepAliveArgs = op_view(
+    "KeepAliveArgs", KEEP_ALIVE, "Arguments of `fsdp2::keep_alive`: a wait and its collective's inputs."
+)
 KeepUnshardedArgs = op_view(
     "KeepUnshardedArgs", KEEP_UNSHARDED, "Arguments of `fsdp2::keep_unsharded` (backward, reshard_after_backward off)."
 )
@@ -436,5 +459,7 @@ DeliverGradArgs = op_view(
     "DeliverGradArgs", DELIVER_GRAD, "Arguments of `fsdp2::deliver_grad` (backward, a parameter with hooks)."
 )
 ReleaseUnshardedArgs = op_view(
-    "ReleaseUnshardedArgs", RELEASE_UNSHARDED, "Arguments of `fsdp2::release_unsharded` (a forward took a kept parameter)."
+    "ReleaseUnshardedArgs",
+    RELEASE_UNSHARDED,
+    "Arguments of `fsdp2::release_unsharded` (a forward took a kept parameter).",
 )

@@ -16,19 +16,15 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import logging
+import os
 import re
 from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
 
-from fsdp2_compile.core.hardware import PROFILES, HardwareProfile
 from fsdp2_compile.compiler.cost_model import Timeline, simulate
-from fsdp2_compile.debug.graph_view import write_dot, write_svg
-from fsdp2_compile.debug.sizes import size_text, unit_of
-from fsdp2_compile.core.ir import BUCKET, COLLECTIVE_KINDS, Role, SubgraphCall
 from fsdp2_compile.compiler.report import (
     DUMP_ENV,
     UNWRITABLE_DUMP_FOLDERS,
@@ -41,6 +37,10 @@ from fsdp2_compile.compiler.report import (
     is_tp,
     saved_bytes,
 )
+from fsdp2_compile.core.hardware import PROFILES, HardwareProfile
+from fsdp2_compile.core.ir import BUCKET, COLLECTIVE_KINDS, Role, SubgraphCall
+from fsdp2_compile.debug.graph_view import write_dot, write_svg
+from fsdp2_compile.debug.sizes import size_text, unit_of
 
 logger = logging.getLogger(__name__)
 
@@ -148,18 +148,23 @@ def summarize(records: list[GraphRecord], profile: HardwareProfile | None = None
         out.append(f"== {label} graph ({len(record.gm.graph.nodes)} nodes)")
         stats = pass_stats(record)
         tp = any(s.counts["tp"] for s in stats)
-        out.append(f"  {'pass':<22}{'nodes':>7}{'all_gather':>12}{'reduce_scat':>12}{'all_reduce':>12}{'wait':>6}"
-                   + (f"{'tp':>5}" if tp else "") + "  bytes by dtype")
+        out.append(
+            f"  {'pass':<22}{'nodes':>7}{'all_gather':>12}{'reduce_scat':>12}{'all_reduce':>12}{'wait':>6}"
+            + (f"{'tp':>5}" if tp else "")
+            + "  bytes by dtype"
+        )
         for s in stats:
             parts = [f"{k[0]} {k[1]} {size_text(v)}" for k, v in sorted(s.bytes_by_dtype.items())]
             out.append(
                 f"  {s.name:<22}{s.nodes:>7}{s.counts['all_gather']:>12}{s.counts['reduce_scatter']:>12}"
-                f"{s.counts['all_reduce']:>12}{s.counts['wait']:>6}" + (f"{s.counts['tp']:>5}" if tp else "")
+                f"{s.counts['all_reduce']:>12}{s.counts['wait']:>6}"
+                + (f"{s.counts['tp']:>5}" if tp else "")
                 + f"  {'; '.join(parts) or '-'}"
             )
         if tp:
-            out.append("  (tp: tensor parallelism's collectives, from DTensor redistribution; the other columns are "
-                       "FSDP's)")
+            out.append(
+                "  (tp: tensor parallelism's collectives, from DTensor redistribution; the other columns are FSDP's)"
+            )
         out.append(f"  {'bucket':<22}{'collective':<20}{'dtype':<10}{'bytes':>12}  params")
         for node in record.gm.graph.nodes:
             c = collective(node)
@@ -168,8 +173,9 @@ def summarize(records: list[GraphRecord], profile: HardwareProfile | None = None
                     bucket, kind = "(tensor parallel)", f"tp {c.kind}"
                 else:
                     bucket, kind = node.meta.get(BUCKET, "?") or "<root>", str(c.kind)
-                out.append(f"  {bucket:<22}{kind:<20}{_dtype_name(c.dtype):<10}{size_text(c.nbytes):>12}  "
-                           f"{len(c.params)}")
+                out.append(
+                    f"  {bucket:<22}{kind:<20}{_dtype_name(c.dtype):<10}{size_text(c.nbytes):>12}  {len(c.params)}"
+                )
         final = stats[-1] if stats else None
         if final is None:
             final = PassStats("final", len(record.gm.graph.nodes))
@@ -180,16 +186,23 @@ def summarize(records: list[GraphRecord], profile: HardwareProfile | None = None
                     final.counts[f"tp {c.kind}"] += 1
                     final.bytes_by_dtype[(f"tp {c.kind}", _dtype_name(c.dtype))] += c.nbytes
         if final.counts["tp"]:
-            kinds = ", ".join(f"{k.removeprefix('tp ')} x{n}" for k, n in sorted(final.counts.items())
-                              if k.startswith("tp ") and k != "tp wait")
+            kinds = ", ".join(
+                f"{k.removeprefix('tp ')} x{n}"
+                for k, n in sorted(final.counts.items())
+                if k.startswith("tp ") and k != "tp wait"
+            )
             total = sum(v for k, v in final.bytes_by_dtype.items() if k[0].startswith("tp "))
-            out.append(f"  tensor parallel: {final.counts['tp']} collectives ({kinds}), {size_text(total)} of "
-                       "buffers (not in FSDP's counts above)")
+            out.append(
+                f"  tensor parallel: {final.counts['tp']} collectives ({kinds}), {size_text(total)} of "
+                "buffers (not in FSDP's counts above)"
+            )
         if record.kept_gathered is not None:
             out.append(f"  {record.kept_gathered.describe(size_text)}")
         for name, same in _subgraph_calls(record).items():
-            out.append(f"  blocks traced once: subgraph {name} ({len(same[0].module().graph.nodes)} nodes) called "
-                       f"{len(same)} times")
+            out.append(
+                f"  blocks traced once: subgraph {name} ({len(same[0].module().graph.nodes)} nodes) called "
+                f"{len(same)} times"
+            )
         out.append(
             f"  estimate: step {tl.total_s * 1e3:.3f} ms, compute {tl.compute_s * 1e3:.3f} ms, "
             f"communication {tl.comm_s * 1e3:.3f} ms, exposed communication {tl.exposed_comm_s * 1e3:.3f} ms, "
@@ -198,8 +211,10 @@ def summarize(records: list[GraphRecord], profile: HardwareProfile | None = None
         out.append("")
     total = sum(t.total_s for t in timelines)
     exposed = sum(t.exposed_comm_s for t in timelines)
-    out.append(f"step estimate (all graphs): {total * 1e3:.3f} ms, exposed communication {exposed * 1e3:.3f} ms, "
-               f"peak memory {size_text(_memory_curve(records, timelines)[1])}")
+    out.append(
+        f"step estimate (all graphs): {total * 1e3:.3f} ms, exposed communication {exposed * 1e3:.3f} ms, "
+        f"peak memory {size_text(_memory_curve(records, timelines)[1])}"
+    )
     return "\n".join(out) + "\n"
 
 
@@ -216,11 +231,17 @@ def trace_events(records: list[GraphRecord], timelines: list[Timeline]) -> dict:
             events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": lane}})
         for e in tl.events:
             tid = 2 if e.lane == "comm" else 1
-            events.append({
-                "ph": "X", "pid": pid, "tid": tid, "cat": e.lane,
-                "name": e.name if e.lane != "wait" else f"wait ({e.name})",
-                "ts": (offset + e.start_s) * 1e6, "dur": e.duration_s * 1e6,
-            })
+            events.append(
+                {
+                    "ph": "X",
+                    "pid": pid,
+                    "tid": tid,
+                    "cat": e.lane,
+                    "name": e.name if e.lane != "wait" else f"wait ({e.name})",
+                    "ts": (offset + e.start_s) * 1e6,
+                    "dur": e.duration_s * 1e6,
+                }
+            )
         offset += tl.total_s
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
@@ -260,8 +281,10 @@ def write_memory_plot(points: list[tuple[float, int]], graphs: list[tuple[str, f
         matplotlib.use("Agg")
         from matplotlib import pyplot as plt
     except ImportError:
-        logger.info("memory plot skipped: matplotlib is not installed (pip install 'fsdp2_compile[plots]'); "
-                    "memory.csv has the curve")
+        logger.info(
+            "memory plot skipped: matplotlib is not installed (pip install 'fsdp2_compile[plots]'); "
+            "memory.csv has the curve"
+        )
         return False
     unit, scale = unit_of(max(b for _, b in points))
     times = [t * 1e3 for t, _ in points]
@@ -273,8 +296,13 @@ def write_memory_plot(points: list[tuple[float, int]], graphs: list[tuple[str, f
     ax.step(times, mib, where="post", color="#1565c0", linewidth=1.2)
     peak = max(range(len(points)), key=lambda i: points[i][1])
     ax.plot([times[peak]], [mib[peak]], "o", color="#c62828")
-    ax.annotate(f"peak {size_text(points[peak][1])}", (times[peak], mib[peak]), textcoords="offset points",
-                xytext=(6, -12), color="#c62828")
+    ax.annotate(
+        f"peak {size_text(points[peak][1])}",
+        (times[peak], mib[peak]),
+        textcoords="offset points",
+        xytext=(6, -12),
+        color="#c62828",
+    )
     ax.set_xlabel("simulated time in the step (ms)")
     ax.set_ylabel(f"live bytes beyond parameters ({unit})")
     ax.set_xlim(0, max(times[-1], 1e-9))
@@ -312,8 +340,9 @@ def _subgraph_calls(record: GraphRecord) -> dict[str, list[SubgraphCall]]:
     return calls
 
 
-def write_dump(records: list[GraphRecord], out_dir: str, profile: HardwareProfile | None = None,
-               graphs: bool = True) -> str:
+def write_dump(
+    records: list[GraphRecord], out_dir: str, profile: HardwareProfile | None = None, graphs: bool = True
+) -> str:
     """Write every artefact for `records` into `out_dir` and return the summary text."""
     os.makedirs(out_dir, exist_ok=True)
     if graphs:
@@ -349,5 +378,12 @@ def dump_from_env(record: GraphRecord | None = None) -> None:
         write_dump(records, out_dir, graphs=False)
     except OSError as e:
         UNWRITABLE_DUMP_FOLDERS.add(root)
-        logger.warning("%s=%s: cannot write the debug dump to %s (%s); training continues without dumps. Point %s "
-                       "at a writable folder or unset it.", DUMP_ENV, root, out_dir, e.strerror or e, DUMP_ENV)
+        logger.warning(
+            "%s=%s: cannot write the debug dump to %s (%s); training continues without dumps. Point %s "
+            "at a writable folder or unset it.",
+            DUMP_ENV,
+            root,
+            out_dir,
+            e.strerror or e,
+            DUMP_ENV,
+        )

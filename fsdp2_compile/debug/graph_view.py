@@ -19,8 +19,8 @@ from xml.sax.saxutils import escape
 import torch
 from torch import fx
 
-from fsdp2_compile.core.ir import BUCKET, PARAMS, ROLE, WAIT, Role, collective, collective_kind
 from fsdp2_compile.compiler.report import is_tp
+from fsdp2_compile.core.ir import BUCKET, PARAMS, ROLE, WAIT, Role, collective, collective_kind
 from fsdp2_compile.debug.sizes import size_text
 
 __all__ = ["COLOURS", "LEGEND", "Row", "compact_rows", "input_params", "write_dot", "write_svg"]
@@ -41,8 +41,27 @@ LEGEND = {"tp": "tensor parallel collective", "tp_wait": "tensor parallel wait"}
 """Legend text of a category, where not its name."""
 _CAST = torch.ops.prims.convert_element_type.default
 _FOLDED_ROLES = {Role.PAD, Role.CONTIGUOUS, Role.COPY_IN, Role.COPY_OUT, Role.UNPAD, Role.KEEP_ALIVE}
-_VIEWS = {"view", "_unsafe_view", "reshape", "expand", "permute", "transpose", "t", "squeeze", "unsqueeze", "slice",
-          "select", "split", "split_with_sizes", "alias", "as_strided", "detach", "unbind", "view_as", "getitem"}
+_VIEWS = {
+    "view",
+    "_unsafe_view",
+    "reshape",
+    "expand",
+    "permute",
+    "transpose",
+    "t",
+    "squeeze",
+    "unsqueeze",
+    "slice",
+    "select",
+    "split",
+    "split_with_sizes",
+    "alias",
+    "as_strided",
+    "detach",
+    "unbind",
+    "view_as",
+    "getitem",
+}
 _SHOWN_OPS = 6
 """A compute row names its most frequent ops, this many at most (then "+k more")."""
 _SHOWN_PARAMS = 8
@@ -140,8 +159,10 @@ def _row_text(category: str, nodes: list[fx.Node], params: dict[fx.Node, tuple[s
         return f"{category} {where}: {size_text(c.nbytes)} {dtype}, {len(c.params)} params: {names}"
     if category == "tp":
         c = collective(first)
-        return (f"tensor parallel {c.kind}: {size_text(c.nbytes)} {str(c.dtype).removeprefix('torch.')}, "
-                f"{_shape(first)} (DTensor redistribution)")
+        return (
+            f"tensor parallel {c.kind}: {size_text(c.nbytes)} {str(c.dtype).removeprefix('torch.')}, "
+            f"{_shape(first)} (DTensor redistribution)"
+        )
     if category == "tp_wait":
         return f"wait for tensor parallel {collective_kind(first.all_input_nodes[0]) or 'collective'}"
     if category == "wait":
@@ -218,8 +239,13 @@ def compact_rows(gm: fx.GraphModule) -> list[Row]:
 def row_edges(rows: list[Row]) -> list[tuple[int, int]]:
     """(producer row, consumer row) for every data edge between two different rows."""
     row_of = {n: i for i, row in enumerate(rows) for n in row.nodes}
-    edges = {(row_of[p], i) for i, row in enumerate(rows) for n in row.nodes for p in n.all_input_nodes
-             if p in row_of and row_of[p] != i}
+    edges = {
+        (row_of[p], i)
+        for i, row in enumerate(rows)
+        for n in row.nodes
+        for p in n.all_input_nodes
+        if p in row_of and row_of[p] != i
+    }
     return sorted(edges)
 
 
@@ -227,13 +253,17 @@ def row_edges(rows: list[Row]) -> list[tuple[int, int]]:
 
 
 def _dot_text(rows: list[Row], title: str, wrap: int) -> str:
-    out = ["digraph G {", f'  label="{title}"; labelloc=t; rankdir=TB; nodesep=0.2; ranksep=0.25;',
-           "  node [shape=box, style=filled, fontname=monospace, fontsize=10];"]
+    out = [
+        "digraph G {",
+        f'  label="{title}"; labelloc=t; rankdir=TB; nodesep=0.2; ranksep=0.25;',
+        "  node [shape=box, style=filled, fontname=monospace, fontsize=10];",
+    ]
     out.append("  subgraph cluster_legend { label=legend; rank=same;")
     for category in [c for c in COLOURS if any(r.category == c for r in rows)]:
         fill, stroke = COLOURS[category]
-        out.append(f'    legend_{category} [label="{LEGEND.get(category, category)}", fillcolor="{fill}", '
-                   f'color="{stroke}"];')
+        out.append(
+            f'    legend_{category} [label="{LEGEND.get(category, category)}", fillcolor="{fill}", color="{stroke}"];'
+        )
     out.append("  }")
     for i, row in enumerate(rows):
         fill, stroke = COLOURS[row.category]
@@ -280,8 +310,10 @@ def text_width(text: str, size: float = _FONT) -> float:
 
 def _text(x: float, y: float, text: str, size: float = _FONT, attrs: str = "") -> str:
     """An SVG text whose width is pinned to `text_width` (textLength): it fits its box whatever font renders it."""
-    return (f'<text x="{x}" y="{y}" font-size="{size}" textLength="{text_width(text, size):.1f}" '
-            f'lengthAdjust="spacingAndGlyphs"{attrs}>{escape(text)}</text>')
+    return (
+        f'<text x="{x}" y="{y}" font-size="{size}" textLength="{text_width(text, size):.1f}" '
+        f'lengthAdjust="spacingAndGlyphs"{attrs}>{escape(text)}</text>'
+    )
 
 
 _COMM = ("all_gather", "reduce_scatter", "all_reduce", "wait", "tp", "tp_wait")
@@ -307,20 +339,25 @@ def _builtin_svg(rows: list[Row], title: str) -> str:
     for row, ls, y, y_next in zip(rows, lines, ys, ys[1:]):
         fill, stroke = COLOURS[row.category]
         weight = ' font-weight="bold"' if row.category in _COMM else ""
-        out.append(f'<rect x="{left}" y="{y}" width="{box_w}" height="{y_next - y - 4}" fill="{fill}" '
-                   f'stroke="{stroke}"/>')
+        out.append(
+            f'<rect x="{left}" y="{y}" width="{box_w}" height="{y_next - y - 4}" fill="{fill}" stroke="{stroke}"/>'
+        )
         out.extend(_text(left + pad, y + 12 + k * _LINE_H, line, attrs=weight) for k, line in enumerate(ls))
     for a, b in row_edges(rows):
         comm = [rows[i].category for i in (a, b) if rows[i].category in _COMM]
         if comm:
             y1, y2 = ys[a] + 8, ys[b] + 8
             bend = left + box_w + 8 + min(arc_w - 16, abs(y2 - y1) // 4)
-            out.append(f'<path d="M{left + box_w} {y1} C{bend} {y1} {bend} {y2} {left + box_w} {y2}" fill="none" '
-                       f'stroke="{COLOURS[comm[0]][1]}" stroke-width="1.2" opacity="0.8"/>')
+            out.append(
+                f'<path d="M{left + box_w} {y1} C{bend} {y1} {bend} {y2} {left + box_w} {y2}" fill="none" '
+                f'stroke="{COLOURS[comm[0]][1]}" stroke-width="1.2" opacity="0.8"/>'
+            )
     width = round(max(left + box_w + arc_w, left + text_width(title, 13) + 10, left + text_width(note) + 10, x))
-    head = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{ys[-1] + 10}" '
-            'font-family="DejaVu Sans Mono, Menlo, Consolas, monospace">',
-            '<rect width="100%" height="100%" fill="white"/>']
+    head = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{ys[-1] + 10}" '
+        'font-family="DejaVu Sans Mono, Menlo, Consolas, monospace">',
+        '<rect width="100%" height="100%" fill="white"/>',
+    ]
     return "\n".join([*head, *out, "</svg>"]) + "\n"
 
 

@@ -110,8 +110,9 @@ def apply_ac(model: nn.Module, mode: str, recompute_context=None) -> int:
         return 0
     inner = _selective_context if mode == "selective" else None
     for i, block in enumerate(blocks):
-        blocks[i] = checkpoint_wrapper(block, preserve_rng_state=False,
-                                       context_fn=_context_fn(inner, recompute_context) or _no_context)
+        blocks[i] = checkpoint_wrapper(
+            block, preserve_rng_state=False, context_fn=_context_fn(inner, recompute_context) or _no_context
+        )
     return len(blocks)
 
 
@@ -124,7 +125,7 @@ def _no_context():
 def unwrap_checkpointing(model: nn.Module) -> None:
     """Replace every `CheckpointWrapper` by the module it wraps (the planner's compiled copies: checkpointing
     changes no collective)."""
-    for name, module in list(model.named_modules()):
+    for module in list(model.modules()):
         for child_name, child in list(module.named_children()):
             if isinstance(child, CheckpointWrapper):
                 setattr(module, child_name, checkpoint_wrapped_module(child))

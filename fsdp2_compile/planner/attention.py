@@ -23,8 +23,7 @@ def _fused(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, 
         group = q.shape[-3] // k.shape[-3]
         k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
     if attn_mask is not None:
-        return efficient_attention(q, k, v, attn_mask, True, dropout_p, is_causal,
-                                                              scale=scale)[0]
+        return efficient_attention(q, k, v, attn_mask, True, dropout_p, is_causal, scale=scale)[0]
     return flash_attention(q, k, v, dropout_p, is_causal, scale=scale)[0]
 
 

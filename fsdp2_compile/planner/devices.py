@@ -51,15 +51,15 @@ _H100 = DeviceFigures(
     intra_node_alpha_s=15e-6,
     sources={
         "intra_node_bytes_per_s": "NVLink 4 on H100 SXM: 450 GB/s per direction (NVIDIA H100 datasheet, 900 GB/s "
-                                  "bidirectional) x 0.8 assumed; as cost_model h100-nvlink (not measured here)",
+        "bidirectional) x 0.8 assumed; as cost_model h100-nvlink (not measured here)",
         "intra_node_alpha_s": "as cost_model h100-nvlink: 15 us per collective (assumed)",
         "peak_flops": "NVIDIA H100 SXM datasheet: 989 TFLOP/s dense bf16",
         "mem_bytes_per_s": "torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Hardware: 96 GB HBM2e, "
-                           "2.4 TB/s (Grand Teton, 500 W)",
+        "2.4 TB/s (Grand Teton, 500 W)",
         "efficiency.matmul": "calibrated: torchtitan Table 1 'FSDP' row (Llama 3.1 8B, 8 GPUs, local batch 2, "
-                             "seq 8192, selective op AC, eager): 5,762 tokens/s per GPU",
+        "seq 8192, selective op AC, eager): 5,762 tokens/s per GPU",
         "efficiency.attention": "FlashAttention-2 paper (Dao 2023, Fig. 7): ~335 TFLOP/s causal fwd+bwd, head dim "
-                                "128, on H100 SXM5 = 0.34 of peak",
+        "128, on H100 SXM5 = 0.34 of peak",
         "efficiency.memory": "assumed 0.8 of the HBM bandwidth (elementwise kernels)",
         "launch_s": "assumed: ~5 us per CUDA kernel launch in eager mode",
         "comm_overlaps_compute": "NCCL runs on its own CUDA stream",
@@ -69,9 +69,11 @@ _H100 = DeviceFigures(
     },
 )
 
-_CPU_BENCH = ("measured by benchmarks/cpu_figures.py --repeat 40 on the 2-core CI machine, one thread as each rank "
-              "has, 2026-11-30: best of 40 runs, highest of 3 invocations (the machine was shared; the medians were "
-              "0.5-0.9x the best)")
+_CPU_BENCH = (
+    "measured by benchmarks/cpu_figures.py --repeat 40 on the 2-core CI machine, one thread as each rank "
+    "has, 2026-11-30: best of 40 runs, highest of 3 invocations (the machine was shared; the medians were "
+    "0.5-0.9x the best)"
+)
 _CPU = DeviceFigures(
     peak_flops=97e9,
     mem_bytes_per_s=19e9,
@@ -84,47 +86,55 @@ _CPU = DeviceFigures(
     intra_node_alpha_s=500e-6,
     sources={
         "intra_node_bytes_per_s": "cost_model cpu-gloo-loopback: measured gloo bandwidth over loopback between "
-                                  "ranks on this machine (0.36-0.40 GB/s)",
+        "ranks on this machine (0.36-0.40 GB/s)",
         "intra_node_alpha_s": "cost_model cpu-gloo-loopback: measured 0.46-0.58 ms per collective",
         "peak_flops": f"{_CPU_BENCH}: fp32 matmul 97 GFLOP/s at a GPT Linear's shapes (1024 tokens, d 512 -> "
-                      "2048 and 512 -> 512: forward, input and weight gradients); sustained, so efficiency 1.0",
+        "2048 and 512 -> 512: forward, input and weight gradients); sustained, so efficiency 1.0",
         "mem_bytes_per_s": f"{_CPU_BENCH}: 19 GB/s read + written by a transformer's elementwise ops (add, GELU and "
-                           "backward, LayerNorm and backward, transposed copy, log-softmax and backward)",
+        "backward, LayerNorm and backward, transposed copy, log-softmax and backward)",
         "efficiency.attention": f"{_CPU_BENCH}: causal SDPA (CPU flash kernel) forward + backward at 4 x 8 heads x "
-                                "256 x 64, 35 GFLOP/s counting causal FLOPs = 0.36 of the matmul rate",
+        "256 x 64, 35 GFLOP/s counting causal FLOPs = 0.36 of the matmul rate",
         "efficiency.optimizer": f"{_CPU_BENCH}: torch's AdamW step on a 4M-element parameter, 12.5 GB/s of the "
-                                "planner's count (read parameter, gradient, 2 states; write parameter, 2 states) = "
-                                "0.66 of the elementwise rate (runs ranged 4.7-12.5 GB/s: it is the figure the other "
-                                "processes disturb most)",
+        "planner's count (read parameter, gradient, 2 states; write parameter, 2 states) = "
+        "0.66 of the elementwise rate (runs ranged 4.7-12.5 GB/s: it is the figure the other "
+        "processes disturb most)",
         "launch_s": f"{_CPU_BENCH}: 2.7 us per small eager op (2,000 x `x + 1` on 16 elements)",
         "reduce_scatter_factor": "not resolved on loopback, where link time is CPU copies: benchmarks/"
-                                 "link_figures.py gave a reduce-scatter 1.08-2.12x an all-gather (an all-reduce "
-                                 "0.73-0.83x) with the machine loaded; left at a ring's 1",
+        "link_figures.py gave a reduce-scatter 1.08-2.12x an all-gather (an all-reduce "
+        "0.73-0.83x) with the machine loaded; left at a ring's 1",
         "comm_overlaps_compute": "measured here (overlap benchmark, docs/performance.md): on loopback gloo's copies use the same "
-                                 "2 cores as compute, an all-gather then matmuls takes the sum of both times",
+        "2 cores as compute, an all-gather then matmuls takes the sum of both times",
         "allocator_factor": "measured by benchmarks/rss_figures.py (2 ranks, full pipeline, one thread each, "
-                            "2026-11-30) on the 4-layer d 384 GPT: (peak RSS with glibc's default - the runtime) / "
-                            "the live tensor peak (c10 allocator, torch.profiler) = 1.45-1.46 (2-layer d 256: "
-                            "1.30-1.52; the 8-layer d 512 of the benchmark: 1.57-1.61). What glibc keeps: its mmap "
-                            "threshold rises to the largest block freed (up to 32 MiB), after which freed tensors stay "
-                            "in the heap, fragmented; with MALLOC_MMAP_THRESHOLD_=131072 the factor is 0.84-0.98",
+        "2026-11-30) on the 4-layer d 384 GPT: (peak RSS with glibc's default - the runtime) / "
+        "the live tensor peak (c10 allocator, torch.profiler) = 1.45-1.46 (2-layer d 256: "
+        "1.30-1.52; the 8-layer d 512 of the benchmark: 1.57-1.61). What glibc keeps: its mmap "
+        "threshold rises to the largest block freed (up to 32 MiB), after which freed tensors stay "
+        "in the heap, fragmented; with MALLOC_MMAP_THRESHOLD_=131072 the factor is 0.84-0.98",
         "runtime_bytes": "measured here 2026-11-30: peak RSS of a 1-rank gloo process that trains a 2-layer d=64 GPT "
-                         "(tensors < 1 MiB) for 3 AdamW steps with shard_compile: 401 MiB (fully_shard eager: 317 "
-                         "MiB); of it 220 MiB after import torch, gloo init and import fsdp2_compile, the rest "
-                         "compiled graphs and their code. benchmarks/rss_figures.py with a fixed mmap threshold "
-                         "(RSS after a step - live tensors) gives 386 / 400 / 426 MiB for 2-, 4- and 8-layer GPTs",
+        "(tensors < 1 MiB) for 3 AdamW steps with shard_compile: 401 MiB (fully_shard eager: 317 "
+        "MiB); of it 220 MiB after import torch, gloo init and import fsdp2_compile, the rest "
+        "compiled graphs and their code. benchmarks/rss_figures.py with a fixed mmap threshold "
+        "(RSS after a step - live tensors) gives 386 / 400 / 426 MiB for 2-, 4- and 8-layer GPTs",
     },
 )
 
 DEVICES: dict[str, DeviceFigures] = {
     "cpu-gloo-loopback": _CPU,
     "cpu-gloo-1gbit": DeviceFigures(
-        **{**_CPU.__dict__, "comm_overlaps_compute": True, "reduce_scatter_factor": 2.0,
-           "sources": {**_CPU.sources, "comm_overlaps_compute": "measured here (benchmarks/gloo_overlap_probe.py): "
-                       "on the 1 Gbit/s link a started all-gather progresses while the rank computes",
-                       "reduce_scatter_factor": "measured by benchmarks/link_figures.py on the benchmark's 1 Gbit/s "
-                       "link, 2 ranks, 2026-11-30: gloo's reduce-scatter of a 32 MiB buffer takes 1.94-1.99x the "
-                       "all-gather of it (an all-reduce: 1.79-1.84x), so 2"}}),
+        **{
+            **_CPU.__dict__,
+            "comm_overlaps_compute": True,
+            "reduce_scatter_factor": 2.0,
+            "sources": {
+                **_CPU.sources,
+                "comm_overlaps_compute": "measured here (benchmarks/gloo_overlap_probe.py): "
+                "on the 1 Gbit/s link a started all-gather progresses while the rank computes",
+                "reduce_scatter_factor": "measured by benchmarks/link_figures.py on the benchmark's 1 Gbit/s "
+                "link, 2 ranks, 2026-11-30: gloo's reduce-scatter of a 32 MiB buffer takes 1.94-1.99x the "
+                "all-gather of it (an all-reduce: 1.79-1.84x), so 2",
+            },
+        }
+    ),
     "h100-nvlink": _H100,
     "h100-infiniband": _H100,
 }

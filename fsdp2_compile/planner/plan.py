@@ -35,18 +35,24 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from fsdp2_compile.compiler.report import clear_compiled_graphs, collective, compiled_graphs, is_tp
 from fsdp2_compile.config import CompileConfig, MixedPrecisionPolicy
 from fsdp2_compile.core.hardware import PROFILES
 from fsdp2_compile.core.ir import BUCKET, CollectiveArgs, Role, nbytes
+from fsdp2_compile.debug.sizes import size_text
 from fsdp2_compile.planner.activation_checkpointing import has_checkpointing, unwrap_checkpointing
 from fsdp2_compile.planner.devices import device_for
 from fsdp2_compile.planner.reduced_depth import block_list, reduced_copy, scale
-from fsdp2_compile.planner.step_model import (StepComm, forward_backward_time, memory_peak, optimizer_time,
-                                              phase_times)
-from fsdp2_compile.planner.tensor_parallel import apply_tp, plan_meshes, plan_text, tp_collective_s, tp_local_copy, tp_plan_for
+from fsdp2_compile.planner.step_model import StepComm, forward_backward_time, memory_peak, optimizer_time, phase_times
+from fsdp2_compile.planner.tensor_parallel import (
+    apply_tp,
+    plan_meshes,
+    plan_text,
+    tp_collective_s,
+    tp_local_copy,
+    tp_plan_for,
+)
 from fsdp2_compile.planner.trace import StepTrace, trace_step
-from fsdp2_compile.compiler.report import clear_compiled_graphs, collective, compiled_graphs, is_tp
-from fsdp2_compile.debug.sizes import size_text
 
 __all__ = [
     "Layout",
@@ -142,11 +148,21 @@ class Plan:
             "tp_collectives_per_step": self.tp_collectives_per_step,
             "tp_comm_s": self.tp_comm_s,
             "kept_gathered": self.kept_gathered,
-            "profiles": {n: {"alpha_s": p.alpha_s, "beta_s_per_byte": p.beta_s_per_byte, "flops_per_s": p.flops_per_s,
-                             "mem_bytes_per_s": p.mem_bytes_per_s, "source": p.source,
-                             "device": {**{k: v for k, v in device_for(n).__dict__.items() if k != "sources"},
-                                        "sources": device_for(n).sources}}
-                         for n, p in PROFILES.items() if n in self.step_time_s},
+            "profiles": {
+                n: {
+                    "alpha_s": p.alpha_s,
+                    "beta_s_per_byte": p.beta_s_per_byte,
+                    "flops_per_s": p.flops_per_s,
+                    "mem_bytes_per_s": p.mem_bytes_per_s,
+                    "source": p.source,
+                    "device": {
+                        **{k: v for k, v in device_for(n).__dict__.items() if k != "sources"},
+                        "sources": device_for(n).sources,
+                    },
+                }
+                for n, p in PROFILES.items()
+                if n in self.step_time_s
+            },
             "method": self.method,
         }
 
@@ -183,6 +199,7 @@ def analytical_bytes(model: nn.Module, world_size: int, tp: int = 1) -> dict[str
     """numel x bytes / N for parameters and gradients, 2 x 4 bytes x numel / N for AdamW (unsharded model); N is
     the number of ranks a parameter is sharded over (HSDP: the shard size), times `tp` for a parameter tensor
     parallelism shards (a DTensor with a Shard placement, after the TP plan)."""
+
     def ranks(p) -> int:
         return world_size * tp if isinstance(p, DTensor) and any(pl.is_shard() for pl in p.placements) else world_size
 
@@ -251,8 +268,12 @@ def _compile_and_measure(model, args, loss_fn, mesh, compile_kwargs, tp_mesh=Non
     unwrap_checkpointing(model)  # checkpointing changes no collective
     if tp_mesh is not None:
         apply_tp(model, tp_mesh, tp_plan)
-    shard_for_plan(model, mesh=mesh, reshard_after_forward=compile_kwargs["reshard_after_forward"],
-                   mp_policy=compile_kwargs["mp_policy"])
+    shard_for_plan(
+        model,
+        mesh=mesh,
+        reshard_after_forward=compile_kwargs["reshard_after_forward"],
+        mp_policy=compile_kwargs["mp_policy"],
+    )
     clear_compiled_graphs()
     torch.compiler.reset()  # the copies are throwaway; without it a process that plans often hits recompile_limit
     # torch.compile on the sharded meta model directly: shard_compile's call wrapper refuses meta parameters
@@ -274,7 +295,8 @@ def _compile_and_measure(model, args, loss_fn, mesh, compile_kwargs, tp_mesh=Non
             c = collective(node)
             if c is not None and is_tp(node):
                 figures.tp_collectives.append(
-                    (r.kind, str(c.kind), c.nbytes, group_size(CollectiveArgs.of(node).group_name)))
+                    (r.kind, str(c.kind), c.nbytes, group_size(CollectiveArgs.of(node).group_name))
+                )
             elif c is not None and r.kind == "backward" and c.kind == Role.ALL_GATHER:
                 bucket = node.meta.get(BUCKET, "")
                 figures.backward_gathers[bucket] = figures.backward_gathers.get(bucket, 0) + c.nbytes
@@ -359,28 +381,42 @@ class Layout:
     (`selective_unshard.keep_amount`)."""
 
     def __post_init__(self) -> None:
-        for name, what in (("world_size", "a number of ranks"), ("replicate", "a number of replicas (1: no HSDP)"),
-                           ("tp", "a tensor-parallel degree (1: no TP)")):
+        for name, what in (
+            ("world_size", "a number of ranks"),
+            ("replicate", "a number of replicas (1: no HSDP)"),
+            ("tp", "a tensor-parallel degree (1: no TP)"),
+        ):
             if not _is_count(getattr(self, name)):
                 raise ValueError(f"Layout.{name}={getattr(self, name)!r}: use {what}, a whole number >= 1")
         if self.world_size % (self.replicate * self.tp):
             raise ValueError(
                 f"Layout.world_size={self.world_size} is not a multiple of replicate {self.replicate} x tp "
                 f"{self.tp}: the mesh is replicate x shard x tp; pass a world_size that is a multiple of "
-                f"{self.replicate * self.tp}, or a replicate and tp whose product divides {self.world_size}")
+                f"{self.replicate * self.tp}, or a replicate and tp whose product divides {self.world_size}"
+            )
         if self.reshard_after_forward not in (None, True, False):
-            raise ValueError(f"Layout.reshard_after_forward={self.reshard_after_forward!r}: use None (FSDP2's "
-                             "default), True or False (resharding to a smaller group is not planned)")
+            raise ValueError(
+                f"Layout.reshard_after_forward={self.reshard_after_forward!r}: use None (FSDP2's "
+                "default), True or False (resharding to a smaller group is not planned)"
+            )
         if not isinstance(self.mp_policy, MixedPrecisionPolicy):
-            raise ValueError(f"Layout.mp_policy={self.mp_policy!r}: use a MixedPrecisionPolicy "
-                             "(MixedPrecisionPolicy() for the parameters' own dtype)")
-        for name, choices in (("attention", ("fused", "math")), ("ac", ("none", "full", "selective")),
-                              ("compiler", tuple(_FUSED))):
+            raise ValueError(
+                f"Layout.mp_policy={self.mp_policy!r}: use a MixedPrecisionPolicy "
+                "(MixedPrecisionPolicy() for the parameters' own dtype)"
+            )
+        for name, choices in (
+            ("attention", ("fused", "math")),
+            ("ac", ("none", "full", "selective")),
+            ("compiler", tuple(_FUSED)),
+        ):
             if getattr(self, name) not in choices:
                 raise ValueError(f"Layout.{name}={getattr(self, name)!r} is not one of: {', '.join(choices)}")
         # the compiler's own checks, so that the plan refuses what the compiler refuses
-        for name, option in (("prefetch", "prefetch_depth"), ("keep_gathered", "keep_gathered"),
-                             ("memory_budget_bytes", "memory_budget_bytes")):
+        for name, option in (
+            ("prefetch", "prefetch_depth"),
+            ("keep_gathered", "keep_gathered"),
+            ("memory_budget_bytes", "memory_budget_bytes"),
+        ):
             try:
                 CompileConfig(**{option: getattr(self, name)})
             except ValueError as e:
@@ -448,8 +484,11 @@ class _Copies:
 
     @property
     def reduction(self) -> str:
-        return (f"1- and 2-block copies ({self.hows[0]}; {self.hows[1]}), scaled linearly to {self.layers} blocks"
-                if self.reduce else "the full model")
+        return (
+            f"1- and 2-block copies ({self.hows[0]}; {self.hows[1]}), scaled linearly to {self.layers} blocks"
+            if self.reduce
+            else "the full model"
+        )
 
 
 @dataclass
@@ -496,8 +535,9 @@ def _shard_full_model(factory: Callable, layout: Layout, call: Callable, meshes:
         apply_tp(model, tp_mesh, tp_plan)
     analytical = analytical_bytes(model, layout.shard_size, layout.tp)
     mp_policy = layout.mp_policy
-    param_dtype = mp_policy.param_dtype or next((p.dtype for p in model.parameters() if p.is_floating_point()),
-                                                torch.float32)
+    param_dtype = mp_policy.param_dtype or next(
+        (p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32
+    )
     replicate, shard_size = layout.replicate, layout.shard_size
     where = f"{layout.world_size} ranks" if mesh is None else f"a {replicate} x {shard_size} mesh (replicate x shard)"
     if tp_mesh is not None:
@@ -506,26 +546,47 @@ def _shard_full_model(factory: Callable, layout: Layout, call: Callable, meshes:
     shard_for_plan(model, mesh=mesh, reshard_after_forward=layout.reshard_after_forward, mp_policy=mp_policy)
     numel = _bucket_numel(model)
     return _FullModel(
-        params=n_params, tokens=tokens_of(full_args), block_path=path, has_blocks=blocks is not None,
-        layers=len(blocks) if blocks is not None else 0, given_ac=given_ac, tp_plan=tp_plan, tp_text=tp_text,
-        analytical=analytical, measured=sharded_bytes(model), numel=numel,
+        params=n_params,
+        tokens=tokens_of(full_args),
+        block_path=path,
+        has_blocks=blocks is not None,
+        layers=len(blocks) if blocks is not None else 0,
+        given_ac=given_ac,
+        tp_plan=tp_plan,
+        tp_text=tp_text,
+        analytical=analytical,
+        measured=sharded_bytes(model),
+        numel=numel,
         buckets={b: n * _itemsize(param_dtype) for b, n in numel.items()},
-        resharded=_resharded_sizes(model, _itemsize(param_dtype)), param_dtype=param_dtype,
-        reduce_dtype=mp_policy.reduce_dtype or param_dtype)
+        resharded=_resharded_sizes(model, _itemsize(param_dtype)),
+        param_dtype=param_dtype,
+        reduce_dtype=mp_policy.reduce_dtype or param_dtype,
+    )
 
 
 def _kept_decision(layout: Layout, full: _FullModel):
     """Selective unsharding's decision on the full model's buckets (`KeptGathered`), None without it."""
     from fsdp2_compile.compiler.selective_unshard import choose_kept, keep_amount
 
-    config = CompileConfig(keep_gathered=layout.keep_gathered, memory_budget_bytes=layout.memory_budget_bytes,
-                           prefetch_depth=layout.prefetch)
+    config = CompileConfig(
+        keep_gathered=layout.keep_gathered,
+        memory_budget_bytes=layout.memory_budget_bytes,
+        prefetch_depth=layout.prefetch,
+    )
     keep = keep_amount(config, max(full.buckets.values(), default=0))
     return None if keep is None else choose_kept(full.resharded, keep)
 
 
-def _compile_and_trace_copies(factory: Callable, layout: Layout, call: Callable, meshes: tuple, full: _FullModel,
-                              ac_used: str, hardware: str, step: Callable) -> _Copies:
+def _compile_and_trace_copies(
+    factory: Callable,
+    layout: Layout,
+    call: Callable,
+    meshes: tuple,
+    full: _FullModel,
+    ac_used: str,
+    hardware: str,
+    step: Callable,
+) -> _Copies:
     """Compile each copy through the pipeline (its collectives) and play one step of it on meta (its ops)."""
     mesh, tp_mesh = meshes
     compile_kwargs = {
@@ -546,12 +607,14 @@ def _compile_and_trace_copies(factory: Callable, layout: Layout, call: Callable,
         model, args, loss_fn, how = reduced_copy(factory, n, call) if n else (*call(factory), "")
         if tp_mesh is not None:
             copies.tp_left = tp_local_copy(model, full.tp_plan, layout.tp)
-        copies.traces.append(trace_step(model, args, loss_fn, attention=layout.attention, ac=ac_used,
-                                        param_dtype=param_dtype))
+        copies.traces.append(
+            trace_step(model, args, loss_fn, attention=layout.attention, ac=ac_used, param_dtype=param_dtype)
+        )
         if tp_mesh is not None:  # the unsplit model's FLOPs, for MFU
             model, args, loss_fn, _ = reduced_copy(factory, n, call) if n else (*call(factory), "")
-            copies.full_traces.append(trace_step(model, args, loss_fn, attention=layout.attention, ac=ac_used,
-                                                 param_dtype=param_dtype))
+            copies.full_traces.append(
+                trace_step(model, args, loss_fn, attention=layout.attention, ac=ac_used, param_dtype=param_dtype)
+            )
         copies.hows.append(how)
     return copies
 
@@ -578,11 +641,14 @@ def _communication(copies: _Copies, shard_size: int, kept_bytes: int) -> _Commun
     for g, k in sorted({(g, k) for f in figures for g, k, _, _ in f.tp_collectives}):
         counts = [f.tp_counts(g, k) for f in figures]
         tp_per_step.setdefault(g, {})[k] = int(copies.extrapolate(counts))
-        tp_per_layer.setdefault(g, {})[k] = (counts[1] - counts[0] if copies.reduce
-                                             else counts[0] // max(copies.layers, 1))
+        tp_per_layer.setdefault(g, {})[k] = (
+            counts[1] - counts[0] if copies.reduce else counts[0] // max(copies.layers, 1)
+        )
     tp_wire = copies.extrapolate([f.tp_wire for f in figures])
-    tp_buffers = {k: int(copies.extrapolate([f.tp_buffers.get(k, 0) for f in figures]))
-                  for k in sorted({k for f in figures for k in f.tp_buffers})}
+    tp_buffers = {
+        k: int(copies.extrapolate([f.tp_buffers.get(k, 0) for f in figures]))
+        for k in sorted({k for f in figures for k in f.tp_buffers})
+    }
     return _Communication(wire, buffers, tp_wire, tp_buffers, tp_per_layer, tp_per_step)
 
 
@@ -593,12 +659,26 @@ def _memory(full: _FullModel, copies: _Copies, fused: bool | str, kept_bytes: in
     others = sorted((b for name, b in full.buckets.items() if name), reverse=True)
     gathered_peak = root + sum(others[:2])
     activations = copies.extrapolate([t.saved_bytes(fused) for t in copies.traces]) + kept_bytes
-    grad_buffers = 2 * max((numel[b] for b in numel if b), default=0) * (_itemsize(full.param_dtype)
-                                                                         + _itemsize(full.reduce_dtype))
+    grad_buffers = (
+        2
+        * max((numel[b] for b in numel if b), default=0)
+        * (_itemsize(full.param_dtype) + _itemsize(full.reduce_dtype))
+    )
     static = measured["params"] + measured["optimizer"]
-    peak_alloc = kept_bytes + copies.extrapolate([memory_peak(
-        t, fused, static=static, grads=measured["grads"], gathered_forward=gathered_peak,
-        gathered_backward=gathered_peak, grad_buffers=grad_buffers) for t in copies.traces])
+    peak_alloc = kept_bytes + copies.extrapolate(
+        [
+            memory_peak(
+                t,
+                fused,
+                static=static,
+                grads=measured["grads"],
+                gathered_forward=gathered_peak,
+                gathered_backward=gathered_peak,
+                grad_buffers=grad_buffers,
+            )
+            for t in copies.traces
+        ]
+    )
     optimizer_point = static + measured["grads"] + measured["optimizer"] // ADAMW_STATES
     per_rank = {
         "params": measured["params"],
@@ -615,9 +695,13 @@ def _memory(full: _FullModel, copies: _Copies, fused: bool | str, kept_bytes: in
 def _tp_phase_seconds(figures: list[_GraphFigures], dev, ac_used: str) -> tuple[list[float], list[float]]:
     """Each copy's seconds of TP's collectives on the intra-node link in forward and in backward (full AC replays
     forward's in backward)."""
+
     def tp_time(f: _GraphFigures, graph: str) -> float:
-        return sum(tp_collective_s(k, b, g, dev.intra_node_alpha_s, dev.intra_node_bytes_per_s)
-                   for gk, k, b, g in f.tp_collectives if gk == graph)
+        return sum(
+            tp_collective_s(k, b, g, dev.intra_node_alpha_s, dev.intra_node_bytes_per_s)
+            for gk, k, b, g in f.tp_collectives
+            if gk == graph
+        )
 
     forward = [tp_time(f, "forward") for f in figures]
     backward = [tp_time(f, "backward") + (tp_time(f, "forward") if ac_used == "full" else 0.0) for f in figures]
@@ -647,8 +731,8 @@ def _step_comm(name: str, layout: Layout, full: _FullModel, copies: _Copies, kep
     per_block = block_names[:n_blocks]
     kept_blocks = {i for i, b in enumerate(per_block) if kept is not None and b in kept.buckets}
     comm = StepComm(
-        root_gather_s=coll(buckets.get("", 0), shard_size) + sum(
-            coll(buckets[b], shard_size) for b in block_names[n_blocks:]),
+        root_gather_s=coll(buckets.get("", 0), shard_size)
+        + sum(coll(buckets[b], shard_size) for b in block_names[n_blocks:]),
         root_reduce_s=(reduce_s("") if "" in numel else 0.0) + sum(reduce_s(b) for b in block_names[n_blocks:]),
         gather_s=[coll(buckets[b], shard_size) for b in per_block],
         reduce_s=[reduce_s(b) for b in per_block],
@@ -656,8 +740,16 @@ def _step_comm(name: str, layout: Layout, full: _FullModel, copies: _Copies, kep
     return comm, kept_blocks
 
 
-def _profile_figures(name: str, layout: Layout, full: _FullModel, copies: _Copies, kept, ac_used: str,
-                     model_flops: float, peak_alloc: int) -> _ProfileFigures:
+def _profile_figures(
+    name: str,
+    layout: Layout,
+    full: _FullModel,
+    copies: _Copies,
+    kept,
+    ac_used: str,
+    model_flops: float,
+    peak_alloc: int,
+) -> _ProfileFigures:
     """Step time, exposed communication, tokens/s, MFU, reserved peak and compute seconds on one profile."""
     dev = device_for(name)
     fused = _FUSED[layout.compiler]
@@ -668,52 +760,74 @@ def _profile_figures(name: str, layout: Layout, full: _FullModel, copies: _Copie
     tp_fw, tp_bw = _tp_phase_seconds(copies.figures, dev, ac_used)
     tp_fw_block, tp_fw_rest = copies.split(tp_fw)
     tp_bw_block, tp_bw_rest = copies.split(tp_bw)
-    tp_s = (tp_fw_rest + tp_bw_rest + (copies.layers * (tp_fw_block + tp_bw_block) if copies.reduce else 0.0))
+    tp_s = tp_fw_rest + tp_bw_rest + (copies.layers * (tp_fw_block + tp_bw_block) if copies.reduce else 0.0)
     comm, kept_blocks = _step_comm(name, layout, full, copies, kept)
     run_s, exposed_s = forward_backward_time(
-        fw_block + tp_fw_block, fw_rest + tp_fw_rest, bw_block + tp_bw_block, bw_rest + tp_bw_rest, comm,
-        dev.comm_overlaps_compute, prefetch=max(layout.prefetch, 1), reshard=layout.reshard_after_forward is not False,
-        kept=kept_blocks)
+        fw_block + tp_fw_block,
+        fw_rest + tp_fw_rest,
+        bw_block + tp_bw_block,
+        bw_rest + tp_bw_rest,
+        comm,
+        dev.comm_overlaps_compute,
+        prefetch=max(layout.prefetch, 1),
+        reshard=layout.reshard_after_forward is not False,
+        kept=kept_blocks,
+    )
     exposed_s += tp_s  # counted as compute above
     measured = full.measured
     opt_s = optimizer_time(measured["params"], measured["grads"], measured["optimizer"], dev)
     step_s = run_s + opt_s
     layers, reduce = copies.layers, copies.reduce
     return _ProfileFigures(
-        step_s=step_s, exposed_s=exposed_s, tokens_per_s=full.tokens / layout.tp / step_s,
-        mfu=model_flops / step_s / dev.peak_flops, reserved=int(peak_alloc * dev.allocator_factor + dev.runtime_bytes),
-        compute={"forward": fw_rest + layers * fw_block if reduce else fw_rest,
-                 "backward": bw_rest + layers * bw_block if reduce else bw_rest, "optimizer": opt_s},
-        tp_s=tp_s)
+        step_s=step_s,
+        exposed_s=exposed_s,
+        tokens_per_s=full.tokens / layout.tp / step_s,
+        mfu=model_flops / step_s / dev.peak_flops,
+        reserved=int(peak_alloc * dev.allocator_factor + dev.runtime_bytes),
+        compute={
+            "forward": fw_rest + layers * fw_block if reduce else fw_rest,
+            "backward": bw_rest + layers * bw_block if reduce else bw_rest,
+            "optimizer": opt_s,
+        },
+        tp_s=tp_s,
+    )
 
 
 def _method(layout: Layout, full: _FullModel, copies: _Copies, ac_used: str, kept) -> str:
     """How the plan's figures were obtained, in words."""
-    method = (f"full model ({full.params:,} params"
-              + (f", {full.layers} blocks in '{full.block_path}'" if full.has_blocks else "")
-              + ") sharded with shard() for the per-rank parameter / gradient / optimizer bytes; collectives from "
-              f"the pipeline's graphs of {copies.reduction}; activations, compute and the peak from one step of the "
-              f"same {'copies' if copies.reduce else 'model'} played op by op on the meta device ({layout.attention} "
-              f"attention, activation checkpointing {ac_used}, {layout.compiler} kernels), scheduled with FSDP's "
-              f"prefetch of {layout.prefetch} block(s)")
+    method = (
+        f"full model ({full.params:,} params"
+        + (f", {full.layers} blocks in '{full.block_path}'" if full.has_blocks else "")
+        + ") sharded with shard() for the per-rank parameter / gradient / optimizer bytes; collectives from "
+        f"the pipeline's graphs of {copies.reduction}; activations, compute and the peak from one step of the "
+        f"same {'copies' if copies.reduce else 'model'} played op by op on the meta device ({layout.attention} "
+        f"attention, activation checkpointing {ac_used}, {layout.compiler} kernels), scheduled with FSDP's "
+        f"prefetch of {layout.prefetch} block(s)"
+    )
     if full.given_ac and layout.ac != "none":
         method += f"; --ac {layout.ac} ignored: the factory's model is already checkpointed"
     if kept is not None:
-        method += ("; selective unsharding decided on the full model's buckets (blocks in order, then the root), "
-                   "its kept buckets' backward all-gathers taken out of the bytes and the schedule and their "
-                   "gathered bytes added to activations and the peak for the whole step")
+        method += (
+            "; selective unsharding decided on the full model's buckets (blocks in order, then the root), "
+            "its kept buckets' backward all-gathers taken out of the bytes and the schedule and their "
+            "gathered bytes added to activations and the peak for the whole step"
+        )
     if layout.replicate > 1:
-        method += (f"; HSDP: parameters sharded over {layout.shard_size} ranks, replicated {layout.replicate} times, "
-                   f"gradients reduce-scattered over {layout.shard_size} ranks then all-reduced over "
-                   f"{layout.replicate}")
+        method += (
+            f"; HSDP: parameters sharded over {layout.shard_size} ranks, replicated {layout.replicate} times, "
+            f"gradients reduce-scattered over {layout.shard_size} ranks then all-reduced over "
+            f"{layout.replicate}"
+        )
     if layout.tp > 1:
-        method += (f"; tensor parallel {layout.tp}: {full.tp_text}, applied with parallelize_module before shard "
-                   "over dp; TP's collectives from the same graphs, counted apart from FSDP's and timed on the "
-                   "intra-node link on the critical path (in step time and exposed communication)"
-                   + ("; full AC replays forward's in backward" if ac_used == "full" else "")
-                   + "; compute and activations of one TP rank (column-wise Linears out/tp, row-wise in/tp)"
-                   + (f", left whole: {', '.join(copies.tp_left)}" if copies.tp_left else "")
-                   + "; MFU: the unsplit model's FLOPs / tp per rank; tokens/s per rank: the dp rank's tokens / tp")
+        method += (
+            f"; tensor parallel {layout.tp}: {full.tp_text}, applied with parallelize_module before shard "
+            "over dp; TP's collectives from the same graphs, counted apart from FSDP's and timed on the "
+            "intra-node link on the critical path (in step time and exposed communication)"
+            + ("; full AC replays forward's in backward" if ac_used == "full" else "")
+            + "; compute and activations of one TP rank (column-wise Linears out/tp, row-wise in/tp)"
+            + (f", left whole: {', '.join(copies.tp_left)}" if copies.tp_left else "")
+            + "; MFU: the unsplit model's FLOPs / tp per rank; tokens/s per rank: the dp rank's tokens / tp"
+        )
     return method
 
 
@@ -741,14 +855,18 @@ def make_plan(
     comm = _communication(copies, layout.shard_size, kept_bytes)
     per_rank = _memory(full, copies, _FUSED[layout.compiler], kept_bytes)
     model_flops = 3 * copies.extrapolate([t.forward_flops() for t in (copies.full_traces or copies.traces)]) / layout.tp
-    times = {name: _profile_figures(name, layout, full, copies, kept, ac_used, model_flops, per_rank["peak"])
-             for name in profiles}
+    times = {
+        name: _profile_figures(name, layout, full, copies, kept, ac_used, model_flops, per_rank["peak"])
+        for name in profiles
+    }
 
     assumptions = {
         "attention": layout.attention,
         "ac": ac_used,
-        "mp": {"param_dtype": str(full.param_dtype).removeprefix("torch."),
-               "reduce_dtype": str(full.reduce_dtype).removeprefix("torch.")},
+        "mp": {
+            "param_dtype": str(full.param_dtype).removeprefix("torch."),
+            "reduce_dtype": str(full.reduce_dtype).removeprefix("torch."),
+        },
         "compiler": layout.compiler,
         "prefetch_blocks": layout.prefetch,
         "reshard_after_forward": layout.reshard_after_forward is not False,
@@ -761,19 +879,42 @@ def make_plan(
         "memory_budget_bytes": layout.memory_budget_bytes,
     }
     shard_size = layout.shard_size
-    return Plan(layout.world_size, full.params, full.layers, per_rank, full.analytical, int(comm.wire), comm.buffers,
-                {n: t.step_s for n, t in times.items()}, {n: t.exposed_s for n, t in times.items()},
-                _method(layout, full, copies, ac_used, kept), full.buckets, layout.replicate,
-                {n: t.tokens_per_s for n, t in times.items()}, {n: t.mfu for n, t in times.items()},
-                {n: t.reserved for n, t in times.items()}, {n: t.compute for n, t in times.items()}, assumptions,
-                tp=layout.tp, tp_plan=full.tp_text, tp_comm_bytes_per_step=int(comm.tp_wire),
-                tp_collective_buffer_bytes=comm.tp_buffers, tp_collectives_per_layer=comm.tp_per_layer,
-                tp_collectives_per_step=comm.tp_per_step,
-                tp_comm_s={n: t.tp_s for n, t in times.items()} if layout.tp > 1 else {},
-                kept_gathered={} if kept is None else {
-                    "buckets": list(kept.buckets), "bytes": kept.kept_bytes, "budget": kept.budget,
-                    "resharded_bytes": kept.resharded_bytes, "kept_for_backward_bytes": kept_bytes,
-                    "backward_gather_bytes_saved": int((shard_size - 1) / shard_size * kept_bytes)})
+    return Plan(
+        layout.world_size,
+        full.params,
+        full.layers,
+        per_rank,
+        full.analytical,
+        int(comm.wire),
+        comm.buffers,
+        {n: t.step_s for n, t in times.items()},
+        {n: t.exposed_s for n, t in times.items()},
+        _method(layout, full, copies, ac_used, kept),
+        full.buckets,
+        layout.replicate,
+        {n: t.tokens_per_s for n, t in times.items()},
+        {n: t.mfu for n, t in times.items()},
+        {n: t.reserved for n, t in times.items()},
+        {n: t.compute for n, t in times.items()},
+        assumptions,
+        tp=layout.tp,
+        tp_plan=full.tp_text,
+        tp_comm_bytes_per_step=int(comm.tp_wire),
+        tp_collective_buffer_bytes=comm.tp_buffers,
+        tp_collectives_per_layer=comm.tp_per_layer,
+        tp_collectives_per_step=comm.tp_per_step,
+        tp_comm_s={n: t.tp_s for n, t in times.items()} if layout.tp > 1 else {},
+        kept_gathered={}
+        if kept is None
+        else {
+            "buckets": list(kept.buckets),
+            "bytes": kept.kept_bytes,
+            "budget": kept.budget,
+            "resharded_bytes": kept.resharded_bytes,
+            "kept_for_backward_bytes": kept_bytes,
+            "backward_gather_bytes_saved": int((shard_size - 1) / shard_size * kept_bytes),
+        },
+    )
 
 
 def _col(n: float) -> str:
@@ -786,8 +927,11 @@ def format_plan(plan, seconds: float, rss: int) -> str:
     if plan.replicate > 1 and plan.tp == 1:
         header += f", mesh {plan.replicate} x {plan.shard_size} (replicate x shard)"
     elif plan.tp > 1:
-        header += (f", mesh {plan.replicate} x {plan.shard_size} x {plan.tp} (replicate x dp x tp)" if plan.replicate > 1
-                   else f", mesh {plan.shard_size} x {plan.tp} (dp x tp)")
+        header += (
+            f", mesh {plan.replicate} x {plan.shard_size} x {plan.tp} (replicate x dp x tp)"
+            if plan.replicate > 1
+            else f", mesh {plan.shard_size} x {plan.tp} (dp x tp)"
+        )
     divisor = "N" if plan.replicate == 1 else "(N/R)"
     if plan.tp > 1:
         divisor = "(dp*tp), /dp untouched by TP"
@@ -799,42 +943,61 @@ def format_plan(plan, seconds: float, rss: int) -> str:
     out.append(f"  {'activations':<14}{_col(pr['activations'])}   saved by forward for backward")
     out.append(f"  {'total':<14}{_col(pr['total'])}   sum of the above")
     if "peak" in pr:
-        out.append(f"  {'peak':<14}{_col(pr['peak'])}   highest allocated point of the simulated step (transients "
-                   "included)")
+        out.append(
+            f"  {'peak':<14}{_col(pr['peak'])}   highest allocated point of the simulated step (transients included)"
+        )
     out.append("")
     buffers = ", ".join(f"{k} {size_text(v)}" for k, v in sorted(plan.collective_buffer_bytes.items()))
-    ring = "(N-1)/N of the buffers" if plan.replicate == 1 else (
-        f"(G-1)/G of each buffer, 2(G-1)/G of an all-reduce's; G = its group, "
-        f"{plan.shard_size} or {plan.replicate} ranks")
-    out.append(f"communication per step: {size_text(plan.comm_bytes_per_step)} sent per rank ({ring}: {buffers})"
-               + (" (FSDP's, over dp)" if plan.tp > 1 else ""))
+    ring = (
+        "(N-1)/N of the buffers"
+        if plan.replicate == 1
+        else (
+            f"(G-1)/G of each buffer, 2(G-1)/G of an all-reduce's; G = its group, "
+            f"{plan.shard_size} or {plan.replicate} ranks"
+        )
+    )
+    out.append(
+        f"communication per step: {size_text(plan.comm_bytes_per_step)} sent per rank ({ring}: {buffers})"
+        + (" (FSDP's, over dp)" if plan.tp > 1 else "")
+    )
     if plan.kept_gathered:
         from fsdp2_compile.compiler.selective_unshard import KeptGathered
 
         k = plan.kept_gathered
         decision = KeptGathered(tuple(k["buckets"]), k["bytes"], k["resharded_bytes"], k["budget"])
-        out.append(f"{decision.summary(size_text)}: {size_text(k['kept_for_backward_bytes'])} of them held from "
-                   f"forward to backward, {size_text(k['backward_gather_bytes_saved'])} less sent per rank per step")
+        out.append(
+            f"{decision.summary(size_text)}: {size_text(k['kept_for_backward_bytes'])} of them held from "
+            f"forward to backward, {size_text(k['backward_gather_bytes_saved'])} less sent per rank per step"
+        )
     if plan.tp > 1:
+
         def kinds(d: dict) -> str:
             return ", ".join(f"{k} x{n:,}" for k, n in sorted(d.items())) or "none"
 
         tp_buffers = ", ".join(f"{k} {size_text(v)}" for k, v in sorted(plan.tp_collective_buffer_bytes.items()))
         out.append(f"tensor parallel {plan.tp}: {plan.tp_plan}")
         for graph in ("forward", "backward"):
-            out.append(f"  {graph:<9} per layer: {kinds(plan.tp_collectives_per_layer.get(graph, {}))}; per step: "
-                       f"{kinds(plan.tp_collectives_per_step.get(graph, {}))}")
-        out.append(f"  {size_text(plan.tp_comm_bytes_per_step)} sent per rank per step ((T-1)/T of each buffer, "
-                   f"2(T-1)/T of an all-reduce's, T = {plan.tp}: {tp_buffers or 'none'}), on the intra-node link, "
-                   "on the critical path (TP comm below)")
+            out.append(
+                f"  {graph:<9} per layer: {kinds(plan.tp_collectives_per_layer.get(graph, {}))}; per step: "
+                f"{kinds(plan.tp_collectives_per_step.get(graph, {}))}"
+            )
+        out.append(
+            f"  {size_text(plan.tp_comm_bytes_per_step)} sent per rank per step ((T-1)/T of each buffer, "
+            f"2(T-1)/T of an all-reduce's, T = {plan.tp}: {tp_buffers or 'none'}), on the intra-node link, "
+            "on the critical path (TP comm below)"
+        )
     if plan.assumptions:
         a = plan.assumptions
-        out.append(f"assumed: {a['attention']} attention, activation checkpointing {a['ac']}, {a['compiler']} "
-                   f"kernels, params {a['mp']['param_dtype']} / reduce {a['mp']['reduce_dtype']}, "
-                   f"{a['tokens_per_step_per_rank']:,} tokens per rank per step")
+        out.append(
+            f"assumed: {a['attention']} attention, activation checkpointing {a['ac']}, {a['compiler']} "
+            f"kernels, params {a['mp']['param_dtype']} / reduce {a['mp']['reduce_dtype']}, "
+            f"{a['tokens_per_step_per_rank']:,} tokens per rank per step"
+        )
     out.append("")
-    out.append(f"  {'profile':<20}{'step time':>12}{'exposed comm':>14}{'tokens/s/rank':>15}{'MFU':>7}"
-               f"{'reserved peak':>15}" + (f"{'TP comm':>12}" if plan.tp_comm_s else ""))
+    out.append(
+        f"  {'profile':<20}{'step time':>12}{'exposed comm':>14}{'tokens/s/rank':>15}{'MFU':>7}"
+        f"{'reserved peak':>15}" + (f"{'TP comm':>12}" if plan.tp_comm_s else "")
+    )
     for name, t in plan.step_time_s.items():
         tps, mfu = plan.tokens_per_s_per_rank.get(name), plan.mfu.get(name)
         reserved = plan.peak_reserved_bytes.get(name)
@@ -848,14 +1011,22 @@ def format_plan(plan, seconds: float, rss: int) -> str:
     out.append("profiles (cost model: alpha, link, FLOP/s, memory; source)")
     for name in plan.step_time_s:
         p = PROFILES[name]
-        out.append(f"  {name}: {p.alpha_s * 1e6:.0f} us, {1 / p.beta_s_per_byte / 1e9:.3g} GB/s, "
-                   f"{p.flops_per_s / 1e12:.3g} TFLOP/s, {p.mem_bytes_per_s / 1e9:.3g} GB/s; {p.source}")
+        out.append(
+            f"  {name}: {p.alpha_s * 1e6:.0f} us, {1 / p.beta_s_per_byte / 1e9:.3g} GB/s, "
+            f"{p.flops_per_s / 1e12:.3g} TFLOP/s, {p.mem_bytes_per_s / 1e9:.3g} GB/s; {p.source}"
+        )
         d = device_for(name)
         eff = ", ".join(f"{k} {v:.2f}" for k, v in d.efficiency.items())
-        out.append(f"    planner: peak {d.peak_flops / 1e12:.4g} TFLOP/s, memory {d.mem_bytes_per_s / 1e9:.4g} GB/s, "
-                   f"efficiency {eff}" + (f", intra-node link {d.intra_node_bytes_per_s / 1e9:.3g} GB/s "
-                                          f"{d.intra_node_alpha_s * 1e6:.0f} us (TP)" if plan.tp > 1 else "")
-                   + "; sources in --json (profiles.<name>.device.sources)")
+        out.append(
+            f"    planner: peak {d.peak_flops / 1e12:.4g} TFLOP/s, memory {d.mem_bytes_per_s / 1e9:.4g} GB/s, "
+            f"efficiency {eff}"
+            + (
+                f", intra-node link {d.intra_node_bytes_per_s / 1e9:.3g} GB/s {d.intra_node_alpha_s * 1e6:.0f} us (TP)"
+                if plan.tp > 1
+                else ""
+            )
+            + "; sources in --json (profiles.<name>.device.sources)"
+        )
     out.append("")
     out.append(f"method: {plan.method}")
     out.append(f"planner: {seconds:.1f} s wall, peak RSS {rss / 2**20:.0f} MiB")

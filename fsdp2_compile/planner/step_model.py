@@ -65,16 +65,29 @@ class StepComm:
     """Per block: reduce-scatter (+ all-reduce over replicas)."""
 
 
-def forward_backward_time(fw_block: float, fw_rest: float, bw_block: float, bw_rest: float, comm: StepComm,
-                          overlap: bool, prefetch: int = 2, reshard: bool = True,
-                          kept: set[int] = frozenset()) -> tuple[float, float]:
+def forward_backward_time(
+    fw_block: float,
+    fw_rest: float,
+    bw_block: float,
+    bw_rest: float,
+    comm: StepComm,
+    overlap: bool,
+    prefetch: int = 2,
+    reshard: bool = True,
+    kept: set[int] = frozenset(),
+) -> tuple[float, float]:
     """(step seconds without the optimizer, exposed communication seconds) of forward then backward; backward
     gathers the blocks again when `reshard`, except those in `kept` (selective unsharding)."""
     n = len(comm.gather_s)
     compute = n * (fw_block + bw_block) + fw_rest + bw_rest
     regathered = {j for j in range(n) if reshard and j not in kept}
-    comm_total = (comm.root_gather_s + comm.root_reduce_s + sum(comm.gather_s)
-                  + sum(comm.gather_s[j] for j in regathered) + sum(comm.reduce_s))
+    comm_total = (
+        comm.root_gather_s
+        + comm.root_reduce_s
+        + sum(comm.gather_s)
+        + sum(comm.gather_s[j] for j in regathered)
+        + sum(comm.reduce_s)
+    )
     if not overlap:
         return compute + comm_total, comm_total
     lane = 0.0  # when the communication lane is free
@@ -111,8 +124,16 @@ def forward_backward_time(fw_block: float, fw_rest: float, bw_block: float, bw_r
     return end, end - compute
 
 
-def memory_peak(trace: StepTrace, fused: bool | str, *, static: int, grads: int, gathered_forward: int,
-                gathered_backward: int, grad_buffers: int) -> int:
+def memory_peak(
+    trace: StepTrace,
+    fused: bool | str,
+    *,
+    static: int,
+    grads: int,
+    gathered_forward: int,
+    gathered_backward: int,
+    grad_buffers: int,
+) -> int:
     """Highest allocated bytes over the traced step: `static` (sharded params + optimizer states) + gathered
     buckets + live activations + in backward the gradient buffers and the share of sharded gradients produced."""
     live = trace.liveness(fused)

@@ -21,11 +21,42 @@ from torch.distributed.device_mesh import init_device_mesh
 from fsdp2_compile.planner.reduced_depth import block_list
 from fsdp2_compile.runtime.sharding import default_device_type
 
-__all__ = ["COLWISE_NAMES", "ROWWISE_NAMES", "apply_tp", "default_tp_plan", "plan_meshes", "plan_text",
-           "tp_collective_s", "tp_local_copy", "tp_plan_for"]
+__all__ = [
+    "COLWISE_NAMES",
+    "ROWWISE_NAMES",
+    "apply_tp",
+    "default_tp_plan",
+    "plan_meshes",
+    "plan_text",
+    "tp_collective_s",
+    "tp_local_copy",
+    "tp_plan_for",
+]
 
-COLWISE_NAMES = frozenset({"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "q", "k", "v", "gate", "up",
-                           "query", "key", "value", "wq", "wk", "wv", "w1", "w3", "c_fc", "fc1"})
+COLWISE_NAMES = frozenset(
+    {
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "gate_proj",
+        "up_proj",
+        "q",
+        "k",
+        "v",
+        "gate",
+        "up",
+        "query",
+        "key",
+        "value",
+        "wq",
+        "wk",
+        "wv",
+        "w1",
+        "w3",
+        "c_fc",
+        "fc1",
+    }
+)
 """Linear layers the default plan splits column-wise (output features): HF Llama / Mistral / Qwen, torchtitan."""
 ROWWISE_NAMES = frozenset({"o_proj", "down_proj", "o", "down", "proj", "out_proj", "wo", "w2", "c_proj", "fc2"})
 """Linear layers the default plan splits row-wise (input features), after a column-wise one."""
@@ -38,14 +69,15 @@ def hsdp_mesh(world_size: int, replicate: int):
         return None
     if replicate < 1 or world_size % replicate:
         raise ValueError(f"world size {world_size} is not a multiple of {replicate} replicas")
-    return init_device_mesh(default_device_type(), (replicate, world_size // replicate), mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh(
+        default_device_type(), (replicate, world_size // replicate), mesh_dim_names=("replicate", "shard")
+    )
 
 
 def plan_meshes(world_size: int, replicate: int, tp: int):
     """(the mesh `shard` takes, the TP mesh or None) over the default process group: tp == 1: `hsdp_mesh`'s;
     else ("dp", "tp") of (world / tp, tp), or with replicas ("replicate", "shard", "tp") of (R, world / (R tp), tp)
     and shard takes the ("replicate", "shard") slice."""
-
 
     if tp == 1:
         return hsdp_mesh(world_size, replicate), None
@@ -55,8 +87,7 @@ def plan_meshes(world_size: int, replicate: int, tp: int):
     if replicate == 1:
         mesh = init_device_mesh(default_device_type(), (shard, tp), mesh_dim_names=("dp", "tp"))
         return mesh["dp"], mesh["tp"]
-    mesh = init_device_mesh(default_device_type(), (replicate, shard, tp),
-                            mesh_dim_names=("replicate", "shard", "tp"))
+    mesh = init_device_mesh(default_device_type(), (replicate, shard, tp), mesh_dim_names=("replicate", "shard", "tp"))
     return mesh["replicate", "shard"], mesh["tp"]
 
 
@@ -80,7 +111,8 @@ def default_tp_plan(block: nn.Module) -> dict:
             f"the default TP plan found no column-wise / row-wise pair among the block's Linear layers "
             f"({', '.join(linears) or 'none'}); it splits layers named {sorted(COLWISE_NAMES)} column-wise and "
             f"{sorted(ROWWISE_NAMES)} row-wise. Give the factory its own plan: factory.tp_plan = "
-            "{'mlp.fc_in': ColwiseParallel(), 'mlp.fc_out': RowwiseParallel(), ...}")
+            "{'mlp.fc_in': ColwiseParallel(), 'mlp.fc_out': RowwiseParallel(), ...}"
+        )
     return plan
 
 
@@ -91,8 +123,10 @@ def tp_plan_for(factory: Callable, block: nn.Module) -> tuple[dict, str]:
         return default_tp_plan(block), "default"
     plan = given(block) if callable(given) else given
     if not isinstance(plan, dict) or not plan:
-        raise ValueError(f"the factory's TP plan (tp_plan) is a {type(plan).__name__}; expected a non-empty dict of "
-                         "block-relative module names to ParallelStyle objects")
+        raise ValueError(
+            f"the factory's TP plan (tp_plan) is a {type(plan).__name__}; expected a non-empty dict of "
+            "block-relative module names to ParallelStyle objects"
+        )
     return dict(plan), "factory"
 
 
@@ -101,8 +135,13 @@ def plan_text(plan: dict, source: str) -> str:
     by_style: dict[str, list[str]] = {}
     for name, style in plan.items():
         by_style.setdefault(type(style).__name__, []).append(name)
-    short = {"ColwiseParallel": "colwise", "RowwiseParallel": "rowwise", "SequenceParallel": "sequence parallel",
-             "PrepareModuleInput": "prepared input", "PrepareModuleOutput": "prepared output"}
+    short = {
+        "ColwiseParallel": "colwise",
+        "RowwiseParallel": "rowwise",
+        "SequenceParallel": "sequence parallel",
+        "PrepareModuleInput": "prepared input",
+        "PrepareModuleOutput": "prepared output",
+    }
     parts = "; ".join(f"{short.get(k, k)} {', '.join(v)}" for k, v in by_style.items())
     where = "the factory's tp_plan" if source == "factory" else "the default plan (Linear layers by name)"
     return f"{where}, per block: {parts}"

@@ -28,10 +28,42 @@ from fsdp2_compile.planner.attention import AttentionMode, is_attention, is_caus
 __all__ = ["OpRecord", "StepTrace", "trace_step"]
 
 MATMULS = {"mm", "bmm", "addmm", "baddbmm", "convolution", "convolution_backward", "_scaled_mm", "linear"}
-VIEWS = {"view", "_unsafe_view", "slice", "t", "transpose", "permute", "expand", "alias", "select", "split",
-         "split_with_sizes", "unsqueeze", "squeeze", "as_strided", "detach", "unbind", "reshape", "_reshape_alias",
-         "view_as_real", "view_as_complex", "unflatten", "flatten", "lift_fresh", "empty", "empty_like", "zeros",
-         "ones", "zeros_like", "ones_like", "arange", "full", "scalar_tensor", "new_empty", "new_zeros"}
+VIEWS = {
+    "view",
+    "_unsafe_view",
+    "slice",
+    "t",
+    "transpose",
+    "permute",
+    "expand",
+    "alias",
+    "select",
+    "split",
+    "split_with_sizes",
+    "unsqueeze",
+    "squeeze",
+    "as_strided",
+    "detach",
+    "unbind",
+    "reshape",
+    "_reshape_alias",
+    "view_as_real",
+    "view_as_complex",
+    "unflatten",
+    "flatten",
+    "lift_fresh",
+    "empty",
+    "empty_like",
+    "zeros",
+    "ones",
+    "zeros_like",
+    "ones_like",
+    "arange",
+    "full",
+    "scalar_tensor",
+    "new_empty",
+    "new_zeros",
+}
 """No compute: views (shared storage) and allocations (counted by liveness, not as traffic)."""
 
 
@@ -78,8 +110,12 @@ class StepTrace:
             op = self.ops[i]
             readers = [self.ops[j] for j in users.get(sid, [])]
             outside = fused == "blocks" and not (op.in_block and all(r.in_block for r in readers))
-            if outside or op.kind != "fusible" or not readers or any(
-                    r.kind != "fusible" or r.phase != op.phase for r in readers):
+            if (
+                outside
+                or op.kind != "fusible"
+                or not readers
+                or any(r.kind != "fusible" or r.phase != op.phase for r in readers)
+            ):
                 keep.add(sid)
         return keep
 
@@ -203,8 +239,15 @@ def _to_meta(x):
     return x
 
 
-def trace_step(model: nn.Module, args: tuple, loss_fn, *, attention: str = "fused", ac: str = "none",
-               param_dtype: torch.dtype | None = None) -> StepTrace:
+def trace_step(
+    model: nn.Module,
+    args: tuple,
+    loss_fn,
+    *,
+    attention: str = "fused",
+    ac: str = "none",
+    param_dtype: torch.dtype | None = None,
+) -> StepTrace:
     """Play one step of `model` (moved to the meta device; parameters cast to `param_dtype`, as FSDP's mixed
     precision gathers them) with `ac` applied to its blocks ("as given": leave the model's own checkpointing)."""
     from fsdp2_compile.planner.activation_checkpointing import apply_ac

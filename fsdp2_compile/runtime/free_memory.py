@@ -56,6 +56,11 @@ def resolve_memory_budget(config: CompileConfig, mesh: DeviceMesh) -> CompileCon
     for group in groups:
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
     budget = max(1, int(agreed.item()))
-    log.info("memory_budget_fraction %g: memory_budget_bytes %d (this rank's share of free memory: %d bytes, the "
-             "smallest over the mesh's ranks taken)", config.memory_budget_fraction, budget, mine)
+    log.info(
+        "memory_budget_fraction %g: memory_budget_bytes %d (this rank's share of free memory: %d bytes, the "
+        "smallest over the mesh's ranks taken)",
+        config.memory_budget_fraction,
+        budget,
+        mine,
+    )
     return dataclasses.replace(config, memory_budget_bytes=budget, memory_budget_fraction=None)

@@ -114,8 +114,11 @@ class FSDPModule:
         raise NotImplementedError(f"{type(self).__name__}.{method} is not supported by fsdp2_compile: {why}")
 
     def set_all_reduce_hook(self, hook: object, *, stream: object = None) -> None:
-        self._unsupported("set_all_reduce_hook", "the reductions are nodes of the compiled graph; run a "
-                          "post-accumulate-grad hook on the parameters instead (it gets the reduced shard)")
+        self._unsupported(
+            "set_all_reduce_hook",
+            "the reductions are nodes of the compiled graph; run a "
+            "post-accumulate-grad hook on the parameters instead (it gets the reduced shard)",
+        )
 
     def set_custom_all_gather(self, comm: object) -> None:
         self._unsupported("set_custom_all_gather", "the compiler inserts and buckets the all-gathers itself")
@@ -147,7 +150,9 @@ class FSDPModule:
 
     def _prefetch_targets(self, method: str, modules: object) -> tuple[ParamInfo, ...]:
         if not isinstance(modules, (list, tuple)):
-            raise TypeError(f"{type(self).__name__}.{method}(modules) takes a list of modules, got {type(modules).__name__}")
+            raise TypeError(
+                f"{type(self).__name__}.{method}(modules) takes a list of modules, got {type(modules).__name__}"
+            )
         for i, m in enumerate(modules):
             if not isinstance(m, FSDPModule):
                 raise TypeError(

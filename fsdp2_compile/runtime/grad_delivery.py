@@ -63,8 +63,9 @@ class _GradReceiver:
         param = self.param()
         if param is None:
             return
-        grad = DTensor.from_local(local, param.device_mesh, param.placements, run_check=False, shape=param.shape,
-                                  stride=param.stride())
+        grad = DTensor.from_local(
+            local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+        )
         if param.grad is None:
             param.grad = grad
         else:

@@ -12,8 +12,8 @@ import torch.distributed as dist
 
 from fsdp2_compile._torch_private import functional_collectives as _funcol
 from fsdp2_compile._torch_private import resolve_group
-from fsdp2_compile.core.hardware import HardwareProfile
 from fsdp2_compile.core.group_caches import dropped_with_groups
+from fsdp2_compile.core.hardware import HardwareProfile
 
 __all__ = ["measure_profile", "measured_profile"]
 

@@ -7,8 +7,8 @@ import contextlib
 import functools
 import weakref
 from collections.abc import Iterator, Sequence
-from typing import Any
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 from torch import nn
@@ -18,12 +18,19 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from fsdp2_compile._torch_private import has_post_accumulate_grad_hooks, own_parameters
 from fsdp2_compile.config import MixedPrecisionPolicy
+from fsdp2_compile.core.group_caches import dropped_with_groups
+from fsdp2_compile.core.ops import (
+    GRAD_RECEIVERS,
+    KEPT_UNSHARDED,
+    ParamSpec,
+    discard_pending_grad,
+    release_unsharded,
+    unshard,
+)
 from fsdp2_compile.runtime.eager_reads import read_once
 from fsdp2_compile.runtime.eager_reshard import note_gathered
-from fsdp2_compile.runtime.read_only_param import gathered_copy
 from fsdp2_compile.runtime.grad_delivery import GRAD_ANCHORS, HOOKS_AFTER_BACKWARD, receive_grads
-from fsdp2_compile.core.group_caches import dropped_with_groups
-from fsdp2_compile.core.ops import GRAD_RECEIVERS, KEPT_UNSHARDED, ParamSpec, discard_pending_grad, release_unsharded, unshard
+from fsdp2_compile.runtime.read_only_param import gathered_copy
 
 __all__ = [
     "GradDeliveryRefresh",
@@ -60,7 +67,9 @@ class TPLayout:
     stride: tuple[int, ...]
 
     def wrap(self, local: torch.Tensor) -> DTensor:
-        return DTensor.from_local(local, self.mesh, self.placements, run_check=False, shape=self.shape, stride=self.stride)
+        return DTensor.from_local(
+            local, self.mesh, self.placements, run_check=False, shape=self.shape, stride=self.stride
+        )
 
 
 ANONYMOUS_SPECS: dict[str, ParamSpec] = dropped_with_groups({})

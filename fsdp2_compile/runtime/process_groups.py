@@ -71,7 +71,8 @@ def resolve_reshard(value: object, shard_group_name: str, shard_size: int) -> tu
     if value == 1:
         warnings.warn(
             "shard(reshard_after_forward=1) reshards parameters to world size 1, i.e. keeps them gathered until "
-            "backward: the same as reshard_after_forward=False (use that)", stacklevel=3,
+            "backward: the same as reshard_after_forward=False (use that)",
+            stacklevel=3,
         )
         return False, 0, ""
     if value == shard_size:
@@ -88,7 +89,7 @@ def _post_forward_group(shard_group_name: str, size: int) -> str:
         start = ranks.index(dist.get_rank()) // size * size
         gloo = dist.get_backend(dist.group.WORLD) == "gloo"
         group = dist.new_group(
-            ranks=ranks[start:start + size],
+            ranks=ranks[start : start + size],
             backend=one_thread_gloo_backend() if gloo else None,
             timeout=timedelta(seconds=group_timeout(shard_group_name)),
             use_local_synchronization=True,

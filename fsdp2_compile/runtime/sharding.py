@@ -31,15 +31,19 @@ from torch.distributed.fsdp import CPUOffloadPolicy
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from fsdp2_compile._torch_private import concatenate_meshes, own_buffers, own_parameters, root_mesh_groups, strided_shard
-from fsdp2_compile.core.group_caches import forget_destroyed_groups
-from fsdp2_compile.runtime.process_groups import fsdp_group, resolve_reshard
+from fsdp2_compile._torch_private import (
+    concatenate_meshes,
+    own_buffers,
+    own_parameters,
+    root_mesh_groups,
+    strided_shard,
+)
 from fsdp2_compile.config import MixedPrecisionPolicy
-from fsdp2_compile.runtime.traced_blocks import traced_once
-from fsdp2_compile.runtime.link_profile import measure_profile
+from fsdp2_compile.core.group_caches import forget_destroyed_groups
 from fsdp2_compile.runtime.eager_reads import register_read_scope
 from fsdp2_compile.runtime.eager_reshard import register_reshard_hooks
 from fsdp2_compile.runtime.fsdp_module import FSDPModule
+from fsdp2_compile.runtime.link_profile import measure_profile
 from fsdp2_compile.runtime.param_state import (
     IGNORED_ATTR,
     INFOS_ATTR,
@@ -47,9 +51,9 @@ from fsdp2_compile.runtime.param_state import (
     SHARDED_MODULES,
     STATE_ATTR,
     ParamInfo,
-    drop_kept_of,
     ShardState,
     TPLayout,
+    drop_kept_of,
     infos_of,
     is_known_param,
     is_sharded,
@@ -58,6 +62,8 @@ from fsdp2_compile.runtime.param_state import (
     sharded_parameters,
     state_of,
 )
+from fsdp2_compile.runtime.process_groups import fsdp_group, resolve_reshard
+from fsdp2_compile.runtime.traced_blocks import traced_once
 from fsdp2_compile.runtime.validation import (
     check_ignored,
     check_modules,
@@ -123,8 +129,9 @@ def _tp_layout(param: nn.Parameter) -> TPLayout | None:
     return TPLayout(param.device_mesh, tuple(param.placements), param.shape, param.stride())
 
 
-def _install_properties(module: nn.Module, infos: dict[str, ParamInfo], fsdp_module: bool = False,
-                        compiled_once: bool = False) -> None:
+def _install_properties(
+    module: nn.Module, infos: dict[str, ParamInfo], fsdp_module: bool = False, compiled_once: bool = False
+) -> None:
     """Give `module` the `ParamInfo`s of `infos` (added to those it has) and swap its class for a subclass of its
     own whose attributes of those names return the gathered parameters; with `fsdp_module` (a module `shard` was
     called on) the subclass also derives from `FSDPModule`, with `compiled_once` its forward is traced once for all

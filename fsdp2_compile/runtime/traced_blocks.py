@@ -19,6 +19,7 @@ MAX_TRACES = 1024
 and every block once parameters are kept after backward (`set_reshard_after_backward(False)`: each block reads
 its own kept tensors by key, so no trace serves another block)."""
 
+
 def traced_once(forward: Callable) -> Callable:
     """`forward`, as a nested compile region while the fsdp2 backend compiles it. Other backends (inductor,
     aot_eager, eager) trace it inline: torch 2.13 cannot run a nested region whose inputs are DTensors
@@ -57,11 +58,9 @@ def _fsdp2_backend_tracing() -> bool:
         warnings.warn(
             f"fsdp2_compile: a sharded module compiled with backend {name!r}: its fsdp2::unshard ops run as they are "
             "(each parameter gathered alone, no bucketing, prefetch or overlap) and its blocks are traced one by "
-            "one; compile with fsdp2_compile.shard_compile(model) or torch.compile(model, backend=\"fsdp2\") for "
+            'one; compile with fsdp2_compile.shard_compile(model) or torch.compile(model, backend="fsdp2") for '
             "the compiler's passes (Inductor: shard_compile(model, "
-            "compile_config=CompileConfig(compiler=\"inductor\")))",
+            'compile_config=CompileConfig(compiler="inductor")))',
             stacklevel=2,
         )
     return False
-
-

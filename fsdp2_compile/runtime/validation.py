@@ -47,7 +47,8 @@ def resolve_mesh(mesh: DeviceMesh | None) -> DeviceMesh:
     if not isinstance(mesh, DeviceMesh):
         hint = (
             "; wrap it: DeviceMesh.from_group(group, device_type)"
-            if isinstance(mesh, torch.distributed.ProcessGroup) else ""
+            if isinstance(mesh, torch.distributed.ProcessGroup)
+            else ""
         )
         raise TypeError(f"fsdp2_compile.shard: mesh must be a DeviceMesh or None, got {type(mesh).__name__}{hint}")
     if mesh.ndim > 2:
@@ -117,7 +118,8 @@ def _check_tp_param(fqn: str, param: DTensor, mesh: DeviceMesh) -> None:
         )
     if not mesh.mesh_dim_names or not tp_mesh.mesh_dim_names:
         raise ValueError(
-            f"{where}, and {dp}" + (" (the default 1-D mesh over every rank)" if not mesh.mesh_dim_names else "")
+            f"{where}, and {dp}"
+            + (" (the default 1-D mesh over every rank)" if not mesh.mesh_dim_names else "")
             + f" has no dim names: with tensor parallelism {_RECIPE}"
         )
     same = set(tp_mesh.mesh_dim_names) & set(mesh.mesh_dim_names)
@@ -202,7 +204,8 @@ def warn_on_mixed_param_dtypes(module: nn.Module, mp: MixedPrecisionPolicy) -> N
     """Groups sharded earlier under `module` with another param_dtype hand each other activations of different
     dtypes (FSDP2 behaves the same); the usual cause is an mp_policy passed to the root's call only."""
     others = sorted(
-        name for name, m in module.named_modules()
+        name
+        for name, m in module.named_modules()
         if name and is_sharded(m) and state_of(m).mp_policy.param_dtype != mp.param_dtype
     )
     if others:
