@@ -447,7 +447,7 @@ def kept_per_optimizer(rank: int, world_size: int) -> dict:
     the first's optimizer; the last step steps the second's too. Returns each system's losses, and for "ours" which
     models still had gathered parameters kept right after the first's optimizer stepped."""
     from fsdp2_compile.core.ops import KEPT_UNSHARDED
-    from fsdp2_compile.shard import managed_params
+    from fsdp2_compile.runtime.param_state import managed_params
 
     out = {}
     for system in ("ours_resharding", "ours"):

@@ -93,3 +93,32 @@ def test_imports_point_down_the_floors():
         if _floor(b) > _floor(a)
     ]
     assert not up, "imports that point up:\n" + "\n".join(sorted(up))
+
+
+def test_every_import_of_the_package_names_a_module_that_exists():
+    # the tests' rank workers, the benchmarks and the examples import modules by path too: a stale path would only
+    # fail inside a spawned rank or a benchmark run
+    import fsdp2_compile
+
+    modules = _modules()
+    stale = []
+    for folder in ("fsdp2_compile", "passes", "tests", "benchmarks", "examples"):
+        for dirpath, _, files in os.walk(os.path.join(ROOT, folder)):
+            for f in (f for f in files if f.endswith(".py")):
+                path = os.path.join(dirpath, f)
+                for node in ast.walk(ast.parse(open(path).read(), path)):
+                    if isinstance(node, ast.Import):
+                        names = [a.name for a in node.names if a.name.startswith("fsdp2_compile.")]
+                    elif isinstance(node, ast.ImportFrom) and not node.level and node.module == "fsdp2_compile":
+                        names = [f"fsdp2_compile.{a.name}" for a in node.names if a.name not in fsdp2_compile.__all__]
+                    elif (
+                        isinstance(node, ast.ImportFrom)
+                        and not node.level
+                        and (node.module or "").startswith("fsdp2_compile.")
+                    ):
+                        names = [node.module]
+                    else:
+                        continue
+                    where = f"{os.path.relpath(path, ROOT)}:{node.lineno}"
+                    stale += [f"{where}: {name}" for name in names if name not in modules]
+    assert not stale, "imports of modules that do not exist:\n" + "\n".join(stale)
