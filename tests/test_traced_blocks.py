@@ -1,4 +1,4 @@
-"""Identical blocks traced once (`fsdp2_compile/compiled_once.py`), on 2 gloo ranks against `fully_shard`."""
+"""Identical blocks traced once (`runtime/traced_blocks.py`, `compiler/block_gathers.py`), on 2 gloo ranks against `fully_shard`."""
 
 import pytest
 from harness import run_ranks

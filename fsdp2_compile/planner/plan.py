@@ -6,17 +6,17 @@ Method:
   the largest shard, ceil(dim0 / S) rows, S = N the shard size; HSDP with R replicas: S = N / R, mesh R x S);
   gradients are sharded like the parameters, in their dtype; AdamW keeps two fp32 states per element of the shard.
   Compared with the analytical numel x bytes / S.
-- reduced copies (`planner_reduce`): the factory's `layers=` 1 and 2, or else the model's block list cut to 1 and 2
+- reduced copies (`reduced_depth.py`): the factory's `layers=` 1 and 2, or else the model's block list cut to 1 and 2
   blocks; per-block figures (2 blocks minus 1) are scaled to the full block count.
 - collectives: the real pipeline compiles each copy and the final graphs' collectives give the bytes sent. A ring
   over a collective's group of G ranks sends (G-1)/G of an all-gather's or reduce-scatter's full buffer and
   2(G-1)/G of an all-reduce's (HSDP: G = R for the all-reduces). Timed on the profile's link, a reduce-scatter
   times the device's `reduce_scatter_factor` (gloo's takes as long as an all-reduce: 2, measured) unless its group
   has two ranks (the pipeline then runs it as an all-to-all: 1).
-- activations and compute: one step of each copy played op by op on the meta device (`planner_trace`), with the
-  attention (`planner_attention`) and activation checkpointing (`planner_ac`) asked for; time, schedule and the
-  allocator's peak from `planner_step`, device figures from `planner_profiles`.
-- tensor parallelism (`tp` > 1, `planner_tp`): the mesh is (dp, tp) (or (replicate, shard, tp)), the TP plan is
+- activations and compute: one step of each copy played op by op on the meta device (`trace.py`), with the
+  attention (`attention.py`) and activation checkpointing (`activation_checkpointing.py`) asked for; time, schedule and the
+  allocator's peak from `step_model.py`, device figures from `devices.py`.
+- tensor parallelism (`tp` > 1, `tensor_parallel.py`): the mesh is (dp, tp) (or (replicate, shard, tp)), the TP plan is
   applied to every block with `parallelize_module` before `shard` over dp, so the per-rank bytes are the real
   (dp, tp)-local shards; TP's collectives (Role.TP in the compiled graphs) are counted apart from FSDP's, per layer
   (2 blocks minus 1), and timed on the profile's intra-node link, on the critical path (nothing overlaps them);
@@ -355,7 +355,7 @@ class Layout:
     replicate: int = 1
     """HSDP replicas (R): the mesh is R x N/R (replicate x shard); 1 = plain FSDP over all ranks."""
     tp: int = 1
-    """Tensor-parallel degree (T) inside FSDP (`planner_tp`): the mesh is N/T x T (dp x tp), or R x N/(R T) x T;
+    """Tensor-parallel degree (T) inside FSDP (`tensor_parallel.py`): the mesh is N/T x T (dp x tp), or R x N/(R T) x T;
     the factory's `tp_plan` or the default one is applied to every block; 1 = no tensor parallelism."""
     reshard_after_forward: bool | None = None
     """As `shard`'s: None FSDP2's default (the blocks reshard, the root keeps its parameters), True or False."""

@@ -9,7 +9,7 @@ the storages it reads and the storages it creates. From that:
 - fusion (`fused` True: Inductor on the whole model; "blocks": Inductor on each block only, the rest eager, as
   torchtitan's `apply_compile` does): the output of a pointwise or reduction op read only by such ops of the same
   phase (and, for "blocks", inside a block) is never written to memory, so it costs neither bytes nor memory.
-Attention and activation checkpointing run as the planner was asked (`planner_attention`, `planner_ac`).
+Attention and activation checkpointing run as the planner was asked (`attention.py`, `activation_checkpointing.py`).
 """
 
 from __future__ import annotations
