@@ -76,7 +76,7 @@ class CompileConfig:
     schedule: bool = True
     """Let the cost-model scheduler pick each all-gather's start (within `prefetch_depth` and the budget)."""
     hardware: str | None = None
-    """Cost-model profile name (see `cost_model.PROFILES`); None measures alpha/beta on the process group once."""
+    """Cost-model profile name (see `hardware.PROFILES`); None measures alpha/beta on the process group once."""
     check_rank_consistency: bool = True
     """At compile time, compare a hash of every schedule across ranks and raise on a mismatch."""
     keep_snapshots: bool = field(default=False, metadata={"rank_local": True})

@@ -420,7 +420,7 @@ def build_parser() -> argparse.ArgumentParser:
         f"  {PROG} plan examples/llama.py:llama3_8b --world-size 64 --hardware h100-nvlink --json",
     )
     _add_model_args(plan)
-    plan.add_argument("--hardware", help="only this cost-model profile (default: all of cost_model.PROFILES)")
+    plan.add_argument("--hardware", help="only this cost-model profile (default: all of hardware.PROFILES)")
     plan.add_argument("--no-reshard", action="store_true", help="reshard_after_forward=False")
     _add_keep_gathered(plan)
     plan.add_argument(

@@ -1,4 +1,4 @@
-"""What the planner assumes of each device, beside the cost model's link figures (`cost_model.PROFILES`, which the
+"""What the planner assumes of each device, beside the cost model's link figures (`hardware.PROFILES`, which the
 scheduler also uses and which stay as they are): peak FLOP/s, memory bandwidth, the fraction of each that an op
 class reaches, per-op launch time, whether communication runs beside compute, and how an allocator's reserved
 memory relates to the live bytes. Every figure carries its source; "calibrated" figures were fitted on one
