@@ -80,6 +80,7 @@ __all__ = [
     "resolve_group",
     "root_mesh_groups",
     "set_compiled_call_impl",
+    "set_fully_shard_state",
     "strided_shard",
     "subgraph_schemas_reused",
     "to_copy",
@@ -488,6 +489,17 @@ def root_mesh_groups(mesh) -> list[str]:
     if root.ndim == 1:
         return []
     return [root.get_group(i).group_name for i in range(root.ndim)]
+
+
+_composable_state_key = _resolve("torch.distributed._composable.contract:STATE_KEY")
+
+
+def set_fully_shard_state(module: torch.nn.Module, state: Any) -> None:
+    """Make `fully_shard.state(module)` return `state`: what torch's pipeline schedules read of an FSDP2 stage module
+    after a step's last backward (`_PipelineStageBase.perform_reduce_grad`). Not a `fully_shard` registration: the
+    composable-API registry is left as it is."""
+    key = torch.distributed.fsdp.fully_shard.__wrapped__  # the function `contract` keys its states by
+    module.__dict__.setdefault(_composable_state_key, {})[key] = state
 
 
 _concatenate_meshes = _resolve("torch.distributed.device_mesh:DeviceMesh._concatenate")

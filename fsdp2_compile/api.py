@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard
 
 from fsdp2_compile._torch_private import module_call_impl, set_compiled_call_impl
 from fsdp2_compile.compiler.backend import check_input_devices, compile_sharded
@@ -55,6 +56,7 @@ def shard_compile(
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     ignored_params: Iterable[nn.Parameter] | None = None,
     offload_policy: object = None,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
     compile_config: CompileConfig = CompileConfig(),
     dynamic: bool | None = None,
 ) -> nn.Module:
@@ -77,6 +79,7 @@ def shard_compile(
         mp_policy=mp_policy,
         ignored_params=ignored_params,
         offload_policy=offload_policy,
+        shard_placement_fn=shard_placement_fn,
     )
     if compile_config.memory_budget_fraction is not None:
         compile_config = resolve_memory_budget(compile_config, resolve_mesh(mesh))

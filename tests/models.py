@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
-from gpt import GPT, GPTConfig, gpt_loss, make_batch  # noqa: E402
+from gpt import GPT, Block, GPTConfig, gpt_loss, make_batch  # noqa: E402, F401 (Block: for the pipeline workers)
 
 GPT_CFG = GPTConfig(vocab_size=98, block_size=16, n_layer=2, n_head=2, d_model=32)
 GLOBAL_BATCH = 8

@@ -128,9 +128,10 @@ def cpu_offload(rank: int, world_size: int) -> dict:
     return out
 
 
-def _micro_batch_steps(model, rank: int, world_size: int, before) -> list[float]:
+def _micro_batch_steps(model, rank: int, world_size: int, before, before_backward=None) -> list[float]:
     """`STEPS` AdamW steps on the GPT, each of two micro-batches (half the rank's batch, the loss halved), with
-    `before(micro)` called before each; the losses of every micro-batch, summed over the ranks."""
+    `before(micro)` called before each and `before_backward(micro)` between its forward and its backward; the
+    losses of every micro-batch, summed over the ranks."""
     opt = make_optimizer(model)
     losses = []
     for i in range(STEPS):
@@ -139,6 +140,8 @@ def _micro_batch_steps(model, rank: int, world_size: int, before) -> list[float]
         for micro in (0, 1):
             before(micro)
             loss = loss_fn("gpt", model(x[micro::2]), y[micro::2]) / 2
+            if before_backward is not None:
+                before_backward(micro)
             loss.backward()
             loss = loss.detach().clone()
             dist.all_reduce(loss)
@@ -146,6 +149,46 @@ def _micro_batch_steps(model, rank: int, world_size: int, before) -> list[float]
         opt.step()
         opt.zero_grad()
     return losses
+
+
+def sync_set_after_forward(rank: int, world_size: int) -> dict:
+    """Gradient sync switched between each micro-batch's forward and its backward, as torch's pipeline schedules
+    do: off for the first micro-batch, on for the second (so each forward ran with the other setting). Both
+    systems' losses, and the kinds of the graphs ours compiled."""
+    out = {}
+    for system in ("fsdp2", "ours"):
+        clear_compiled_graphs()
+        model = _build(system, group_head=False)
+        out[system] = _micro_batch_steps(
+            model, rank, world_size, lambda micro: None, lambda micro, m=model: m.set_requires_gradient_sync(micro == 1)
+        )
+    out["graphs"] = [(r.kind, sum(c.kind == "reduce_scatter" for c in collectives(r.gm))) for r in compiled_graphs()]
+    return out
+
+
+def shard_placement(rank: int, world_size: int) -> dict:
+    """`shard_placement_fn`: the blocks' matrices sharded on dim 1 (`Shard(1)`), the rest on dim 0, with
+    fully_shard and with fsdp2_compile. Both systems' losses, their parameters' placements and their full values
+    after training."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
+
+    def on_columns(param):
+        return Shard(1) if param.ndim == 2 else None
+
+    out = {}
+    for system in ("fsdp2", "ours"):
+        model = make_model("gpt")
+        for block in model.blocks:
+            (fully_shard if system == "fsdp2" else fc.shard)(block, shard_placement_fn=on_columns)
+        (fully_shard if system == "fsdp2" else fc.shard_compile)(model)
+        losses = _gpt_steps(model, make_optimizer(model), rank, world_size, range(STEPS))
+        out[system] = dict(
+            losses=losses,
+            placements={n: tuple(p.placements) for n, p in model.named_parameters()},
+            params={n: p.full_tensor() for n, p in model.named_parameters()},
+        )
+    return out
 
 
 def _collectives_with_group_sizes(gm) -> list[tuple[str, int, tuple[str, ...]]]:

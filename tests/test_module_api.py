@@ -17,7 +17,9 @@ from module_api_workers import (
     optimizer_in_backward_changes,
     reshard_after_backward,
     reshard_to_smaller_group,
+    shard_placement,
     sum_only_reductions,
+    sync_set_after_forward,
 )
 from torch import nn
 
@@ -41,6 +43,42 @@ def test_set_reshard_after_forward_recompiles_and_backward_gathers_nothing():
     first_backward, second_backward = graphs[1][1], graphs[3][1]
     assert sum(kind == "all_gather" for kind, _ in first_backward) == 2  # both blocks re-gathered (the root kept)
     assert sum(kind == "all_gather" for kind, _ in second_backward) == 0  # nothing resharded after forward
+
+
+def test_gradient_sync_set_between_forward_and_backward_takes_effect_in_that_backward():
+    """As in FSDP2 (and as torch's pipeline schedules use it), `set_requires_gradient_sync` counts when backward
+    runs: a forward compiled with sync on, then sync turned off, keeps its gradients unsharded; one compiled with it
+    off, then turned on, reduces them. Bitwise equal to fully_shard; each backward graph is compiled once and then
+    its variant with the other setting once (a forward recompiles when the setting it is traced with changes, and
+    once more when sync was first turned off: the parameters then name where their kept gradients are)."""
+    result = run_ranks(sync_set_after_forward, 2)[0]
+    assert result["ours"] == result["fsdp2"]
+    assert result["graphs"] == [
+        ("forward", 0),
+        ("backward", 3),  # compiled with sync on (the first forward's setting) ...
+        ("backward", 0),  # ... and run with it off: its variant keeps the gradients
+        ("forward", 0),
+        ("backward", 0),  # the second forward, compiled with sync off ...
+        ("backward", 3),  # ... run with it on: reduced, what the first kept added
+        ("forward", 0),  # the next step's first: sync on, with a place for kept gradients
+        ("backward", 3),
+        ("backward", 0),
+    ]
+
+
+def test_shard_placement_fn_shards_chosen_parameters_on_another_dim_as_fully_shard():
+    """`shard_placement_fn=lambda p: Shard(1) if p.ndim == 2 else None` on the blocks, 4 ranks: the same
+    placements as fully_shard's, and losses and parameters bitwise equal after training."""
+    from torch.distributed.tensor import Shard
+
+    result = run_ranks(shard_placement, 4)[0]
+    ours, fsdp2 = result["ours"], result["fsdp2"]
+    assert ours["placements"] == fsdp2["placements"]
+    assert ours["placements"]["blocks.0.attn.qkv.weight"] == (Shard(1),)
+    assert ours["placements"]["blocks.0.ln1.weight"] == (Shard(0),)
+    assert ours["losses"] == fsdp2["losses"]
+    for name, value in ours["params"].items():
+        assert torch.equal(value, fsdp2["params"][name]), name
 
 
 def test_reshard_after_forward_int_gathers_backward_from_the_smaller_group():

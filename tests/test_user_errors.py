@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import fsdp2_compile as fc
 from fsdp2_compile.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
@@ -154,6 +155,20 @@ def test_shard_twice(fake_pg):
     model = fc.shard(Net())
     with raises(ValueError, "already sharded", "call shard once per module"):
         fc.shard(model)
+
+
+@pytest.mark.parametrize(
+    "placement, exc, text",
+    [
+        (lambda p: Shard(2), ValueError, "Shard(2) for parameter '0.weight' of shape (8, 8), which has no dim 2"),
+        (lambda p: Replicate(), TypeError, "returned Replicate() for parameter '0.weight': return Shard(dim) or None"),
+    ],
+)
+def test_shard_placement_fn_must_name_a_dim_of_the_parameter(fake_pg, placement, exc, text):
+    block = Net().blocks[0]
+    with raises(exc, text):
+        fc.shard(block, shard_placement_fn=placement)
+    assert not any(isinstance(p, DTensor) for p in block.parameters())  # refused before anything was sharded
 
 
 def test_three_d_mesh_must_be_sliced(fake_pg):

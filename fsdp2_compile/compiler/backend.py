@@ -41,13 +41,14 @@ from fsdp2_compile.compiler.rank_consistency import rank_check
 from fsdp2_compile.compiler.report import GraphRecord, collectives, record_graph
 from fsdp2_compile.compiler.selective_unshard import KEPT_META, KeptGathered, buckets_to_keep
 from fsdp2_compile.compiler.unsharded_after_backward import keep_unsharded_after_backward
+from fsdp2_compile.compiler.unsynced_backward import BackwardBySync
 from fsdp2_compile.config import CompileConfig
 from fsdp2_compile.core.graph import nodes_calling
 from fsdp2_compile.core.hardware import PROFILES, HardwareProfile
 from fsdp2_compile.core.ir import REDUCE_GRAD, UNSHARD, ReduceGradArgs, UnshardArgs
 from fsdp2_compile.runtime.grad_delivery import one_unshard_per_delivered_param
 from fsdp2_compile.runtime.link_profile import measured_profile
-from fsdp2_compile.runtime.param_state import infos_of_values
+from fsdp2_compile.runtime.param_state import ParamInfo, infos_of_values
 from fsdp2_compile.runtime.sharding import is_known_param
 
 __all__ = ["check_input_devices", "compile_sharded"]
@@ -199,12 +200,37 @@ def resolve_profile(config: CompileConfig, gm: fx.GraphModule) -> HardwareProfil
     return measured_profile(group) or PROFILES["cpu-gloo-loopback"]
 
 
+def _boxed(compiled: Callable) -> Callable:
+    """`compiled` called as AOTAutograd calls a boxed function: with the list of inputs, which it clears."""
+    if getattr(compiled, "_boxed_call", False):
+        return compiled
+
+    def run(args: list):
+        inputs = list(args)
+        args.clear()
+        return compiled(*inputs)
+
+    run._boxed_call = True
+    return run
+
+
 def _compiler(
-    kind: str, config: CompileConfig, on_record: Callable[[GraphRecord], None] | None
+    kind: str,
+    config: CompileConfig,
+    on_record: Callable[[GraphRecord], None] | None,
+    infos: dict[str, ParamInfo] | None = None,
 ) -> Callable[[fx.GraphModule, Any], Callable]:
+    """AOTAutograd's compiler of `kind` graphs. A backward's honours the gradient-sync flags of `infos` (the
+    graph's parameters by fqn) as they are when it runs (`BackwardBySync`)."""
+
     def compile_graph(gm: fx.GraphModule, example_inputs: Any) -> Callable:
-        with full_collections_deferred(config.defer_full_gc):  # a backward's is compiled at its first run
-            return _compile_graph(gm, example_inputs)
+        def compile_one(graph: fx.GraphModule) -> Callable:
+            with full_collections_deferred(config.defer_full_gc):  # a backward's is compiled at its first run
+                return _boxed(_compile_graph(graph, example_inputs))
+
+        if kind == "backward" and infos:
+            return BackwardBySync(gm, compile_one, infos)
+        return compile_one(gm)
 
     def _compile_graph(gm: fx.GraphModule, example_inputs: Any) -> Callable:
         start = time.perf_counter()
@@ -273,12 +299,13 @@ def _compile(
     _check_hooks_delivered(example_inputs)
     gather_outside_blocks(gm, example_inputs)
     one_unshard_per_delivered_param(gm)
+    infos = {info.fqn: info for info in infos_of_values(example_inputs) if info is not None}
     with subgraph_schemas_reused():
         return aot_module_simplified(
             gm,
             example_inputs,
             fw_compiler=_compiler("forward", config, on_record),
-            bw_compiler=_compiler("backward", config, on_record),
+            bw_compiler=_compiler("backward", config, on_record, infos),
             inference_compiler=_compiler("inference", config, on_record),
             partition_fn=functools.partial(_partition, config=config),
             decompositions=inductor_decompositions() if config.compiler == "inductor" else None,

@@ -62,6 +62,7 @@ __all__ = [
     "padded_rows",
     "reduce_grad",
     "stash_grad",
+    "take_pending_grad",
     "unshard",
 ]
 
@@ -247,6 +248,11 @@ def _(*args, **kwargs):
 _PENDING_GRADS: dict[str, Tensor] = {}
 """Unsharded gradients accumulated while gradient sync is off, by `pending_key` (HSDP: shards kept without their
 all-reduce, by `partial_key`)."""
+
+
+def take_pending_grad(key: str) -> Tensor | None:
+    """The unsharded gradient kept under `key` (released), or None."""
+    return _PENDING_GRADS.pop(key, None)
 
 
 def discard_pending_grad(key: str) -> None:

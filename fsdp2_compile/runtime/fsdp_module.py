@@ -1,7 +1,11 @@
 """`FSDPModule`: the class every module passed to `shard` gets mixed in, with FSDP2's methods of the same names and
-meanings (settings that change the compiled graph are read while Dynamo traces, so a change recompiles)."""
+meanings (settings that change the compiled graph are read while Dynamo traces, so a change recompiles). It derives
+from torch's `torch.distributed.fsdp.FSDPModule`, so that torch code that recognises FSDP2 modules (the pipeline
+schedules of `torch.distributed.pipelining`) drives these the same way."""
 
 from __future__ import annotations
+
+from torch.distributed import fsdp
 
 from fsdp2_compile.runtime.grad_delivery import discard_pending_hooks
 from fsdp2_compile.runtime.param_state import SHARDED_MODULES, ParamInfo, is_sharded, state_of
@@ -14,28 +18,36 @@ def _check_bool(method: str, name: str, value: object) -> None:
         raise TypeError(f"{method}({name}={value!r}): use True or False")
 
 
-class UnshardHandle:
+class UnshardHandle(fsdp.UnshardHandle):
     """What `FSDPModule.unshard(async_op=True)` returns; `wait()` returns at once (see `unshard`)."""
 
     def wait(self) -> None:
         return None
 
 
-class FSDPModule:
-    """The class every module passed to `shard` gets mixed in (`isinstance(m, FSDPModule)`), with FSDP2's methods
-    of the same names and meanings. Settings that change the compiled graph (gradient sync, resharding after
-    forward) are read while Dynamo traces, so a change after compilation recompiles (Dynamo guards on them) and,
-    set alike on every rank, the ranks agree."""
+class FSDPModule(fsdp.FSDPModule):
+    """The class every module passed to `shard` gets mixed in (`isinstance(m, FSDPModule)`, and torch's
+    `FSDPModule`), with FSDP2's methods of the same names and meanings. Settings that change the compiled graph
+    (resharding after forward) are read while Dynamo traces, so a change after compilation recompiles (Dynamo
+    guards on them) and, set alike on every rank, the ranks agree; gradient sync takes effect in the next backward,
+    as in FSDP2 (`compiler/unsynced_backward.py`)."""
+
+    def __new__(cls, *args: object, **kwargs: object):
+        # torch's FSDPModule.__new__ builds an instance of the class two places down its subclass's MRO, which is
+        # not the user's class here (`sharding._sharded_class`); a module class's usual construction instead
+        return object.__new__(cls)
 
     def _param_infos(self, recurse: bool) -> list[ParamInfo]:
         modules = [m for m in self.modules() if is_sharded(m)] if recurse else [self]
         return list({id(i): i for m in modules for i in state_of(m).infos}.values())
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
-        """FSDP2's gradient-accumulation switch. False: backward reduces no gradient; each rank keeps the
-        unsharded gradients of this module's parameters (their `.grad` gets zeros), and the next backward with
-        sync on adds them before the reduce-scatter, so micro-batches with sync off, then one with it on, equal
-        one large batch. `recurse=False`: only the parameters of this module's own `shard` call."""
+        """FSDP2's gradient-accumulation switch, read when backward runs (as FSDP2 reads it, and torch's pipeline
+        schedules set it between a micro-batch's forward and its backward). False: backward reduces no gradient;
+        each rank keeps the unsharded gradients of this module's parameters (their `.grad` gets zeros), and the
+        next backward with sync on adds them before the reduce-scatter, so micro-batches with sync off, then one
+        with it on, equal one large batch. `recurse=False`: only the parameters of this module's own `shard`
+        call."""
         _check_bool("set_requires_gradient_sync", "requires_gradient_sync", requires_gradient_sync)
         for info in self._param_infos(recurse):
             info.set_requires_gradient_sync(requires_gradient_sync)

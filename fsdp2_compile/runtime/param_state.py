@@ -85,6 +85,7 @@ class ParamInfo:
     bucket: str
     """The module path of the `shard` call that took the parameter over: its FSDP group."""
     dim0: int
+    """The size of the sharded dim (`shard_dim`): what `fsdp2::unshard` gathers, as rows."""
     world_size: int
     group_name: str
     param_dtype: torch.dtype | None
@@ -130,6 +131,9 @@ class ParamInfo:
     """Set while the parameter has post-accumulate-grad hooks (`deliver_grads_to`): backward hands it its reduced
     gradient (`fsdp2::deliver_grad`) and runs the hooks, compiled right after its reduction as FSDP2 does, eager
     when the backward ends."""
+    shard_dim: int = 0
+    """The dim it is sharded on (`shard_placement_fn`); not 0: `fsdp2::unshard` gathers the shard with that dim
+    moved first, and the gathered parameter gets it back in place."""
     compiled_once: bool = False
     """Its module is one of several identical blocks traced once (`block_gathers.py`): in a compiled graph its
     `fsdp2::unshard` leaves out what names it (`spec(anonymous=True)`); the backend names it again."""
@@ -175,7 +179,9 @@ class ParamInfo:
         ANONYMOUS_SPECS.setdefault(key, spec)
         object.__setattr__(self, "anonymous_key", key)
         # `read_managed`'s shortest path: a block traced once, nothing kept or delivered, no TP layout to wrap
-        plain = self.compiled_once and not self.kept_key and not self.grad_key and self.tp is None
+        plain = (
+            self.compiled_once and not self.kept_key and not self.grad_key and self.tp is None and not self.shard_dim
+        )
         object.__setattr__(self, "traced_key", key if plain else "")
 
     def _unshard(self, param: DTensor, kept: torch.Tensor | None = None) -> torch.Tensor:
@@ -186,12 +192,20 @@ class ParamInfo:
         else:
             spec = self.spec()
         if not spec.grad_key:
-            return unshard(param.to_local(), spec, kept)
+            return self._dim_back(unshard(self._rows(param), spec, kept))
         if not torch.compiler.is_compiling():
             # eager: a parameter read outside its group's forward is gathered (and reduced) once per read: its
             # hooks wait for the backward's end
             spec = replace(spec, grad_key=spec.grad_key + HOOKS_AFTER_BACKWARD)
-        return unshard(self.grad_source.to_local(), spec, kept, GRAD_ANCHORS[str(param.device)])
+        return self._dim_back(unshard(self._rows(self.grad_source), spec, kept, GRAD_ANCHORS[str(param.device)]))
+
+    def _rows(self, param: DTensor) -> torch.Tensor:
+        """The local shard as `fsdp2::unshard` gathers it: its sharded dim first."""
+        local = param.to_local()
+        return local.movedim(self.shard_dim, 0) if self.shard_dim else local
+
+    def _dim_back(self, full: torch.Tensor) -> torch.Tensor:
+        return full.movedim(0, self.shard_dim) if self.shard_dim else full
 
     def deliver_grads_to(self, param: DTensor) -> None:
         """Before each forward: while `param` has post-accumulate-grad hooks (FSDP2's optimizer in backward),

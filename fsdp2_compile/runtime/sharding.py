@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -62,6 +62,7 @@ from fsdp2_compile.runtime.param_state import (
     sharded_parameters,
     state_of,
 )
+from fsdp2_compile.runtime.pipelining import GroupReduction
 from fsdp2_compile.runtime.process_groups import fsdp_group, resolve_reshard
 from fsdp2_compile.runtime.traced_blocks import traced_once
 from fsdp2_compile.runtime.validation import (
@@ -98,16 +99,16 @@ def _mesh_groups(mesh: DeviceMesh) -> tuple[int, str, int, str]:
     return shard_size, shard_group, mesh.size(0), fsdp_group(mesh.get_group(0).group_name)
 
 
-def _shard_param(param: nn.Parameter, mesh: DeviceMesh, offload: CPUOffloadPolicy | None) -> nn.Parameter:
-    """Rows of this rank's shard on the mesh's last (shard) dim; replicated over a 2-D mesh's first dim. A
-    tensor-parallel DTensor: its TP-local tensor's rows, on the (dp, tp) mesh (see the module docstring).
-    `offload` (`CPUOffloadPolicy`): the rows are kept on the CPU, pinned when the policy asks and an accelerator
-    can use pinned memory."""
+def _shard_param(param: nn.Parameter, mesh: DeviceMesh, offload: CPUOffloadPolicy | None, dim: int = 0) -> nn.Parameter:
+    """This rank's chunk of dim `dim` (rows by default; `shard_placement_fn`) on the mesh's last (shard) dim;
+    replicated over a 2-D mesh's first dim. A tensor-parallel DTensor: its TP-local tensor's rows, on the (dp, tp)
+    mesh (see the module docstring). `offload` (`CPUOffloadPolicy`): the chunk is kept on the CPU, pinned when the
+    policy asks and an accelerator can use pinned memory."""
     world_size, rank = mesh.size(mesh.ndim - 1), mesh.get_local_rank(mesh.ndim - 1)
     data = param.detach().to_local() if isinstance(param, DTensor) else param.detach()
-    chunks = torch.chunk(data, world_size, dim=0)
-    local = chunks[rank] if rank < len(chunks) else data.new_empty((0, *data.shape[1:]))
-    dp = [Shard(0)] if mesh.ndim == 1 else [Replicate(), Shard(0)]
+    chunks = torch.chunk(data, world_size, dim=dim)
+    local = chunks[rank] if rank < len(chunks) else data.narrow(dim, 0, 0)
+    dp = [Shard(dim)] if mesh.ndim == 1 else [Replicate(), Shard(dim)]
     on = mesh
     if isinstance(param, DTensor):
         tp_mesh, tp_placements = param.device_mesh, tuple(param.placements)
@@ -202,6 +203,7 @@ def shard(
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     ignored_params: Iterable[nn.Parameter] | None = None,
     offload_policy: object = None,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
 ) -> nn.Module | list[nn.Module]:
     """Shard `module`'s parameters on dim 0 over `mesh`, in place, like FSDP2's `fully_shard`.
 
@@ -219,6 +221,8 @@ def shard(
     `offload_policy`: torch's `OffloadPolicy()` (no offload) or `CPUOffloadPolicy(pin_memory=)`: sharded parameters,
     gradients and optimizer state on the CPU, each shard copied to the mesh's device right before its all-gather
     (on a CPU mesh they are there already: pinning is skipped without an accelerator).
+    `shard_placement_fn(param)`: `Shard(dim)` to shard that parameter on another dim (e.g. `Shard(1)` for expert
+    weights whose dim 0 is smaller than the group), None for dim 0, as in `fully_shard`.
     Returns `module`.
     """
     members = check_modules(module)
@@ -227,7 +231,7 @@ def shard(
     offload = offload_policy if isinstance(offload_policy, CPUOffloadPolicy) else None
     mesh = resolve_mesh(mesh)
     ignored = check_ignored(ignored_params)
-    check_new_params(members, mesh, ignored, offload is not None)  # on every rank, before any collective
+    dims = check_new_params(members, mesh, ignored, offload is not None, shard_placement_fn)  # before any collective
     world_size, group_name, replicate_size, replicate_group_name = _mesh_groups(mesh)
     compute_device = _compute_device(mesh) if offload is not None and mesh.device_type != "cpu" else None
     reshard, post_forward_size, post_forward_group_name = resolve_reshard(
@@ -256,12 +260,14 @@ def shard(
                 if param in REPLACED:  # tied to a parameter sharded by an earlier call under another module
                     sharded, info = REPLACED[param]
                 else:  # checked by check_new_params
-                    sharded = _shard_param(param, mesh, offload)
+                    dim = dims.get(id(param), 0)
+                    sharded = _shard_param(param, mesh, offload, dim)
                     tp = _tp_layout(param)
                     info = ParamInfo(
                         fqn=fqn,
                         bucket=_group_path(member, mod_name, paths),
-                        dim0=param.to_local().shape[0] if tp is not None else param.shape[0],
+                        dim0=param.to_local().shape[0] if tp is not None else param.shape[dim],
+                        shard_dim=dim,
                         world_size=world_size,
                         group_name=group_name,
                         param_dtype=mp_policy.param_dtype if mp_policy.param_dtype != param.dtype else None,
@@ -293,6 +299,7 @@ def shard(
             register_read_scope(member, taken[0].bucket)  # eager: a parameter read twice is gathered once
         object.__setattr__(member, STATE_ATTR, state)
         SHARDED_MODULES.add(member)
+    GroupReduction.register(state)  # what torch's pipeline schedules reach (`pipelining.py`)
     _hook_optimizers_while_alive(members, state.infos)
     _trace_blocks_once(members)
     return module
@@ -351,14 +358,15 @@ def settle_root_resharding(members: list[nn.Module], taken: list[ParamInfo]) -> 
 
 def _trace_blocks_once(members: list[nn.Module]) -> None:
     """The outermost modules sharded before, under `members`, are blocks of a larger model: Dynamo traces each
-    distinct kind of them once (`block_gathers.py`). Not with tensor parallelism: TP's collectives must stay in
-    the graph the passes see."""
+    distinct kind of them once (`block_gathers.py`). Not with tensor parallelism (TP's collectives must stay in
+    the graph the passes see), nor with a parameter sharded on a dim other than 0 (`shard_placement_fn`: its
+    gather moves that dim, which the rewrite does not carry out of the block)."""
     for member in members:
         for name, mod in member.named_modules():
             if not name or not is_sharded(mod) or any(is_sharded(a) for a in _ancestors(member, name)[:-1]):
                 continue
             infos = [info for _, _, info in managed_params(mod)]
-            if any(i.tp is not None for i in infos):
+            if any(i.tp is not None or i.shard_dim for i in infos):
                 continue
             if any(getattr(type(m), "_fsdp2_compiled_once", False) for m in mod.modules()):
                 continue  # traced once already, or has blocks traced once inside

@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
-from fsdp2_compile._torch_private import concatenate_meshes
+from fsdp2_compile._torch_private import concatenate_meshes, own_parameters
 from fsdp2_compile.config import MixedPrecisionPolicy
 from fsdp2_compile.runtime.param_state import REPLACED, infos_of, is_sharded, state_of
 
@@ -140,17 +140,56 @@ def _check_tp_param(fqn: str, param: DTensor, mesh: DeviceMesh) -> None:
 
 
 def check_new_params(
-    members: list[nn.Module], mesh: DeviceMesh, ignored: dict[int, nn.Parameter], offload: bool = False
-) -> None:
+    members: list[nn.Module],
+    mesh: DeviceMesh,
+    ignored: dict[int, nn.Parameter],
+    offload: bool = False,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
+) -> dict[int, int]:
     """`_check_param` on every parameter this `shard` call will take over (not ignored, not taken by an earlier
     call), before `shard` measures the link or creates any group: bad input fails on every rank alike. With CPU
-    offload, parameters may be on the CPU whatever the mesh's device."""
+    offload, parameters may be on the CPU whatever the mesh's device. Returns the dim each is sharded on, by id
+    (`shard_placement_fn`'s `Shard(dim)`, else 0)."""
+    if shard_placement_fn is not None and not callable(shard_placement_fn):
+        raise TypeError(
+            f"shard(shard_placement_fn=...) takes a function of a parameter returning Shard(dim) or None, got "
+            f"{type(shard_placement_fn).__name__}"
+        )
+    dims = {}
     for member in members:
         for mod_name, mod in member.named_modules(remove_duplicate=False):
-            for pname, param in mod._parameters.items():
+            for pname, param in own_parameters(mod).items():
                 if param is None or id(param) in ignored or pname in infos_of(mod) or param in REPLACED:
                     continue
-                _check_param(f"{mod_name}.{pname}" if mod_name else pname, param, mesh, offload)
+                fqn = f"{mod_name}.{pname}" if mod_name else pname
+                _check_param(fqn, param, mesh, offload)
+                if shard_placement_fn is not None:
+                    dims[id(param)] = _shard_dim(fqn, param, shard_placement_fn(param))
+    return dims
+
+
+def _shard_dim(fqn: str, param: nn.Parameter, placement: object) -> int:
+    """The dim `shard_placement_fn` chose for `param` (None: 0), checked: a `Shard` of a dim the parameter has, and
+    0 for a tensor-parallel parameter."""
+    if placement is None:
+        return 0
+    if type(placement) is not Shard:
+        raise TypeError(
+            f"shard_placement_fn returned {placement!r} for parameter '{fqn}': return Shard(dim) or None (Shard(0))"
+        )
+    dim = placement.dim + param.ndim if placement.dim < 0 else placement.dim
+    if not 0 <= dim < param.ndim:
+        raise ValueError(
+            f"shard_placement_fn returned Shard({placement.dim}) for parameter '{fqn}' of shape {tuple(param.shape)}, "
+            f"which has no dim {placement.dim}: return Shard(d) for 0 <= d < {param.ndim}, or None"
+        )
+    if dim and isinstance(param, DTensor):
+        raise ValueError(
+            f"shard_placement_fn returned Shard({placement.dim}) for parameter '{fqn}', which is tensor-parallel "
+            f"({tuple(param.placements)}): fsdp2_compile shards tensor-parallel parameters on dim 0 only; return None "
+            "for it"
+        )
+    return dim
 
 
 def check_modules(module: object) -> list[nn.Module]:
