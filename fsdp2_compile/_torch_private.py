@@ -48,6 +48,7 @@ __all__ = [
     "clear_dtensor_caches",
     "compile_times",
     "concatenate_meshes",
+    "current_compile_context",
     "current_compile_id",
     "default_store",
     "detect_fake_mode",
@@ -64,6 +65,7 @@ __all__ = [
     "group_size",
     "group_timeout",
     "has_post_accumulate_grad_hooks",
+    "in_compile_context",
     "inductor_compile",
     "inductor_decompositions",
     "log_softmax_backward",
@@ -394,6 +396,20 @@ def current_compile_id() -> tuple[int, int] | None:
     if cid is None or cid.frame_id is None:
         return None
     return cid.frame_id, cid.frame_compile_id
+
+
+_compile_context = _resolve("torch._guards:compile_context")
+
+
+def current_compile_context() -> Any:
+    """The Dynamo compilation in progress (what `current_compile_id` reads), or None: to compile more of it later
+    under the same id (`in_compile_context`)."""
+    return _CompileContext.try_get()
+
+
+def in_compile_context(context: Any) -> contextlib.AbstractContextManager:
+    """Run as part of the compilation `context` (from `current_compile_context`): `current_compile_id` gives its id."""
+    return _compile_context(context)
 
 
 _BoxedCodeGen = _resolve("torch.fx.graph:_BoxedCodeGen")

@@ -141,6 +141,31 @@ def _raise_in_compile(rank: int) -> None:
             pipeline.PASSES.remove(broken_pass)
 
 
+def _compile_after_reset(rank: int) -> None:
+    """Rank 1's pass pipeline raises at the first compile of a model; then Dynamo's caches are reset and the same
+    model trains (the failure fixed), rank 1 coming back to it 2 s after rank 0 (so rank 0's new exchange finds
+    what rank 1 published for the failed one, if it reads the same keys)."""
+    from fsdp2_compile.compiler import pipeline
+
+    def broken_pass(gm, ctx):
+        raise ValueError("injected failure")
+
+    model = _compiled(Net())
+    if rank == 1:
+        pipeline.PASSES.append(broken_pass)
+    try:
+        _steps(model, rank)
+    except Exception:  # noqa: BLE001 - both ranks raise (rank 1 its own error, rank 0 naming it)
+        pass
+    finally:
+        if rank == 1:
+            pipeline.PASSES.remove(broken_pass)
+    torch._dynamo.reset()
+    if rank == 1:
+        time.sleep(2)
+    _steps(model, rank)
+
+
 def _late(rank: int) -> None:
     """Rank 1 starts its first step 8 s late (slow data loading): well within the process group's timeout."""
     model = _compiled(Net())
@@ -159,11 +184,13 @@ def _raise_before_compile(rank: int) -> None:
 
 def same_process_group_faults(rank: int, world_size: int) -> dict:
     """On 2 ranks, one case after the other (the process group stays usable after each): a pass raising on rank 1,
+    a new model compiled after that failure and `torch._dynamo.reset()` (which numbers frames from 0 again),
     different widths, a data-dependent branch, different configs, a late rank, and last (it leaves rank 0 with a
     frame rank 1 never compiled) rank 1 raising before its first compile."""
     branch_x = torch.full((4, 8), 1.0 if rank == 0 else -1.0)
     return {
         "raise_in_compile": _case(lambda: _raise_in_compile(rank)),
+        "compile_after_reset": _case(lambda: _compile_after_reset(rank)),
         "different_widths": _case(lambda: _steps(_compiled(Net((8, 16, 16 if rank == 0 else 24, 1))), rank)),
         "data_dependent_branch": _case(lambda: _steps(_compiled(Branchy()), rank, x=branch_x)),
         "prefetch_depth": _case(lambda: _steps(_compiled(Net(), prefetch_depth=2 if rank == 0 else 1), rank)),

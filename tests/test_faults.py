@@ -42,6 +42,14 @@ def test_a_rank_raising_in_its_pass_pipeline_is_named_by_the_others_at_once():
     )  # named at once, not after the bounded wait
 
 
+def test_a_compile_after_a_failed_one_and_a_dynamo_reset_trains_on_every_rank():
+    """Dynamo numbers frames from 0 again after `torch._dynamo.reset()`: the new compile's exchange must not read
+    the failed one's records (it did: rank 0 raised naming rank 1's old failure, rank 1 waited out gloo's timeout)."""
+    r0, r1 = _case("compile_after_reset")
+    assert r0["error"] is None and r1["error"] is None, (r0, r1)
+    assert max(r0["seconds"], r1["seconds"]) < WAIT_S
+
+
 def test_a_rank_raising_before_its_first_compile_is_named_after_the_bounded_wait():
     r0, r1 = _case("raise_before_compile")
     assert r1["error"] == "ValueError: data loader failed on rank 1", r1

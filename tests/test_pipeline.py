@@ -27,3 +27,14 @@ def test_pipeline_schedules_drive_sharded_stages_as_fully_shard_ones(schedule):
         # a group per stage module with parameters of its own and per layer: 2 stages of one layer a rank (3 groups)
         # interleaved, else one stage of one layer (2)
         assert sum(ours["reductions"].values()) == (3 if schedule == "interleaved" else 2)
+
+
+def test_pipeline_stages_with_tensor_parallel_layers_as_fully_shard_ones():
+    """8 ranks, pp 2 x dp 2 x tp 2: the layers' MLPs tensor-parallel on mesh["tp"], then sharded over mesh["dp"],
+    under Schedule1F1B: bitwise equal to fully_shard with the same layout, the same reducing collectives."""
+    for rank, result in enumerate(run_ranks(pipelined_training, 8, "1f1b", 2)):
+        ours, fsdp2 = result["ours"], result["fsdp2"]
+        assert ours["losses"] == fsdp2["losses"], rank
+        for name, value in ours["params"].items():
+            assert torch.equal(value, fsdp2["params"][name]), (rank, name)
+        assert ours["reductions"] == fsdp2["reductions"], rank

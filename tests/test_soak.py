@@ -1,4 +1,4 @@
-"""Memory safety over many steps: a few hundred training steps of the default pipeline with glibc filling every
+"""Memory safety over many steps: 150 training steps of the default pipeline with glibc filling every
 freed byte (MALLOC_PERTURB_) and checking its heap (MALLOC_CHECK_=3), compared bitwise with `fully_shard` under the
 same settings. A collective reading a freed buffer would send the pattern (the losses stop matching); a write
 after free aborts the rank. The long version is `benchmarks/soak.py` (its figures are in docs/reliability.md)."""
@@ -11,7 +11,7 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 import soak  # noqa: E402
 
-STEPS = 300
+STEPS = 150
 
 
 def test_hundreds_of_steps_under_malloc_perturb_match_fully_shard_bitwise():

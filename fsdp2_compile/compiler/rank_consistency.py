@@ -57,12 +57,15 @@ from fsdp2_compile.core.ir import schema_args
 
 __all__ = ["check_same_schedule", "graph_groups", "rank_check", "schedule_signature"]
 
-_counter = itertools.count()
+_UNNAMED: dict[str, itertools.count] = dropped_with_groups({})
+"""Process group -> the counter of its checks made outside a Dynamo compilation."""
 _FRAMES: dict[str, dict[int, int]] = dropped_with_groups({})
 """Process group -> Dynamo frame id -> the order in which the backend first compiled it with that group's
 collectives (the same on every rank of the group)."""
 _AGREED: dict[str, list[str]] = dropped_with_groups({})
 """Store key of a (group, frame, kind) -> the records all the group's ranks agreed on, in order."""
+_SPENT = "<failed exchange>"
+"""What a failed exchange leaves in its `_AGREED` list: its keys are not used again."""
 _FINISH_WAIT_S = 5.0
 """How long a rank about to raise waits for its peers to have read the records (the store may live in its process)."""
 
@@ -158,6 +161,7 @@ class _Exchange:
     wait_s: float
     pg_timeout_s: float
     published: bool = False
+    spent: bool = False
 
     @property
     def ranks(self) -> list[int]:
@@ -170,6 +174,16 @@ class _Exchange:
             if "failed" in record:
                 store.set(f"{ch.key}/failed", str(rank))
         self.published = True
+
+    def spend(self) -> None:
+        """After a failed exchange: this rank's next exchange of these groups, frame and kind uses the next keys,
+        not these, whose records stay in the store (after `torch._dynamo.reset()` Dynamo numbers frames from 0
+        again, and the next compile of "frame 0" would read them). Every rank of the groups raised, so each spends
+        its keys alike."""
+        if not self.spent:
+            for ch in self.channels:
+                ch.agreed.append(_SPENT)
+            self.spent = True
 
     def finish(self, wait: bool) -> None:
         """Count this rank as done with the records; with `wait`, give the others a few seconds to read them too
@@ -233,7 +247,10 @@ def _channel(name: str, ranks: list[int], kind: str) -> _Channel:
     scope = f"{name}@{','.join(map(str, ranks))}"
     compile_id = current_compile_id()
     frames = _FRAMES.setdefault(scope, {})
-    frame = f"f{frames.setdefault(compile_id[0], len(frames))}" if compile_id else f"n{next(_counter)}"
+    if compile_id:
+        frame = f"f{frames.setdefault(compile_id[0], len(frames))}"
+    else:  # outside Dynamo (a direct `check_same_schedule`): numbered per group, as the group's ranks call it
+        frame = f"n{next(_UNNAMED.setdefault(scope, itertools.count()))}"
     key = f"fsdp2_compile/check/{scope}/{frame}/{kind}"
     agreed = _AGREED.setdefault(key, [])
     return _Channel(ranks, f"{key}/{len(agreed)}", agreed)
@@ -309,6 +326,7 @@ def rank_check(gm: fx.GraphModule, kind: str, config) -> Iterator[Callable[[fx.G
             with contextlib.suppress(dist.DistError):  # never hide the real error behind a store error
                 ex.publish({"failed": f"{type(e).__name__}: {first}"})
             ex.finish(wait=True)
+        ex.spend()
         raise
 
 
@@ -318,5 +336,10 @@ def check_same_schedule(gm: fx.GraphModule, kind: str, config=None, *, timeout_s
     collectives, it compares across the default process group. `timeout_s` overrides the wait derived from the
     process group's timeout."""
     ex = _exchange(gm, kind, world_if_none=True, timeout_s=timeout_s)
-    if ex is not None:
+    if ex is None:
+        return
+    try:
         _check(ex, gm, config)
+    except Exception:
+        ex.spend()
+        raise

@@ -17,6 +17,7 @@ from types import SimpleNamespace
 
 from torch import fx
 
+from fsdp2_compile._torch_private import current_compile_context, in_compile_context
 from fsdp2_compile.core.graph import insert_call, nodes_calling, val
 from fsdp2_compile.core.ir import (
     ADD_PENDING_GRAD,
@@ -95,6 +96,7 @@ class BackwardBySync:
         self, gm: fx.GraphModule, compile_graph: Callable[[fx.GraphModule], Callable], infos: dict[str, ParamInfo]
     ):
         self._original, self._compile, self._infos = _copy(gm), compile_graph, infos
+        self._context = current_compile_context()  # variants compile as part of it: the same id on every rank
         self._traced = {fqn: sync for fqn, sync in _traced_sync(gm).items() if fqn in infos}
         self._variants: dict[frozenset[str], Callable] = {frozenset(): compile_graph(gm)}
 
@@ -104,7 +106,8 @@ class BackwardBySync:
             self._check_flippable(flipped)
             variant = _copy(self._original)
             _flip(variant, self._infos, flipped)
-            self._variants[flipped] = self._compile(variant)
+            with in_compile_context(self._context):
+                self._variants[flipped] = self._compile(variant)
         return self._variants[flipped](args)
 
     def _check_flippable(self, flipped: frozenset[str]) -> None:
