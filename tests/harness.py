@@ -48,6 +48,7 @@ PRELOAD = [
     "tp_checkpoint_workers",
     "fault_workers",
     "pipeline_workers",
+    "mistake_workers",
 ]
 """What each rank's server imports before forking ranks: every module of fsdp2_compile (so a rank never mixes
 what the server imported with files edited since) and the worker modules. One that fails to import there is

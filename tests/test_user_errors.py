@@ -4,11 +4,14 @@ parameter or argument and the fix. Validation happens in `shard()`, `shard_compi
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
 import torch
 import torch.distributed as dist
+from harness import run_ranks
+from mistake_workers import silent_mistakes
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -109,6 +112,32 @@ def test_mp_policy_on_the_root_only_warns_naming_the_blocks(fake_pg):
         fc.shard(block)
     with pytest.warns(UserWarning, match=r"blocks\.0, blocks\.1 were sharded with param_dtype=None.*every shard call"):
         fc.shard(model, mp_policy=fc.MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+
+
+@functools.cache
+def _silent_mistakes() -> list[dict]:
+    return run_ranks(silent_mistakes, 2)
+
+
+@pytest.mark.parametrize(
+    "case, words",
+    [
+        (
+            "ignored_param_of_another_model",
+            "ValueError: shard(ignored_params=...): item 0 (shape (2, 8)) is not a parameter of Sequential: it "
+            "would be ignored while the parameter you meant is sharded",
+        ),
+        ("aliased_parameters", "ValueError: parameters 'head' and '0.weight' share memory"),
+        (
+            "step_with_sync_left_off",
+            "RuntimeError: AdamW.step(): parameter '0.weight' has gradients that backwards with gradient sync off "
+            "kept on this rank and never reduced",
+        ),
+    ],
+)
+def test_mistakes_that_trained_silently_wrong_are_refused_on_every_rank(case, words):
+    for rank, result in enumerate(_silent_mistakes()):
+        assert result[case] is not None and words in result[case], (rank, result[case])
 
 
 # ------------------------------------------------------------------------------------ unclear before

@@ -59,6 +59,7 @@ __all__ = [
     "keep_unsharded",
     "release_unsharded",
     "pad_rows",
+    "pending_grad_keys",
     "padded_rows",
     "reduce_grad",
     "stash_grad",
@@ -248,6 +249,11 @@ def _(*args, **kwargs):
 _PENDING_GRADS: dict[str, Tensor] = {}
 """Unsharded gradients accumulated while gradient sync is off, by `pending_key` (HSDP: shards kept without their
 all-reduce, by `partial_key`)."""
+
+
+def pending_grad_keys() -> set[str]:
+    """The keys under which unsharded gradients are kept now."""
+    return set(_PENDING_GRADS)
 
 
 def take_pending_grad(key: str) -> Tensor | None:

@@ -69,6 +69,8 @@ from fsdp2_compile.runtime.validation import (
     check_ignored,
     check_modules,
     check_new_params,
+    check_no_aliases,
+    check_no_unsynced_grads,
     check_optimizer,
     check_options,
     default_device_type,
@@ -230,7 +232,8 @@ def shard(
     forget_destroyed_groups()
     offload = offload_policy if isinstance(offload_policy, CPUOffloadPolicy) else None
     mesh = resolve_mesh(mesh)
-    ignored = check_ignored(ignored_params)
+    ignored = check_ignored(ignored_params, members)
+    check_no_aliases(members, ignored)
     dims = check_new_params(members, mesh, ignored, offload is not None, shard_placement_fn)  # before any collective
     world_size, group_name, replicate_size, replicate_group_name = _mesh_groups(mesh)
     compute_device = _compute_device(mesh) if offload is not None and mesh.device_type != "cpu" else None
@@ -312,9 +315,11 @@ _LIVE_CALLS = [0]
 
 
 def _before_optimizer_step(optimizer: torch.optim.Optimizer, _args, _kwargs) -> None:
-    """Before an optimizer steps: refuse one built before `shard` (`check_optimizer`), and drop the gathered
-    copies kept of the parameters it holds (`drop_kept_of`)."""
+    """Before an optimizer steps: refuse one built before `shard` (`check_optimizer`) or one whose parameters
+    have gradients kept unreduced (`check_no_unsynced_grads`), and drop the gathered copies kept of the
+    parameters it holds (`drop_kept_of`)."""
     check_optimizer(optimizer)
+    check_no_unsynced_grads(optimizer)
     drop_kept_of(optimizer)
 
 

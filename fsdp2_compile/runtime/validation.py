@@ -15,10 +15,13 @@ from torch.distributed.tensor import DTensor, Shard
 
 from fsdp2_compile._torch_private import concatenate_meshes, own_parameters
 from fsdp2_compile.config import MixedPrecisionPolicy
-from fsdp2_compile.runtime.param_state import REPLACED, infos_of, is_sharded, state_of
+from fsdp2_compile.core.ops import pending_grad_keys
+from fsdp2_compile.runtime.param_state import REPLACED, infos_of, infos_of_values, is_sharded, state_of
 
 __all__ = [
     "check_ignored",
+    "check_no_aliases",
+    "check_no_unsynced_grads",
     "check_modules",
     "check_new_params",
     "check_optimizer",
@@ -223,7 +226,8 @@ def check_options(mp_policy: object, offload_policy: object = None) -> None:
         )
 
 
-def check_ignored(ignored_params: Iterable[nn.Parameter] | None) -> dict[int, nn.Parameter]:
+def check_ignored(ignored_params: Iterable[nn.Parameter] | None, members: list[nn.Module]) -> dict[int, nn.Parameter]:
+    """`ignored_params` by id: parameters of the modules of this `shard` call (`members`)."""
     if ignored_params is None:
         return {}
     if isinstance(ignored_params, (torch.Tensor, nn.Module)):
@@ -236,7 +240,45 @@ def check_ignored(ignored_params: Iterable[nn.Parameter] | None) -> dict[int, nn
         if not isinstance(p, nn.Parameter):
             hint = "; pass its parameters: set(module.parameters())" if isinstance(p, nn.Module) else ""
             raise TypeError(f"shard(ignored_params=...): item {i} is a {type(p).__name__}, not an nn.Parameter{hint}")
+    held = {id(p) for m in members for _, p in m.named_parameters(remove_duplicate=False)}
+    outside = [i for i, p in enumerate(params) if id(p) not in held]
+    if outside:
+        p = params[outside[0]]
+        raise ValueError(
+            f"shard(ignored_params=...): item {outside[0]} (shape {tuple(p.shape)}) is not a parameter of "
+            f"{' / '.join(type(m).__name__ for m in members)}: it would be ignored while the parameter you meant is "
+            "sharded. Pass parameters of the modules this call shards (e.g. {model.head.weight}, taken after any "
+            "copy or re-creation of the model)"
+        )
     return {id(p): p for p in params}
+
+
+def check_no_aliases(members: list[nn.Module], ignored: dict[int, nn.Parameter]) -> None:
+    """Refuse two parameters that share memory without being one parameter (a view of another, e.g.
+    `nn.Parameter(other.weight[:4])` or `.T`): each would be sharded and trained as a tensor of its own, and they
+    would no longer agree after one step."""
+    spans: dict[tuple, list[tuple[int, int, str]]] = {}  # storage -> (first byte, end byte, name) of each parameter
+    seen: set[int] = set()
+    for member in members:
+        for name, param in member.named_parameters(remove_duplicate=True):
+            if id(param) in seen or id(param) in ignored or isinstance(param, DTensor) or param.device.type == "meta":
+                continue
+            seen.add(id(param))
+            if not param.numel():
+                continue
+            storage = param.untyped_storage()
+            first = param.storage_offset() * param.element_size()
+            end = first + (1 + sum((n - 1) * s for n, s in zip(param.shape, param.stride()))) * param.element_size()
+            known = spans.setdefault((storage.device, storage.data_ptr()), [])
+            other = next((o for a, b, o in known if a < end and first < b), None)
+            if other is not None:
+                raise ValueError(
+                    f"parameters '{other}' and '{name}' share memory (one is a view of the other) without being one "
+                    "parameter: sharded, each would train on its own and they would differ after one step. Tie them "
+                    "by assigning the same nn.Parameter to both attributes, or compute one from the other in forward, "
+                    "or pass one in ignored_params"
+                )
+            known.append((first, end, name))
 
 
 def warn_on_mixed_param_dtypes(module: nn.Module, mp: MixedPrecisionPolicy) -> None:
@@ -260,6 +302,23 @@ def warn_on_mixed_param_dtypes(module: nn.Module, mp: MixedPrecisionPolicy) -> N
 
 _CHECKED_OPTIMIZERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 """Optimizer -> number of param groups already checked by `_check_optimizer`."""
+
+
+def check_no_unsynced_grads(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse a step while a parameter the optimizer holds has gradients kept unsharded by backwards with gradient
+    sync off and never reduced: its `.grad` is zeros, so the step would change nothing (or only decay it)."""
+    keys = pending_grad_keys()
+    if not keys:
+        return
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for info in infos_of_values(params):
+        if info is not None and info.pending_key in keys:
+            raise RuntimeError(
+                f"{type(optimizer).__name__}.step(): parameter '{info.fqn}' has gradients that backwards with "
+                "gradient sync off kept on this rank and never reduced, so its .grad holds zeros and the step would "
+                "not train it. Turn sync back on before the last micro-batch's backward "
+                "(model.set_requires_gradient_sync(True)); to drop them instead, call model.reset_iter_state()"
+            )
 
 
 def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
