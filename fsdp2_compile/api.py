@@ -57,6 +57,7 @@ def shard_compile(
     ignored_params: Iterable[nn.Parameter] | None = None,
     offload_policy: object = None,
     shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
+    check_same_init: bool = True,
     compile_config: CompileConfig = CompileConfig(),
     dynamic: bool | None = None,
 ) -> nn.Module:
@@ -80,6 +81,7 @@ def shard_compile(
         ignored_params=ignored_params,
         offload_policy=offload_policy,
         shard_placement_fn=shard_placement_fn,
+        check_same_init=check_same_init,
     )
     if compile_config.memory_budget_fraction is not None:
         compile_config = resolve_memory_budget(compile_config, resolve_mesh(mesh))

@@ -42,12 +42,24 @@ def _step_with_sync_left_off(rank: int) -> None:
     opt.step()
 
 
+def _different_initial_weights(rank: int) -> None:
+    torch.manual_seed(rank)  # a seed per rank: each builds other weights
+    fc.shard(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2)))
+
+
+def _different_weights_check_off(rank: int) -> None:
+    torch.manual_seed(rank)
+    fc.shard(nn.Sequential(nn.Linear(8, 8)), check_same_init=False)
+
+
 def silent_mistakes(rank: int, world_size: int) -> dict:
     """Each case in turn (a barrier between them): the error each rank got, or None."""
     cases = {
         "ignored_param_of_another_model": _ignored_param_of_another_model,
         "aliased_parameters": _aliased_parameters,
         "step_with_sync_left_off": lambda: _step_with_sync_left_off(rank),
+        "different_initial_weights": lambda: _different_initial_weights(rank),
+        "different_weights_check_off": lambda: _different_weights_check_off(rank),
     }
     out = {}
     for name, case in cases.items():

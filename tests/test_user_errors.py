@@ -133,11 +133,20 @@ def _silent_mistakes() -> list[dict]:
             "RuntimeError: AdamW.step(): parameter '0.weight' has gradients that backwards with gradient sync off "
             "kept on this rank and never reduced",
         ),
+        (
+            "different_initial_weights",
+            "ValueError: parameter '0.weight' (and 3 more) has different values on different ranks of the mesh: "
+            "sharding would mix the rows of each rank's model. Build the model the same way on every rank",
+        ),
     ],
 )
 def test_mistakes_that_trained_silently_wrong_are_refused_on_every_rank(case, words):
     for rank, result in enumerate(_silent_mistakes()):
         assert result[case] is not None and words in result[case], (rank, result[case])
+
+
+def test_the_initial_weights_check_can_be_turned_off():
+    assert [r["different_weights_check_off"] for r in _silent_mistakes()] == [None, None]
 
 
 # ------------------------------------------------------------------------------------ unclear before

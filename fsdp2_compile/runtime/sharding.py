@@ -73,6 +73,7 @@ from fsdp2_compile.runtime.validation import (
     check_no_unsynced_grads,
     check_optimizer,
     check_options,
+    check_same_values,
     default_device_type,
     resolve_mesh,
     warn_on_mixed_param_dtypes,
@@ -206,6 +207,7 @@ def shard(
     ignored_params: Iterable[nn.Parameter] | None = None,
     offload_policy: object = None,
     shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
+    check_same_init: bool = True,
 ) -> nn.Module | list[nn.Module]:
     """Shard `module`'s parameters on dim 0 over `mesh`, in place, like FSDP2's `fully_shard`.
 
@@ -225,6 +227,9 @@ def shard(
     (on a CPU mesh they are there already: pinning is skipped without an accelerator).
     `shard_placement_fn(param)`: `Shard(dim)` to shard that parameter on another dim (e.g. `Shard(1)` for expert
     weights whose dim 0 is smaller than the group), None for dim 0, as in `fully_shard`.
+    `check_same_init` (not in `fully_shard`): compare a checksum of each parameter over the mesh first and refuse
+    values that differ between ranks, naming the parameter (one pass over the parameters and three all-reduces
+    per mesh dim; False skips it).
     Returns `module`.
     """
     members = check_modules(module)
@@ -240,9 +245,11 @@ def shard(
     reshard, post_forward_size, post_forward_group_name = resolve_reshard(
         reshard_after_forward, mesh.get_group(mesh.ndim - 1).group_name, world_size
     )
-    if world_size > 1 and torch.distributed.get_backend(mesh.get_group(mesh.ndim - 1)) != "fake":
-        # for the scheduler's cost model; measured once per process group, agreed over the whole mesh
-        measure_profile(group_name, world_size, mesh.device_type, agree_over=root_mesh_groups(mesh))
+    if mesh.size() > 1 and torch.distributed.get_backend(mesh.get_group(mesh.ndim - 1)) != "fake":
+        if check_same_init:
+            check_same_values(members, mesh, ignored)
+        if world_size > 1:  # for the scheduler's cost model; measured once per process group, agreed over the mesh
+            measure_profile(group_name, world_size, mesh.device_type, agree_over=root_mesh_groups(mesh))
     for p in ignored.values():
         setattr(p, IGNORED_ATTR, True)
 

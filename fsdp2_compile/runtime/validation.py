@@ -9,6 +9,7 @@ import weakref
 from collections.abc import Callable, Iterable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
@@ -21,6 +22,7 @@ from fsdp2_compile.runtime.param_state import REPLACED, infos_of, infos_of_value
 __all__ = [
     "check_ignored",
     "check_no_aliases",
+    "check_same_values",
     "check_no_unsynced_grads",
     "check_modules",
     "check_new_params",
@@ -251,6 +253,58 @@ def check_ignored(ignored_params: Iterable[nn.Parameter] | None, members: list[n
             "copy or re-creation of the model)"
         )
     return {id(p): p for p in params}
+
+
+def check_same_values(members: list[nn.Module], mesh: DeviceMesh, ignored: dict[int, nn.Parameter]) -> None:
+    """Refuse parameters whose values differ between the ranks of `mesh` (different seeds, a rank that loaded
+    another checkpoint): sharding would mix rows of each rank's model. Compares a checksum of each parameter
+    this call will take over (its size, float64 sum and sum of squares), three all-reduces per mesh dim; every
+    rank raises alike, naming the first parameter that differs. Parameters on the meta device have no values yet:
+    skipped. The ranks must shard the same number of parameters (a model built differently per rank is named
+    by the rank-consistency check when it compiles), so `shard` skips the check when they do not."""
+    named = []
+    seen: set[int] = set()
+    for member in members:
+        for mod_name, mod in member.named_modules(remove_duplicate=False):
+            for pname, param in own_parameters(mod).items():
+                if param is None or id(param) in seen or id(param) in ignored or pname in infos_of(mod):
+                    continue
+                seen.add(id(param))
+                if param in REPLACED or param.device.type == "meta":
+                    continue
+                named.append((f"{mod_name}.{pname}" if mod_name else pname, param))
+    on_device = mesh.device_type != "cpu"
+    device = torch.device(mesh.device_type, torch.accelerator.current_device_index()) if on_device else "cpu"
+    counts = torch.tensor([len(named), -len(named)], dtype=torch.float64, device=device)
+    for dim in range(mesh.ndim):
+        dist.all_reduce(counts, dist.ReduceOp.MAX, group=mesh.get_group(dim))
+    if counts[0] != -counts[1] or not named:
+        return
+    with torch.no_grad():
+        sums = torch.stack(
+            [
+                torch.stack([x.new_tensor(x.numel()), x.sum(), x.square().sum()])
+                for x in (
+                    (p.to_local() if isinstance(p, DTensor) else p).detach().double().nan_to_num() for _, p in named
+                )
+            ]
+        ).cpu()
+    high, low = sums.to(device, copy=True), sums.to(device, copy=True)
+    for dim in range(mesh.ndim):
+        group = mesh.get_group(dim)
+        dist.all_reduce(high, dist.ReduceOp.MAX, group=group)
+        dist.all_reduce(low, dist.ReduceOp.MIN, group=group)
+    differ = (high != low).any(dim=1).nonzero().flatten().tolist()
+    if differ:
+        name, _ = named[differ[0]]
+        more = f" (and {len(differ) - 1} more)" if len(differ) > 1 else ""
+        what = "sizes" if high[differ[0], 0] != low[differ[0], 0] else "values"
+        raise ValueError(
+            f"parameter '{name}'{more} has different {what} on different ranks of the mesh: sharding would mix the "
+            "rows of each rank's model. Build the model the same way on every rank (torch.manual_seed(...) before "
+            "creating it) or load the same checkpoint on every rank before shard; or pass check_same_init=False "
+            "to skip this check (one pass over the parameters and a few all-reduces per shard call)"
+        )
 
 
 def check_no_aliases(members: list[nn.Module], ignored: dict[int, nn.Parameter]) -> None:
