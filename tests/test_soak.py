@@ -14,7 +14,7 @@ import soak  # noqa: E402
 STEPS = 150
 
 
-def test_hundreds_of_steps_under_malloc_perturb_match_fully_shard_bitwise():
+def test_150_steps_under_malloc_perturb_match_fully_shard_bitwise():
     ours = soak.run("ours", STEPS, malloc_check=True)
     eager = soak.run("fsdp2", STEPS, malloc_check=True)
     assert ours["codes"] == [0, 0], f"a rank of ours died: exit codes {ours['codes']}"
