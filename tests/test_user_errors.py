@@ -209,6 +209,30 @@ def test_shard_placement_fn_must_name_a_dim_of_the_parameter(fake_pg, placement,
     assert not any(isinstance(p, DTensor) for p in block.parameters())  # refused before anything was sharded
 
 
+def test_float8_all_gather_on_another_dim_is_refused(fake_pg):
+    pytest.importorskip("torchao")
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    block = convert_to_float8_training(
+        Net().blocks[0], config=Float8LinearConfig(emulate=True, enable_fsdp_float8_all_gather=True)
+    )
+    with raises(ValueError, "'0.weight' is a torchao float8 weight", "Shard(1)", "enable_fsdp_float8_all_gather=False"):
+        fc.shard(block, shard_placement_fn=lambda p: Shard(1))
+    assert not any(isinstance(p, DTensor) for p in block.parameters())
+
+
+class _OtherGatherExtension(torch.Tensor):
+    def fsdp_pre_all_gather(self, mesh):
+        raise AssertionError("never called")
+
+
+def test_other_all_gather_extensions_are_refused(fake_pg):
+    block = Net().blocks[0]
+    block[0].weight = nn.Parameter(torch.randn(8, 8).as_subclass(_OtherGatherExtension))
+    with raises(TypeError, "'0.weight' is a _OtherGatherExtension with FSDP2's all-gather extensions", "fully_shard"):
+        fc.shard(block)
+
+
 def test_three_d_mesh_must_be_sliced(fake_pg):
     from torch.distributed.device_mesh import init_device_mesh
 

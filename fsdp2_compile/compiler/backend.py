@@ -136,7 +136,23 @@ def _tag_unshards(joint: fx.GraphModule, config: CompileConfig) -> KeptGathered 
         call = UnshardArgs.of(node)
         reshard = call.reshard_after_forward and call.bucket not in kept
         node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE if reshard else CheckpointPolicy.MUST_SAVE
+        if reshard:  # nor is an alias of it saved (a float8 weight's bytes viewed as float8 and detached)
+            for alias in _aliases_of(node):
+                alias.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
     return decision
+
+
+_ALIAS_OPS = {torch.ops.aten.view.dtype, torch.ops.aten.detach.default, torch.ops.aten.alias.default}
+
+
+def _aliases_of(node: fx.Node) -> list[fx.Node]:
+    """The nodes that alias `node`'s output by a chain of dtype views and detaches."""
+    found, todo = [], [node]
+    while todo:
+        users = [u for u in todo.pop().users if u.op == "call_function" and u.target in _ALIAS_OPS]
+        found += users
+        todo += users
+    return found
 
 
 def _is_opaque(node: Any) -> bool:

@@ -320,27 +320,33 @@ def _(grad, grad_key, fqn):
 
 def unshard_backward_context(a, n_inputs: int) -> SimpleNamespace:
     """What `fsdp2::unshard`'s backward needs of a call with `n_inputs` inputs and arguments `a` (`UnshardArgs`)."""
+    return backward_facts(a.spec, a.shard, n_inputs, delivered=a.grad_anchor is not None)
+
+
+def backward_facts(spec: ParamSpec, shard: Tensor, n_inputs: int, delivered: bool = False) -> SimpleNamespace:
+    """What the backward of a gather of `shard` with `spec` needs (`shard_grad`, `unshard_backward`); `delivered`:
+    it has a grad anchor, which gets the gradient (`spec.grad_key`)."""
     return SimpleNamespace(
-        sync=a.requires_grad_sync,
-        pending_key=a.pending_key,
-        fqn=a.fqn,
-        grad_key=a.grad_key if a.grad_anchor is not None else "",
+        sync=spec.requires_grad_sync,
+        pending_key=spec.pending_key,
+        fqn=spec.fqn,
+        grad_key=spec.grad_key if delivered else "",
         reduce=ReduceGradArgs(
             grad=None,
-            local_rows=a.shard.shape[0],
-            world_size=a.world_size,
-            group_name=a.group_name,
-            reduce_dtype=a.reduce_dtype,
-            out_dtype=a.shard.dtype,
-            fqn=a.fqn,
-            bucket=a.bucket,
-            replicate_size=a.replicate_size,
-            replicate_group_name=a.replicate_group_name,
-            divide_factor=a.grad_divide_factor,
-            requires_all_reduce=a.requires_all_reduce,
-            partial_key=a.partial_key,
-            out_device=a.shard.device if a.compute_device is not None else None,
-            force_sum_reduction=a.force_sum_reduction,
+            local_rows=shard.shape[0],
+            world_size=spec.world_size,
+            group_name=spec.group_name,
+            reduce_dtype=spec.reduce_dtype,
+            out_dtype=shard.dtype,
+            fqn=spec.fqn,
+            bucket=spec.bucket,
+            replicate_size=spec.replicate_size,
+            replicate_group_name=spec.replicate_group_name,
+            divide_factor=spec.grad_divide_factor,
+            requires_all_reduce=spec.requires_all_reduce,
+            partial_key=spec.partial_key,
+            out_device=shard.device if spec.compute_device is not None else None,
+            force_sum_reduction=spec.force_sum_reduction,
         ),
         n_inputs=n_inputs,
     )

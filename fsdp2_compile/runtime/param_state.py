@@ -29,6 +29,7 @@ from fsdp2_compile.core.ops import (
 )
 from fsdp2_compile.runtime.eager_reads import read_once
 from fsdp2_compile.runtime.eager_reshard import note_gathered
+from fsdp2_compile.runtime.float8 import Float8Cast, gather_float8, gather_key
 from fsdp2_compile.runtime.grad_delivery import GRAD_ANCHORS, HOOKS_AFTER_BACKWARD, receive_grads
 from fsdp2_compile.runtime.read_only_param import gathered_copy
 
@@ -134,6 +135,8 @@ class ParamInfo:
     shard_dim: int = 0
     """The dim it is sharded on (`shard_placement_fn`); not 0: `fsdp2::unshard` gathers the shard with that dim
     moved first, and the gathered parameter gets it back in place."""
+    float8: Float8Cast | None = None
+    """A torchao float8 weight gathered as float8 (`float8.py`): how its shard is cast before the all-gather."""
     compiled_once: bool = False
     """Its module is one of several identical blocks traced once (`block_gathers.py`): in a compiled graph its
     `fsdp2::unshard` leaves out what names it (`spec(anonymous=True)`); the backend names it again."""
@@ -157,34 +160,43 @@ class ParamInfo:
             if kept is not None:
                 release_unsharded(self.kept_key)  # an eager forward takes it (compiled ones in their graph)
         full = self._unshard(param, kept)
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or self.float8 is not None:  # a Float8TrainingTensor stays one
             return full if self.tp is None else self.tp.wrap(full)
         if self.reshard_after_forward:
             note_gathered(full, functools.partial(self._unshard, param))
         return gathered_copy(full, self.fqn) if self.tp is None else self.tp.wrap(full)
 
     def __setattr__(self, name: str, value) -> None:
-        # `anonymous_key` is stored, not a property: Dynamo would trace a property and guard every field it reads.
+        # the keys are stored, not properties: Dynamo would trace a property and guard every field it reads.
         object.__setattr__(self, name, value)
         if "anonymous_key" in self.__dict__ and name != "anonymous_key":
-            self._share_anonymous_args()
+            self._refresh_keys()
 
     def __post_init__(self) -> None:
-        self._share_anonymous_args()
+        self._refresh_keys()
 
-    def _share_anonymous_args(self) -> None:
-        """Keep `anonymous_key` naming this parameter's `spec(anonymous=True)` in `ANONYMOUS_SPECS`."""
+    def _refresh_keys(self) -> None:
+        """Keep `anonymous_key` naming this parameter's `spec(anonymous=True)` in `ANONYMOUS_SPECS`, and a float8
+        weight's `float8_key` naming its spec and cast for `float8.gather_float8`."""
         spec = self.spec(anonymous=True)
         key = repr(spec)
         ANONYMOUS_SPECS.setdefault(key, spec)
         object.__setattr__(self, "anonymous_key", key)
         # `read_managed`'s shortest path: a block traced once, nothing kept or delivered, no TP layout to wrap
         plain = (
-            self.compiled_once and not self.kept_key and not self.grad_key and self.tp is None and not self.shard_dim
+            self.compiled_once
+            and not self.kept_key
+            and not self.grad_key
+            and self.tp is None
+            and not self.shard_dim
+            and self.float8 is None
         )
         object.__setattr__(self, "traced_key", key if plain else "")
+        object.__setattr__(self, "float8_key", gather_key(self.spec(), self.float8) if self.float8 else "")
 
     def _unshard(self, param: DTensor, kept: torch.Tensor | None = None) -> torch.Tensor:
+        if self.float8 is not None:
+            return gather_float8(self._rows(param), self.float8_key)
         if self.compiled_once and torch.compiler.is_compiling():
             # One guarded text per parameter; the spec is read from a global, whose guards Dynamo does not
             # evaluate again for each block it stamps out.

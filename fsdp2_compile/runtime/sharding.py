@@ -42,6 +42,7 @@ from fsdp2_compile.config import MixedPrecisionPolicy
 from fsdp2_compile.core.group_caches import forget_destroyed_groups
 from fsdp2_compile.runtime.eager_reads import register_read_scope
 from fsdp2_compile.runtime.eager_reshard import register_reshard_hooks
+from fsdp2_compile.runtime.float8 import float8_cast_of, high_precision
 from fsdp2_compile.runtime.fsdp_module import FSDPModule
 from fsdp2_compile.runtime.link_profile import measure_profile
 from fsdp2_compile.runtime.param_state import (
@@ -108,7 +109,7 @@ def _shard_param(param: nn.Parameter, mesh: DeviceMesh, offload: CPUOffloadPolic
     mesh (see the module docstring). `offload` (`CPUOffloadPolicy`): the chunk is kept on the CPU, pinned when the
     policy asks and an accelerator can use pinned memory."""
     world_size, rank = mesh.size(mesh.ndim - 1), mesh.get_local_rank(mesh.ndim - 1)
-    data = param.detach().to_local() if isinstance(param, DTensor) else param.detach()
+    data = high_precision(param.detach().to_local() if isinstance(param, DTensor) else param.detach())
     chunks = torch.chunk(data, world_size, dim=dim)
     local = chunks[rank] if rank < len(chunks) else data.narrow(dim, 0, 0)
     dp = [Shard(dim)] if mesh.ndim == 1 else [Replicate(), Shard(dim)]
@@ -290,6 +291,7 @@ def shard(
                         post_forward_size=post_forward_size,
                         post_forward_group_name=post_forward_group_name,
                         compute_device=compute_device,
+                        float8=float8_cast_of(fqn, param, sharded.to_local()),
                     )
                     REPLACED[param] = (sharded, info)
                     taken.append(info)
@@ -378,7 +380,7 @@ def _trace_blocks_once(members: list[nn.Module]) -> None:
             if not name or not is_sharded(mod) or any(is_sharded(a) for a in _ancestors(member, name)[:-1]):
                 continue
             infos = [info for _, _, info in managed_params(mod)]
-            if any(i.tp is not None or i.shard_dim for i in infos):
+            if any(i.tp is not None or i.shard_dim or i.float8 is not None for i in infos):
                 continue
             if any(getattr(type(m), "_fsdp2_compiled_once", False) for m in mod.modules()):
                 continue  # traced once already, or has blocks traced once inside

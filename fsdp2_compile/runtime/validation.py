@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor, Shard
 from fsdp2_compile._torch_private import concatenate_meshes, own_parameters
 from fsdp2_compile.config import MixedPrecisionPolicy
 from fsdp2_compile.core.ops import pending_grad_keys
+from fsdp2_compile.runtime.float8 import float8_cast_of, high_precision
 from fsdp2_compile.runtime.param_state import REPLACED, infos_of, infos_of_values, is_sharded, state_of
 
 __all__ = [
@@ -170,7 +171,28 @@ def check_new_params(
                 _check_param(fqn, param, mesh, offload)
                 if shard_placement_fn is not None:
                     dims[id(param)] = _shard_dim(fqn, param, shard_placement_fn(param))
+                if float8_cast_of(fqn, param) is not None:
+                    _check_float8_param(fqn, param, dims.get(id(param), 0), offload)
     return dims
+
+
+def _check_float8_param(fqn: str, param: nn.Parameter, dim: int, offload: bool) -> None:
+    """A torchao float8 weight is gathered as float8 (`float8.py`) on dim 0, without TP or CPU offload."""
+    unsupported = (
+        "tensor parallelism"
+        if isinstance(param, DTensor)
+        else f"Shard({dim})"
+        if dim
+        else "CPU offload"
+        if offload
+        else ""
+    )
+    if unsupported:
+        raise ValueError(
+            f"parameter '{fqn}' is a torchao float8 weight gathered as float8 (enable_fsdp_float8_all_gather=True), "
+            f"which fsdp2_compile does not do with {unsupported}: convert with enable_fsdp_float8_all_gather=False "
+            "(the weight is gathered in high precision and cast after), or leave out that option"
+        )
 
 
 def _shard_dim(fqn: str, param: nn.Parameter, placement: object) -> int:
@@ -285,7 +307,8 @@ def check_same_values(members: list[nn.Module], mesh: DeviceMesh, ignored: dict[
             [
                 torch.stack([x.new_tensor(x.numel()), x.sum(), x.square().sum()])
                 for x in (
-                    (p.to_local() if isinstance(p, DTensor) else p).detach().double().nan_to_num() for _, p in named
+                    high_precision(p.to_local() if isinstance(p, DTensor) else p).detach().double().nan_to_num()
+                    for _, p in named
                 )
             ]
         ).cpu()
@@ -318,6 +341,7 @@ def check_no_aliases(members: list[nn.Module], ignored: dict[int, nn.Parameter])
             if id(param) in seen or id(param) in ignored or isinstance(param, DTensor) or param.device.type == "meta":
                 continue
             seen.add(id(param))
+            param = high_precision(param)
             if not param.numel():
                 continue
             storage = param.untyped_storage()
