@@ -1185,12 +1185,15 @@ def _pipeline_memory(layout: Layout, full: _FullModel, copies: _Copies, ranks: l
     )
     one = copies.traces[0]
     transient = max((b for _, b in one.liveness(fused)), default=0) - one.saved_bytes(fused)
+    # a block's figure holds its input (the previous block's output); the first stage's first input is the
+    # embedding's, so its last block's output, which only crosses to the next stage, is not held there
+    boundary = one.boundary_bytes if n_stages > 1 else 0
     reduce_itemsize, itemsize = _itemsize(full.reduce_dtype), _itemsize(full.param_dtype)
     best = None
     for rank in ranks:
         per_stage = [
             split[k][1] * saved["block"]
-            + (saved["first"] if k == 0 else 0)
+            + (saved["first"] - boundary if k == 0 else 0)
             + (saved["last"] if k == n_stages - 1 else 0)
             for k in rank.stages
         ]
