@@ -487,3 +487,15 @@ def test_float8_on_a_profile_without_float8_is_refused_naming_it():
     with pytest.raises(ValueError, match="float8 on profile 'cpu-gloo-loopback': the device has no float8 matmul"):
         with fake_group(2):
             make_plan(stack_factory, Layout(2, mp_policy=bf16, float8=True), call=call_factory)
+
+
+def test_pp_with_tp_shards_each_stage_over_dp_times_tp():
+    """tp_mlp at 8 ranks, pp 2 x dp 2 x tp 2: stage 0 holds the embedding (32 x 16, over dp) and block 0 (norm 2 x
+    16 over dp, up_proj and down_proj 1024 each over dp x tp), stage 1 block 1, the final norm and the head."""
+    plan = _tp_plan(cli_factories.tp_mlp, 2, world_size=8, pp=2)
+    block = 32 // 2 + 2 * 1024 // 4
+    elements = {0: 512 // 2 + block, 1: block + 32 // 2 + 512 // 2}
+    assert plan.shard_size == 2 and plan.pp_stage_blocks == [1, 1]
+    assert plan.per_rank_bytes["params"] == elements[plan.pp_rank] * F32
+    assert plan.analytical_bytes["params"] == elements[plan.pp_rank] * F32
+    assert plan.tp_collectives_per_layer == {"forward": {"all_reduce": 1}, "backward": {"all_reduce": 1}}

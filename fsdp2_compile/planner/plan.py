@@ -1408,17 +1408,17 @@ def _col(n: float) -> str:
 def format_plan(plan, seconds: float, rss: int) -> str:
     pr, an = plan.per_rank_bytes, plan.analytical_bytes
     header = f"plan: {plan.params:,} parameters, {plan.layers} blocks, world size {plan.world_size}"
-    if plan.replicate > 1 and plan.tp == 1:
+    if plan.pp > 1:
+        dims = [("pp", plan.pp), ("replicate", plan.replicate), ("dp", plan.shard_size), ("tp", plan.tp)]
+        dims = [(name, n) for name, n in dims if n > 1 or name == "dp"]
+        header += f", mesh {' x '.join(str(n) for _, n in dims)} ({' x '.join(name for name, _ in dims)})"
+    elif plan.replicate > 1 and plan.tp == 1:
         header += f", mesh {plan.replicate} x {plan.shard_size} (replicate x shard)"
     elif plan.tp > 1:
         header += (
             f", mesh {plan.replicate} x {plan.shard_size} x {plan.tp} (replicate x dp x tp)"
             if plan.replicate > 1
             else f", mesh {plan.shard_size} x {plan.tp} (dp x tp)"
-        )
-    if plan.pp > 1:
-        header += f", pp {plan.pp} x dp {plan.shard_size}" + (
-            f" (x replicate {plan.replicate})" if plan.replicate > 1 else ""
         )
     divisor = "N" if plan.replicate == 1 else "(N/R)"
     if plan.tp > 1:
