@@ -23,6 +23,14 @@ Method:
   compute and activations are traced on a TP-local copy (column-wise Linears with out / tp features, row-wise with
   in / tp); MFU counts the unsplit model's FLOPs / tp per rank, tokens/s per rank the dp rank's tokens / tp
   (torchtitan's per-GPU figures).
+- pipeline parallelism (`pp` > 1, `pipeline.py`): the mesh is (pp, [replicate,] dp [, tp]); the copies are compiled
+  and played for one micro-batch, their figures split into a block's, the embedding's (first stage) and the
+  head's (last stage) by where each op ran (`OpRecord.part`); each pp rank's memory from its stages' parameters
+  of the full model's shard, the figures shown are the rank with the highest peak; FSDP's collectives per step
+  from its buckets (one gather and one reduction: torch's schedules keep a stage gathered until its last
+  micro-batch).
+- float8 (`float8`): gathered bytes of the blocks' Linear weights at 1 byte, their matmuls at the float8 peak
+  (`step_model.op_seconds`); the graphs' all-gather bytes less the difference.
 """
 
 from __future__ import annotations

@@ -7,6 +7,8 @@ the optimizer step, and the memory an allocator sees over the step.
   `prefetch` blocks ahead of its use, on one communication lane in issue order; in backward each block is
   re-gathered ahead of use and its gradients reduce-scattered (then all-reduced over HSDP replicas) after its
   backward. Where communication does not progress beside compute (`comm_overlaps_compute` False) the times add.
+- Float8 (torchao): the blocks' Linear matmuls at the float8 peak, plus an amax pass and a cast pass over each
+  operand that is not a parameter.
 - Optimizer: AdamW reads parameters, gradients and both states and writes parameters and states, memory bound
   (at the device's measured optimizer rate where it has one).
 - Memory: sharded state + gathered buckets + live activations (the trace's liveness, transients included) +, in
