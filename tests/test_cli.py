@@ -445,6 +445,25 @@ def test_tp_usage_errors(args, message, capsys):
     assert code == 2 and message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--pp", "3"], "--world-size 8 is not a multiple of --pp 3 x --replicate 1 x --tp 1"),
+        (["--pp", "2", "--tp", "4", "--replicate", "2"], "not a multiple of --pp 2 x --replicate 2 x --tp 4"),
+        (["--microbatches", "2"], "--microbatches needs --pp P with P > 1"),
+        (["--pp", "8"], "--pp 8 x 1 stage(s) per rank = 8 stages, but 'blocks' has 2 blocks"),
+        (["--pp", "2", "--microbatches", "3"], "--microbatches 3 does not divide the local batch"),
+        (["--float8"], "--float8 needs --mp bf16"),
+        (["--float8", "--mp", "bf16", "--hardware", "cpu-gloo-1gbit"], "--float8 on --hardware cpu-gloo-1gbit: that"),
+    ],
+)
+def test_pp_and_float8_usage_errors(args, message, capsys):
+    from fsdp2_compile.cli.main import main
+
+    code = main(["plan", f"{FACTORIES}:tp_mlp", "--world-size", "8", "-q", *args])
+    assert code == 2 and message in capsys.readouterr().err
+
+
 def test_tp_default_plan_that_finds_no_linear_pair_is_a_usage_error(capsys, tmp_path):
     from fsdp2_compile.cli.main import main
 

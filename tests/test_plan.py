@@ -340,6 +340,16 @@ def test_layout_refuses_what_the_compiler_refuses(bad):
         (dict(world_size=8, mp_policy=None), "Layout.mp_policy=None: use a MixedPrecisionPolicy"),
         (dict(world_size=8, compiler="xla"), "Layout.compiler='xla' is not one of: aot_eager, inductor"),
         (dict(world_size=8, ac="some"), "Layout.ac='some' is not one of: none, full, selective"),
+        (dict(world_size=8, pp=3), "Layout.world_size=8 is not a multiple of pp 3 x replicate 1 x tp 1"),
+        (dict(world_size=8, pp=2, tp=4, replicate=2), "is not a multiple of pp 2 x replicate 2 x tp 4"),
+        (dict(world_size=8, pp=2, stages_per_rank=2), "Layout.stages_per_rank=2 with 1F1B"),
+        (dict(world_size=8, microbatches=2), "Layout.microbatches=2 without pipeline parallelism"),
+        (dict(world_size=8, pp=2, keep_gathered=0.5), "Layout.keep_gathered / memory_budget_bytes with pp > 1"),
+        (
+            dict(world_size=8, float8=True),
+            "Layout.float8=True with param_dtype None: float8 training (True) needs bf16",
+        ),
+        (dict(world_size=8, pp_schedule="ZeroBubble"), "Layout.pp_schedule='ZeroBubble' is not one of: 1F1B"),
     ],
 )
 def test_layout_errors_name_the_field(bad, message):
@@ -355,3 +365,137 @@ def test_layouts_compare_by_value():
     a, b = Layout(8, **bf16), Layout(8, **bf16)
     assert a == b and hash(a) == hash(b) and len({a, b, Layout(8), Layout(8, prefetch=2)}) == 2
     assert a.shard_size == 4 and Layout(8, replicate=2, tp=2).shard_size == 2
+
+
+# ---------------------------------------------------------------------------------------------- pipeline, float8
+# Stack(4): `scale` (D) before the blocks, per block w1 (H x D) + w2 (H x H) + w3 (D x H) = 1536 elements; inputs
+# (4, 4, D): micro-batches of one sample, 4 tokens. Per token a block holds its input (D) and two relu outputs (2H).
+BLOCK = D * H + H * H + H * D
+MB_TOKENS = 4
+BF16 = 2
+
+
+def stack4_batch4(layers: int = 4):
+    with torch.device("meta"):
+        return Stack(layers), (torch.zeros(4, 4, D),), lambda out: out.sum()
+
+
+def _pp_plan(world=8, **kwargs):
+    with fake_group(world):
+        return make_plan(stack4_batch4, Layout(world, **kwargs), call=call_factory, profiles=["h100-nvlink"])
+
+
+def test_pp_splits_the_blocks_and_holds_the_micro_batches_its_schedule_keeps():
+    """pp 2 over 4 blocks: torchtitan's split gives each stage 2 blocks (the first also `scale`). Rank 0 holds half
+    the blocks over the same dp as pp 1 at half the ranks; its activations per micro-batch are x and x * scale
+    (2D), two blocks' relu outputs (4H) and the second block's input (D); 1F1B keeps P = 2 micro-batches in
+    flight on rank 0, GPipe all M = 4, Interleaved1F1B (V = 2, stages [1, 2, 1, 0] blocks) on rank 0 (stages 0 and
+    2) (V - 1) P + 2 (P - 1) + 1 = 5 of its 4 stage-chunks: stage 0 (x, x * scale, 2H) and stage 2 (its input D,
+    2H). The bubble is (P - 1) / (M V) of the step's compute, the stage sends 2 (M V + P - 1) one-way sends of a
+    block output (D x 4 tokens x 4 B) on the profile's link."""
+    flat = _pp_plan(world=4)
+    one_f_one_b, gpipe = _pp_plan(pp=2), _pp_plan(pp=2, pp_schedule="GPipe")
+    interleaved = _pp_plan(pp=2, pp_schedule="Interleaved1F1B")
+    assert flat.per_rank_bytes["params"] == (4 * BLOCK + D) * F32 // 4
+    assert one_f_one_b.shard_size == 4 and one_f_one_b.pp_stage_blocks == [2, 2] and one_f_one_b.pp_rank == 0
+    assert one_f_one_b.per_rank_bytes["params"] == (2 * BLOCK + D) * F32 // 4
+    assert one_f_one_b.per_rank_bytes["optimizer"] == 2 * (2 * BLOCK + D) * F32 // 4
+    # the stage stays gathered for the step and its gradients accumulate unsharded (fp32 here) over micro-batches
+    assert one_f_one_b.per_rank_bytes["gathered_peak"] == one_f_one_b.per_rank_bytes["unsharded_grads"]
+    assert one_f_one_b.per_rank_bytes["gathered_peak"] == (2 * BLOCK + D) * F32
+    stage0 = (3 * D + 4 * H) * MB_TOKENS * F32
+    assert one_f_one_b.microbatches == 4
+    assert one_f_one_b.per_rank_bytes["activations"] == 2 * stage0
+    assert gpipe.per_rank_bytes["activations"] == 4 * stage0
+    assert interleaved.pp_stage_blocks == [1, 2, 1, 0] and interleaved.stages_per_rank == 2
+    assert interleaved.per_rank_bytes["activations"] == 5 * ((2 * D + 2 * H) + (D + 2 * H)) * MB_TOKENS * F32 // 2
+    for plan, v in ((one_f_one_b, 1), (gpipe, 1), (interleaved, 2)):
+        compute = plan.compute_s["h100-nvlink"]
+        assert plan.bubble_s["h100-nvlink"] == pytest.approx(
+            (2 - 1) / (4 * v) * (compute["forward"] + compute["backward"])
+        )
+        send = 15e-6 + D * MB_TOKENS * F32 / 360e9
+        assert plan.pp_comm_s["h100-nvlink"] == pytest.approx(2 * (4 * v + 2 - 1) * send)
+        assert plan.step_time_s["h100-nvlink"] > sum(compute.values()) + plan.bubble_s["h100-nvlink"]
+    out = one_f_one_b.to_json()
+    assert out["pp"] == 2 and out["pp_schedule"] == "1F1B" and out["microbatches"] == 4
+    assert set(out["bubble_s"]) == set(out["pp_comm_s"]) == {"h100-nvlink"}
+
+
+def test_float8_gathers_the_blocks_linear_weights_in_one_byte():
+    """bf16 parameters, 8 ranks, Stack(2): a block bucket is 1536 elements, 2 bytes each, or 1 in float8; `scale`
+    (the root) stays bf16. Each block is gathered in forward and again in backward: float8 sends 7/8 of
+    2 blocks x 2 gathers x 1536 bytes less."""
+    from fsdp2_compile.config import MixedPrecisionPolicy
+
+    bf16 = dict(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    plain, f8 = _plan(stack_factory, **bf16), _plan(stack_factory, float8=True, **bf16)
+    assert plain.buckets == {"blocks.0": BLOCK * BF16, "blocks.1": BLOCK * BF16, "": D * BF16}
+    assert f8.buckets == {"blocks.0": BLOCK, "blocks.1": BLOCK, "": D * BF16}
+    assert f8.per_rank_bytes["gathered_peak"] == 2 * BLOCK + D * BF16
+    assert plain.collective_buffer_bytes["all_gather"] - f8.collective_buffer_bytes["all_gather"] == 2 * 2 * BLOCK
+    assert plain.comm_bytes_per_step - f8.comm_bytes_per_step == pytest.approx(7 / 8 * 2 * 2 * BLOCK, abs=1)
+    assert f8.per_rank_bytes["params"] == plain.per_rank_bytes["params"] and f8.float8 and not plain.float8
+
+
+def test_float8_matmul_runs_at_the_float8_peak_plus_its_scaling_casts():
+    """One 4096 x 4096 Linear in a block over 8192 tokens of bf16 on h100: forward 2 x 8192 x 4096^2 FLOPs at
+    1979 TFLOP/s x 0.459 plus torchao's amax and cast passes over the input (2.5 x its bf16 bytes at 2.4 TB/s x
+    0.8) and their two launches; in bf16 at 989 TFLOP/s x 0.459."""
+    from fsdp2_compile.planner.devices import device_for
+    from fsdp2_compile.planner.step_model import op_seconds
+
+    class Wide(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(4096))  # so that the block's input requires grad
+            self.blocks = nn.ModuleList([nn.Linear(4096, 4096, bias=False)])
+
+        def forward(self, x):
+            return self.blocks[0](x * self.scale)
+
+    with torch.device("meta"):
+        model, x = Wide(), torch.zeros(8192, 4096, dtype=torch.bfloat16)
+    trace = trace_step(model, (x,), lambda out: out.sum(), param_dtype=torch.bfloat16)
+    dev = device_for("h100-nvlink")
+    (i, mm), *_ = [(i, op) for i, op in enumerate(trace.ops) if op.name == "mm" and op.phase == "forward"]
+    flops, x_bytes = 2 * 8192 * 4096 * 4096, 8192 * 4096 * BF16
+    assert mm.flops == flops and mm.in_block
+    bf16_s, f8_s = op_seconds(trace, dev, "blocks")[i], op_seconds(trace, dev, "blocks", float8=True)[i]
+    assert bf16_s == pytest.approx(flops / (989e12 * 0.459) + 5e-6)
+    assert f8_s == pytest.approx(flops / (1979e12 * 0.459) + 2.5 * x_bytes / (2.4e12 * 0.8) + 3 * 5e-6)
+
+
+@pytest.mark.parametrize(
+    "layout, message",
+    [
+        (dict(pp=3), "--pp 3 x 1 stage(s) per rank = 3 stages, but 'blocks' has 2 blocks"),
+        (dict(pp=2, microbatches=3), "--microbatches 3 does not divide the local batch"),
+        (dict(pp=2, pp_schedule="Interleaved1F1B"), "4 stages, but 'blocks' has 2 blocks"),
+    ],
+)
+def test_pipeline_refuses_what_the_model_cannot_run(layout, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        with fake_group(6 if layout["pp"] == 3 else 4):
+            make_plan(stack_factory, Layout(6 if layout["pp"] == 3 else 4, **layout), call=call_factory)
+
+
+def test_float8_on_a_profile_without_float8_is_refused_naming_it():
+    from fsdp2_compile.config import MixedPrecisionPolicy
+
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    with pytest.raises(ValueError, match="float8 on profile 'cpu-gloo-loopback': the device has no float8 matmul"):
+        with fake_group(2):
+            make_plan(stack_factory, Layout(2, mp_policy=bf16, float8=True), call=call_factory)
+
+
+def test_pp_with_tp_shards_each_stage_over_dp_times_tp():
+    """tp_mlp at 8 ranks, pp 2 x dp 2 x tp 2: stage 0 holds the embedding (32 x 16, over dp) and block 0 (norm 2 x
+    16 over dp, up_proj and down_proj 1024 each over dp x tp), stage 1 block 1, the final norm and the head."""
+    plan = _tp_plan(cli_factories.tp_mlp, 2, world_size=8, pp=2)
+    block = 32 // 2 + 2 * 1024 // 4
+    elements = {0: 512 // 2 + block, 1: block + 32 // 2 + 512 // 2}
+    assert plan.shard_size == 2 and plan.pp_stage_blocks == [1, 1]
+    assert plan.per_rank_bytes["params"] == elements[plan.pp_rank] * F32
+    assert plan.analytical_bytes["params"] == elements[plan.pp_rank] * F32
+    assert plan.tp_collectives_per_layer == {"forward": {"all_reduce": 1}, "backward": {"all_reduce": 1}}

@@ -161,6 +161,29 @@ def check_args(ns: argparse.Namespace) -> None:
             f"--world-size {ns.world_size} is not a multiple of --replicate {ns.replicate} x --tp {ns.tp}: the mesh "
             f"is replicate x dp x tp; pass a --world-size that is a multiple of {ns.replicate * ns.tp}"
         )
+    pp = getattr(ns, "pp", 1)
+    if pp < 1:
+        raise UsageError(f"--pp must be >= 1, got {pp}")
+    if pp > 1 and ns.world_size % (pp * ns.replicate * ns.tp):
+        raise UsageError(
+            f"--world-size {ns.world_size} is not a multiple of --pp {pp} x --replicate {ns.replicate} x --tp "
+            f"{ns.tp}: the mesh is pp x replicate x dp x tp; pass a --world-size that is a multiple of "
+            f"{pp * ns.replicate * ns.tp}"
+        )
+    if pp == 1 and ns.command == "plan":
+        for flag, value in (("--microbatches", ns.microbatches), ("--stages-per-rank", ns.stages_per_rank)):
+            if value is not None:
+                raise UsageError(f"{flag} needs --pp P with P > 1 (pipeline parallelism)")
+    if getattr(ns, "float8", False):
+        from fsdp2_compile.planner.devices import device_for
+
+        if ns.mp != "bf16":
+            raise UsageError("--float8 needs --mp bf16: torchao's float8 training keeps the rest in bf16")
+        if ns.hardware is not None and not device_for(ns.hardware).float8_flops:
+            raise UsageError(
+                f"--float8 on --hardware {ns.hardware}: that profile has no float8 matmul; use a profile with "
+                "float8 (h100-nvlink, h100-infiniband) or leave --hardware out"
+            )
     if ns.world_size % ns.replicate:
         raise UsageError(
             f"--world-size {ns.world_size} is not a multiple of --replicate {ns.replicate}: HSDP needs "
@@ -272,22 +295,34 @@ def cmd_plan(ns: argparse.Namespace) -> int:
 
         from fsdp2_compile.cli.model_loading import call_factory, fake_group, load_target
         from fsdp2_compile.core.hardware import PROFILES
+        from fsdp2_compile.planner.devices import device_for
         from fsdp2_compile.planner.plan import Layout, format_plan, make_plan
 
         factory = load_target(ns.target)
-        profiles = [ns.hardware] if ns.hardware else list(PROFILES)
-        layout = Layout(
-            ns.world_size,
-            replicate=ns.replicate,
-            tp=ns.tp,
-            reshard_after_forward=False if ns.no_reshard else None,
-            mp_policy=_mp_policy(ns.mp),
-            attention=ns.attention,
-            ac=ns.ac,
-            compiler=ns.compiler,
-            keep_gathered=ns.keep_gathered,
-            memory_budget_bytes=ns.memory_budget,
+        # --float8 without --hardware: the profiles that have float8 matmuls
+        profiles = (
+            [ns.hardware] if ns.hardware else [n for n in PROFILES if not ns.float8 or device_for(n).float8_flops]
         )
+        try:
+            layout = Layout(
+                ns.world_size,
+                replicate=ns.replicate,
+                tp=ns.tp,
+                reshard_after_forward=False if ns.no_reshard else None,
+                mp_policy=_mp_policy(ns.mp),
+                attention=ns.attention,
+                ac=ns.ac,
+                compiler=ns.compiler,
+                keep_gathered=ns.keep_gathered,
+                memory_budget_bytes=ns.memory_budget,
+                pp=ns.pp,
+                microbatches=ns.microbatches,
+                pp_schedule=ns.pp_schedule,
+                stages_per_rank=ns.stages_per_rank,
+                float8=ns.float8,
+            )
+        except ValueError as e:
+            raise UsageError(str(e)) from e
         with fake_group(ns.world_size):
             try:
                 plan = make_plan(factory, layout, call=call_factory, profiles=profiles, progress=progress.step)
@@ -296,6 +331,8 @@ def cmd_plan(ns: argparse.Namespace) -> int:
             except ValueError as e:
                 if ns.tp > 1 and "TP plan" in str(e):
                     raise UsageError(f"--tp {ns.tp}: {e}") from e
+                if str(e).startswith("--"):  # the pipeline's checks against the model name their option
+                    raise UsageError(str(e)) from e
                 raise RunError(f"planning failed: {type(e).__name__}: {e}") from e
             except Exception as e:
                 raise RunError(f"planning failed: {type(e).__name__}: {e}") from e
@@ -442,6 +479,39 @@ def build_parser() -> argparse.ArgumentParser:
         default="aot_eager",
         help="kernels the plan assumes: eager (default), Inductor-fused elementwise, or Inductor on "
         "each block only (torchtitan's per-block compile)",
+    )
+    plan.add_argument(
+        "--pp",
+        type=int,
+        default=1,
+        metavar="P",
+        help="pipeline parallelism of degree P: mesh P x N/P (pp x dp), with --replicate / --tp inside; the blocks "
+        "split into P x V stages as torchtitan splits them (default 1: no PP)",
+    )
+    plan.add_argument(
+        "--microbatches",
+        type=int,
+        metavar="M",
+        help="micro-batches per step under --pp; must divide the local batch (default: torchtitan's, the local "
+        "batch: micro-batches of one sample)",
+    )
+    plan.add_argument(
+        "--pp-schedule",
+        choices=["1F1B", "GPipe", "Interleaved1F1B"],
+        default="1F1B",
+        help="pipeline schedule (default 1F1B)",
+    )
+    plan.add_argument(
+        "--stages-per-rank",
+        type=int,
+        metavar="V",
+        help="stages per pp rank for Interleaved1F1B (default 2, torchtitan's)",
+    )
+    plan.add_argument(
+        "--float8",
+        action="store_true",
+        help="torchao float8 training with float8 all-gather of the blocks' Linear weights; needs --mp bf16 and "
+        "a profile with float8 matmuls (default: those profiles only)",
     )
     plan.add_argument("--json", action="store_true", help="print one JSON object")
     plan.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")

@@ -36,6 +36,9 @@ class DeviceFigures:
     """Fixed cost of one collective on the intra-node link."""
     reduce_scatter_factor: float = 1.0
     """A reduce-scatter's link time over a ring's (N-1)/N of its full buffer (a ring: 1; an all-reduce: 2)."""
+    float8_flops: float = 0.0
+    """Dense float8 FLOP/s of one rank (float8 training's Linear matmuls run at it x the matmul efficiency); 0: the
+    device has no float8 matmul."""
     sources: dict[str, str] = field(default_factory=dict)
 
 
@@ -49,11 +52,15 @@ _H100 = DeviceFigures(
     runtime_bytes=int(0.5 * 2**30),
     intra_node_bytes_per_s=360e9,
     intra_node_alpha_s=15e-6,
+    float8_flops=1979e12,
     sources={
         "intra_node_bytes_per_s": "NVLink 4 on H100 SXM: 450 GB/s per direction (NVIDIA H100 datasheet, 900 GB/s "
         "bidirectional) x 0.8 assumed; as cost_model h100-nvlink (not measured here)",
         "intra_node_alpha_s": "as cost_model h100-nvlink: 15 us per collective (assumed)",
         "peak_flops": "NVIDIA H100 SXM datasheet: 989 TFLOP/s dense bf16",
+        "float8_flops": "NVIDIA H100 SXM datasheet: 1,979 TFLOP/s dense FP8 (2x bf16); float8 matmuls assumed to "
+        "reach the same fraction of it as bf16 ones (efficiency.matmul), plus torchao's scaling casts as memory "
+        "passes (step_model._float8_cast_s); not fitted: checked against torchtitan's float8 rows",
         "mem_bytes_per_s": "torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Hardware: 96 GB HBM2e, "
         "2.4 TB/s (Grand Teton, 500 W)",
         "efficiency.matmul": "calibrated: torchtitan Table 1 'FSDP' row (Llama 3.1 8B, 8 GPUs, local batch 2, "

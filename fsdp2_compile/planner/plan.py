@@ -23,6 +23,14 @@ Method:
   compute and activations are traced on a TP-local copy (column-wise Linears with out / tp features, row-wise with
   in / tp); MFU counts the unsplit model's FLOPs / tp per rank, tokens/s per rank the dp rank's tokens / tp
   (torchtitan's per-GPU figures).
+- pipeline parallelism (`pp` > 1, `pipeline.py`): the mesh is (pp, [replicate,] dp [, tp]); the copies are compiled
+  and played for one micro-batch, their figures split into a block's, the embedding's (first stage) and the
+  head's (last stage) by where each op ran (`OpRecord.part`); each pp rank's memory from its stages' parameters
+  of the full model's shard, the figures shown are the rank with the highest peak; FSDP's collectives per step
+  from its buckets (one gather and one reduction: torch's schedules keep a stage gathered until its last
+  micro-batch).
+- float8 (`float8`): gathered bytes of the blocks' Linear weights at 1 byte, their matmuls at the float8 peak
+  (`step_model.op_seconds`); the graphs' all-gather bytes less the difference.
 """
 
 from __future__ import annotations
@@ -116,11 +124,26 @@ class Plan:
     kept_gathered: dict[str, object] = field(default_factory=dict)
     """Selective unsharding (`keep_gathered`): the kept buckets, their gathered bytes per rank, the budget, the
     resharded buckets' bytes and the bytes one rank sends less per step; {} without it."""
+    pp: int = 1
+    """Pipeline-parallel degree: the mesh is pp x (replicate x) shard (x tp); 1 = no pipeline."""
+    pp_schedule: str = ""
+    microbatches: int = 1
+    stages_per_rank: int = 1
+    pp_stage_blocks: list[int] = field(default_factory=list)
+    """Blocks of each pipeline stage (the first also holds the embedding, the last the head)."""
+    pp_rank: int = 0
+    """The pp rank whose memory per_rank_bytes shows (the highest peak)."""
+    bubble_s: dict[str, float] = field(default_factory=dict)
+    """Per profile: the pipeline's fill and drain per step (in step_time_s)."""
+    pp_comm_s: dict[str, float] = field(default_factory=dict)
+    """Per profile: stage-to-stage sends on the critical path per step (in step_time_s and exposed_comm_s)."""
+    float8: bool = False
+    """float8 training: the blocks' Linear weights gathered in float8, their matmuls at the float8 peak."""
 
     @property
     def shard_size(self) -> int:
-        """Ranks each parameter is sharded over by FSDP: world_size / (replicate x tp)."""
-        return self.world_size // (self.replicate * self.tp)
+        """Ranks each parameter is sharded over by FSDP: world_size / (pp x replicate x tp)."""
+        return self.world_size // (self.pp * self.replicate * self.tp)
 
     def to_json(self) -> dict:
         return {
@@ -148,6 +171,15 @@ class Plan:
             "tp_collectives_per_step": self.tp_collectives_per_step,
             "tp_comm_s": self.tp_comm_s,
             "kept_gathered": self.kept_gathered,
+            "pp": self.pp,
+            "pp_schedule": self.pp_schedule,
+            "microbatches": self.microbatches,
+            "stages_per_rank": self.stages_per_rank,
+            "pp_stage_blocks": self.pp_stage_blocks,
+            "pp_rank": self.pp_rank,
+            "bubble_s": self.bubble_s,
+            "pp_comm_s": self.pp_comm_s,
+            "float8": self.float8,
             "profiles": {
                 n: {
                     "alpha_s": p.alpha_s,
@@ -379,20 +411,43 @@ class Layout:
     memory_budget_bytes: int | None = None
     """As `CompileConfig.memory_budget_bytes`: what it leaves beyond the prefetch window is kept the same way
     (`selective_unshard.keep_amount`)."""
+    pp: int = 1
+    """Pipeline-parallel degree (P, `pipeline.py`): the mesh is (pp, [replicate,] dp [, tp]) and the blocks split
+    into P x V stages (the embedding with the first, the head and the loss with the last); 1 = no pipeline."""
+    microbatches: int | None = None
+    """Micro-batches per step under pp (M), dividing the local batch (dim 0 of the factory's inputs); None:
+    torchtitan's default, micro-batches of one sample (M = the local batch)."""
+    pp_schedule: str = "1F1B"
+    """The pipeline schedule: "1F1B", "GPipe" or "Interleaved1F1B" (`pipeline.SCHEDULES`)."""
+    stages_per_rank: int | None = None
+    """Stages each pp rank runs (V); None: 1, or 2 for Interleaved1F1B (torchtitan's default)."""
+    float8: bool = False
+    """torchao float8 training with float8 all-gather: the blocks' Linear weights gathered as float8 (1 byte an
+    element), their matmuls at the device's float8 peak; needs bf16 parameters (mp_policy param_dtype)."""
 
     def __post_init__(self) -> None:
         for name, what in (
             ("world_size", "a number of ranks"),
             ("replicate", "a number of replicas (1: no HSDP)"),
             ("tp", "a tensor-parallel degree (1: no TP)"),
+            ("pp", "a pipeline-parallel degree (1: no PP)"),
         ):
             if not _is_count(getattr(self, name)):
                 raise ValueError(f"Layout.{name}={getattr(self, name)!r}: use {what}, a whole number >= 1")
-        if self.world_size % (self.replicate * self.tp):
+        if self.world_size % (self.pp * self.replicate * self.tp):
+            pp = f"pp {self.pp} x " if self.pp > 1 else ""
             raise ValueError(
-                f"Layout.world_size={self.world_size} is not a multiple of replicate {self.replicate} x tp "
-                f"{self.tp}: the mesh is replicate x shard x tp; pass a world_size that is a multiple of "
-                f"{self.replicate * self.tp}, or a replicate and tp whose product divides {self.world_size}"
+                f"Layout.world_size={self.world_size} is not a multiple of {pp}replicate {self.replicate} x tp "
+                f"{self.tp}: the mesh is {'pp x ' if pp else ''}replicate x shard x tp; pass a world_size that is a "
+                f"multiple of {self.pp * self.replicate * self.tp}, or degrees whose product divides "
+                f"{self.world_size}"
+            )
+        self._check_pipeline()
+        if self.float8 is not False and (self.float8 is not True or self.mp_policy.param_dtype != torch.bfloat16):
+            raise ValueError(
+                f"Layout.float8={self.float8!r} with param_dtype {self.mp_policy.param_dtype}: float8 training "
+                "(True) needs bf16 parameters; pass mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, "
+                "reduce_dtype=torch.float32) (--mp bf16)"
             )
         if self.reshard_after_forward not in (None, True, False):
             raise ValueError(
@@ -422,10 +477,39 @@ class Layout:
             except ValueError as e:
                 raise ValueError(f"Layout.{name}: {e}") from None
 
+    def _check_pipeline(self) -> None:
+        from fsdp2_compile.planner.pipeline import SCHEDULES
+
+        if self.pp_schedule not in SCHEDULES:
+            raise ValueError(f"Layout.pp_schedule={self.pp_schedule!r} is not one of: {', '.join(SCHEDULES)}")
+        for name in ("microbatches", "stages_per_rank"):
+            value = getattr(self, name)
+            if value is not None and not _is_count(value):
+                raise ValueError(f"Layout.{name}={value!r}: use a whole number >= 1, or None for the default")
+            if value is not None and self.pp == 1:
+                raise ValueError(f"Layout.{name}={value!r} without pipeline parallelism: pass pp > 1 or leave it None")
+        interleaved = self.pp_schedule == "Interleaved1F1B"
+        if self.stages_per_rank is not None and (self.stages_per_rank >= 2) != interleaved:
+            raise ValueError(
+                f"Layout.stages_per_rank={self.stages_per_rank} with {self.pp_schedule}: "
+                + ("Interleaved1F1B runs 2 or more stages per rank" if interleaved else "use 1 (or Interleaved1F1B)")
+            )
+        if self.pp > 1 and (self.keep_gathered is not None or self.memory_budget_bytes is not None):
+            raise ValueError(
+                "Layout.keep_gathered / memory_budget_bytes with pp > 1: the pipeline keeps each stage's parameters "
+                "gathered for the whole step already (torch's schedules reshard after the last micro-batch); "
+                "leave them None"
+            )
+
     @property
     def shard_size(self) -> int:
-        """Ranks each parameter is sharded over by FSDP: world_size / (replicate x tp)."""
-        return self.world_size // (self.replicate * self.tp)
+        """Ranks each parameter is sharded over by FSDP: world_size / (pp x replicate x tp)."""
+        return self.world_size // (self.pp * self.replicate * self.tp)
+
+    @property
+    def v(self) -> int:
+        """Stages per pp rank."""
+        return self.stages_per_rank or (2 if self.pp_schedule == "Interleaved1F1B" else 1)
 
 
 @dataclass
@@ -453,6 +537,88 @@ class _FullModel:
     """Gathered bytes of the buckets resharded after forward, in their order of last use in forward."""
     param_dtype: torch.dtype
     reduce_dtype: torch.dtype
+    rows: list[_ParamRow] = field(default_factory=list)
+    """Each managed parameter: its pipeline part, bucket and bytes."""
+    local_batch: int = 1
+    """Dim 0 of the factory's tensor inputs (what micro-batches split)."""
+
+
+@dataclass
+class _ParamRow:
+    """One managed parameter of the full model, sharded at the layout (rank 0)."""
+
+    part: int | str
+    """The block index it belongs to, or "first" / "last" (used before / after the blocks in forward)."""
+    bucket: str
+    numel: int
+    """Full padded elements its all-gather gathers."""
+    gathered_bytes: int
+    """Bytes gathered: numel x the compute dtype's size (float8 Linear weights: 1)."""
+    local: dict[str, int]
+    """This rank's bytes of parameter, gradient and AdamW state."""
+    analytical: dict[str, float]
+
+
+def _outside_parts(factory: Callable, call: Callable) -> dict[str, str]:
+    """Each parameter outside the block list by name: "first" when its module runs before the first block in
+    forward, else "last" (a 1-block copy run forward on meta; a parameter that never runs: "first")."""
+    model, args, _, _ = reduced_copy(factory, 1, call)
+    path, blocks = block_list(model)
+    ran, parts, hooks = [False], {}, []
+    hooks.append(blocks[0].register_forward_pre_hook(lambda *_: ran.__setitem__(0, True)))
+    for name, module in model.named_modules():
+        if name == path or name.startswith(f"{path}."):
+            continue
+        own = [n for n, _ in module.named_parameters(recurse=False)]
+
+        def record(_module, _args, own=own, name=name):
+            for n in own:
+                parts.setdefault(f"{name}.{n}" if name else n, "last" if ran[0] else "first")
+
+        if own:
+            hooks.append(module.register_forward_pre_hook(record))
+    with torch.no_grad():
+        model.to("meta")(*args)
+    for hook in hooks:
+        hook.remove()
+    return parts
+
+
+def _param_rows(model, path: str, outside: dict[str, str], analytical: dict, itemsize: int, float8: bool):
+    """`_ParamRow` of each managed parameter of the sharded `model` (block list at `path`)."""
+    from fsdp2_compile.core.ops import padded_rows
+    from fsdp2_compile.runtime.sharding import managed_params
+
+    rows = []
+    for name, p, info in managed_params(model):
+        local = p.to_local() if isinstance(p, DTensor) else p
+        numel = padded_rows(info.dim0, info.world_size) * info.world_size * math.prod(local.shape[1:])
+        owner, _, attr = name.rpartition(".")
+        in_block = path and name.startswith(f"{path}.")
+        part = int(name[len(path) + 1 :].split(".")[0]) if in_block else outside.get(name, "first")
+        linear = attr == "weight" and isinstance(model.get_submodule(owner), nn.Linear)
+        size = 1 if float8 and in_block and linear else itemsize
+        state = {
+            "params": nbytes(local),
+            "grads": nbytes(local) if p.requires_grad else 0,
+            "optimizer": ADAMW_STATES * 4 * local.numel() if p.requires_grad else 0,
+        }
+        rows.append(_ParamRow(part, info.bucket, numel, numel * size, state, analytical[name]))
+    return rows
+
+
+def _analytical_by_name(model: nn.Module, world_size: int, tp: int) -> dict[str, dict[str, float]]:
+    """`analytical_bytes`' figures of each parameter, by name (before sharding)."""
+    out = {}
+    for name, p in model.named_parameters():
+        ranks = world_size * tp if isinstance(p, DTensor) and any(pl.is_shard() for pl in p.placements) else world_size
+        grad = p.requires_grad
+        out[name] = {
+            "params": nbytes(p) / ranks,
+            "grads": nbytes(p) / ranks if grad else 0.0,
+            "optimizer": ADAMW_STATES * 4 * p.numel() / ranks if grad else 0.0,
+        }
+    return out
 
 
 @dataclass
@@ -534,6 +700,9 @@ def _shard_full_model(factory: Callable, layout: Layout, call: Callable, meshes:
         step(f"applying {tp_text} on the tp mesh of {layout.tp} ranks")
         apply_tp(model, tp_mesh, tp_plan)
     analytical = analytical_bytes(model, layout.shard_size, layout.tp)
+    by_name = _analytical_by_name(model, layout.shard_size, layout.tp)
+    local_batch = _check_pipeline_fits(layout, full_args, path, blocks)
+    outside = _outside_parts(factory, call) if layout.pp > 1 else {}
     mp_policy = layout.mp_policy
     param_dtype = mp_policy.param_dtype or next(
         (p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32
@@ -545,6 +714,12 @@ def _shard_full_model(factory: Callable, layout: Layout, call: Callable, meshes:
     step(f"sharding the full model over {where}")
     shard_for_plan(model, mesh=mesh, reshard_after_forward=layout.reshard_after_forward, mp_policy=mp_policy)
     numel = _bucket_numel(model)
+    rows = _param_rows(
+        model, path if blocks is not None else "", outside, by_name, _itemsize(param_dtype), layout.float8
+    )
+    buckets: dict[str, int] = {}
+    for row in rows:
+        buckets[row.bucket] = buckets.get(row.bucket, 0) + row.gathered_bytes
     return _FullModel(
         params=n_params,
         tokens=tokens_of(full_args),
@@ -557,11 +732,38 @@ def _shard_full_model(factory: Callable, layout: Layout, call: Callable, meshes:
         analytical=analytical,
         measured=sharded_bytes(model),
         numel=numel,
-        buckets={b: n * _itemsize(param_dtype) for b, n in numel.items()},
+        buckets={b: buckets[b] for b in numel},
         resharded=_resharded_sizes(model, _itemsize(param_dtype)),
         param_dtype=param_dtype,
         reduce_dtype=mp_policy.reduce_dtype or param_dtype,
+        rows=rows,
+        local_batch=local_batch,
     )
+
+
+def _check_pipeline_fits(layout: Layout, args: tuple, path: str, blocks) -> int:
+    """The local batch (dim 0 of the factory's tensor inputs); under pp, ValueError unless the model has a block
+    list of at least P x V blocks and the micro-batches divide the local batch."""
+    dims = {a.shape[0] for a in args if isinstance(a, torch.Tensor) and a.dim() > 0}
+    local_batch = min(dims, default=1)
+    if layout.pp == 1:
+        return local_batch
+    stages = layout.pp * layout.v
+    if blocks is None:
+        raise ValueError("--pp needs a model with an nn.ModuleList of blocks to split into pipeline stages")
+    if stages > len(blocks):
+        raise ValueError(
+            f"--pp {layout.pp} x {layout.v} stage(s) per rank = {stages} stages, but '{path}' has {len(blocks)} "
+            f"blocks: each stage needs a block; pass a smaller --pp or --stages-per-rank"
+        )
+    m = layout.microbatches or local_batch
+    if len(dims) != 1 or local_batch % m:
+        raise ValueError(
+            f"--microbatches {m} does not divide the local batch: the factory's tensor inputs have dim 0 of "
+            f"{sorted(dims)}; pass a --microbatches that divides {local_batch}, or a factory whose inputs share "
+            "one batch dim"
+        )
+    return local_batch
 
 
 def _kept_decision(layout: Layout, full: _FullModel):
@@ -601,10 +803,13 @@ def _compile_and_trace_copies(
         what = f"a {n}-block copy" if n else "the model"
         step(f"compiling {what} through the pipeline")
         model, args, loss_fn, how = reduced_copy(factory, n, call) if n else (*call(factory), "")
+        args = _microbatch(args, layout, full)
         copies.figures.append(_compile_and_measure(model, args, loss_fn, mesh, compile_kwargs, tp_mesh, full.tp_plan))
         local = " (one TP rank's share)" if tp_mesh is not None else ""
+        local += " for one micro-batch" if layout.pp > 1 else ""
         step(f"playing one step of {what}{local} on the meta device ({layout.attention} attention, AC {ac_used})")
         model, args, loss_fn, how = reduced_copy(factory, n, call) if n else (*call(factory), "")
+        args = _microbatch(args, layout, full)
         if tp_mesh is not None:
             copies.tp_left = tp_local_copy(model, full.tp_plan, layout.tp)
         copies.traces.append(
@@ -612,11 +817,21 @@ def _compile_and_trace_copies(
         )
         if tp_mesh is not None:  # the unsplit model's FLOPs, for MFU
             model, args, loss_fn, _ = reduced_copy(factory, n, call) if n else (*call(factory), "")
+            args = _microbatch(args, layout, full)
             copies.full_traces.append(
                 trace_step(model, args, loss_fn, attention=layout.attention, ac=ac_used, param_dtype=param_dtype)
             )
         copies.hows.append(how)
     return copies
+
+
+def _microbatch(args: tuple, layout: Layout, full: _FullModel) -> tuple:
+    """Under pp, the factory's inputs cut to one micro-batch (the first local_batch / M rows of each tensor with
+    that batch dim, as torch's pipelining splits them); else as they are."""
+    if layout.pp == 1:
+        return args
+    rows = full.local_batch // (layout.microbatches or full.local_batch)
+    return tuple(a[:rows] if isinstance(a, torch.Tensor) and a.dim() > 0 else a for a in args)
 
 
 def _kept_for_backward(kept, copies: _Copies, numel: dict[str, int]) -> int:
@@ -708,6 +923,11 @@ def _tp_phase_seconds(figures: list[_GraphFigures], dev, ac_used: str) -> tuple[
     return forward, backward
 
 
+def _collective_s(prof, nbytes: float, group: int, factor: float = 1.0) -> float:
+    """A ring collective over `group` ranks on the profile's link: alpha + factor x (G-1)/G x bytes x beta."""
+    return prof.alpha_s + factor * (group - 1) / group * nbytes * prof.beta_s_per_byte if group > 1 else 0.0
+
+
 def _step_comm(name: str, layout: Layout, full: _FullModel, copies: _Copies, kept) -> tuple[StepComm, set[int]]:
     """Seconds of each bucket's all-gather and gradient reduction on the profile's link, the blocks the copies
     stand for (the rest with the root), and which of those blocks stay gathered."""
@@ -753,7 +973,7 @@ def _profile_figures(
     """Step time, exposed communication, tokens/s, MFU, reserved peak and compute seconds on one profile."""
     dev = device_for(name)
     fused = _FUSED[layout.compiler]
-    phases = [phase_times(t, dev, fused) for t in copies.traces]
+    phases = [phase_times(t, dev, fused, layout.float8) for t in copies.traces]
     fw_block, fw_rest = copies.split([p.forward for p in phases])
     bw_block, bw_rest = copies.split([p.backward for p in phases])
     # TP's collectives, on the critical path (the next op needs their result): added to the phase they run in
@@ -793,6 +1013,218 @@ def _profile_figures(
     )
 
 
+def _pipeline_communication(comm: _Communication, layout: Layout, full: _FullModel, rank, m: int) -> None:
+    """Replace the copies' per-pass figures by one pp rank's per step: FSDP's collectives of its buckets (gathered
+    once, or M + 1 times when resharding after forward; reduced once), TP's of its blocks' share of M
+    micro-batches."""
+    shard_size, replicate = layout.shard_size, layout.replicate
+    gathers = 1 if layout.reshard_after_forward is not True else m + 1
+    ri = _itemsize(full.reduce_dtype)
+    gathered = gathers * sum(g for g, _ in rank.buckets.values())
+    numel = sum(n for _, n in rank.buckets.values())
+    comm.buffers = {"all_gather": gathered, "reduce_scatter": numel * ri}
+    comm.wire = (shard_size - 1) / shard_size * (gathered + numel * ri)
+    if replicate > 1:
+        comm.buffers["all_reduce"] = numel // shard_size * ri
+        comm.wire += 2 * (replicate - 1) / replicate * numel // shard_size * ri
+    share = m * rank.blocks / max(full.layers, 1)
+    comm.tp_wire *= share
+    comm.tp_buffers = {k: int(v * share) for k, v in comm.tp_buffers.items()}
+    comm.tp_per_step = {g: {k: round(n * share) for k, n in d.items()} for g, d in comm.tp_per_step.items()}
+
+
+def _float8_gather_saving(layout: Layout, full: _FullModel, kept) -> int:
+    """Full all-gather buffer bytes per step that float8 Linear weights save over the graphs' compute-dtype
+    gathers: each block bucket's saving once in forward and again in backward where it reshards."""
+    if not layout.float8:
+        return 0
+    itemsize = _itemsize(full.param_dtype)
+    saved = 0
+    for b, n in full.numel.items():
+        again = b and layout.reshard_after_forward is not False and not (kept is not None and b in kept.buckets)
+        saved += (1 + bool(again)) * (n * itemsize - full.buckets[b])
+    return saved
+
+
+@dataclass
+class _PipelineRank:
+    """One pp rank's share of the model: its stages' parameters, buckets, time and activations per micro-batch."""
+
+    rank: int
+    stages: list[int]
+    blocks: int
+    local: dict[str, int]
+    analytical: dict[str, float]
+    buckets: dict[str, tuple[int, int]]
+    """Its buckets' (gathered bytes, full elements); the root's share of the stage's own parameters."""
+    microbatch_s: float = 0.0
+    """Forward + backward (+ TP's collectives) of one micro-batch through its stages."""
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    tp_s: float = 0.0
+    activations: int = 0
+    """Activations one micro-batch leaves through its stages for backward."""
+
+
+def _pipeline_ranks(layout: Layout, full: _FullModel) -> tuple[list[_PipelineRank], list[tuple[int, int]]]:
+    """Each pp rank's parameters and buckets under torchtitan's split (`pipeline.stage_blocks`)."""
+    from fsdp2_compile.planner.pipeline import rank_stages, stage_blocks
+
+    n_stages = layout.pp * layout.v
+    split = stage_blocks(full.layers, n_stages)
+    stage_of = {}
+    for k, (first, n) in enumerate(split):
+        stage_of.update({i: k for i in range(first, first + n)})
+    stage_of.update({"first": 0, "last": n_stages - 1})
+    ranks = []
+    for r in range(layout.pp):
+        stages = rank_stages(r, layout.pp, layout.v)
+        mine = [row for row in full.rows if stage_of[row.part] in stages]
+        buckets: dict[str, tuple[int, int]] = {}
+        for row in mine:
+            g, n = buckets.get(row.bucket, (0, 0))
+            buckets[row.bucket] = (g + row.gathered_bytes, n + row.numel)
+        ranks.append(
+            _PipelineRank(
+                r,
+                stages,
+                sum(split[k][1] for k in stages),
+                {k: sum(row.local[k] for row in mine) for k in ("params", "grads", "optimizer")},
+                {k: sum(row.analytical[k] for row in mine) for k in ("params", "grads", "optimizer")},
+                buckets,
+            )
+        )
+    return ranks, split
+
+
+def _part_figures(copies: _Copies, values: list[dict]) -> dict:
+    """One block's, the first stage's extra and the last stage's extra figure from per-copy {part: value}: a
+    block is the 2-block copy's blocks minus the 1-block copy's (or the unreduced model's over its blocks)."""
+    one = values[0]
+    block = values[1]["block"] - one["block"] if copies.reduce else one["block"] / max(copies.layers, 1)
+    return {"block": block, "first": one["first"], "last": one["last"]}
+
+
+def _pipeline_figures(
+    name: str, layout: Layout, full: _FullModel, copies: _Copies, ranks: list[_PipelineRank], split, ac_used: str
+) -> tuple[_ProfileFigures, dict[str, float]]:
+    """Step time on one profile under pp, and its bubble, stage sends and the slowest rank."""
+    from fsdp2_compile.planner.pipeline import bubble_s, pp_comm_s
+    from fsdp2_compile.planner.step_model import part_times
+
+    prof, dev = PROFILES[name], device_for(name)
+    fused = _FUSED[layout.compiler]
+    m, n_stages = layout.microbatches or full.local_batch, layout.pp * layout.v
+    times = [part_times(t, dev, fused, layout.float8) for t in copies.traces]
+    fw = _part_figures(copies, [{p: t.get(("forward", p), 0.0) for p in ("block", "first", "last")} for t in times])
+    bw = _part_figures(copies, [{p: t.get(("backward", p), 0.0) for p in ("block", "first", "last")} for t in times])
+    tp_fw, tp_bw = _tp_phase_seconds(copies.figures, dev, ac_used)
+    if copies.reduce:
+        (fw_tp_block, fw_tp_rest), (bw_tp_block, bw_tp_rest) = copies.split(tp_fw), copies.split(tp_bw)
+        tp_block, tp_rest = fw_tp_block + bw_tp_block, fw_tp_rest + bw_tp_rest
+    else:
+        tp_block, tp_rest = (tp_fw[0] + tp_bw[0]) / max(copies.layers, 1), 0.0
+    for rank in ranks:
+        rank.forward_s = rank.blocks * fw["block"]
+        rank.backward_s = rank.blocks * bw["block"]
+        rank.tp_s = rank.blocks * tp_block
+        if 0 in rank.stages:
+            rank.forward_s += fw["first"]
+            rank.backward_s += bw["first"]
+        if n_stages - 1 in rank.stages:
+            rank.forward_s += fw["last"]
+            rank.backward_s += bw["last"]
+            rank.tp_s += tp_rest
+        rank.microbatch_s = rank.forward_s + rank.backward_s + rank.tp_s
+    slowest = max(ranks, key=lambda r: r.microbatch_s)
+    compute_s = m * slowest.microbatch_s
+    bubble = bubble_s(layout.pp, layout.v, slowest.microbatch_s)
+    send = prof.alpha_s + copies.traces[0].boundary_bytes * prof.beta_s_per_byte
+    stage_comm = pp_comm_s(layout.pp, layout.v, m, send)
+    shard_size, replicate = layout.shard_size, layout.replicate
+    rs_factor = 1.0 if shard_size == 2 else dev.reduce_scatter_factor
+    reduce_itemsize = _itemsize(full.reduce_dtype)
+    # torch's schedules keep a stage gathered from its first use until its last micro-batch's backward
+    # (reshard_after_backward False before it) and reduce its gradients once; resharding after forward gathers
+    # again each micro-batch (M forwards or backwards find it resharded, + 1)
+    gathers = 1 if layout.reshard_after_forward is not True else m + 1
+    step_s, exposed_s, opt_slowest = 0.0, 0.0, 0.0
+    for rank in ranks:
+        gather = [_collective_s(prof, g, shard_size) for g, _ in rank.buckets.values()]
+        reduce = [
+            _collective_s(prof, n * reduce_itemsize, shard_size, rs_factor)
+            + _collective_s(prof, n // shard_size * reduce_itemsize, replicate, 2.0)
+            for _, n in rank.buckets.values()
+        ]
+        total = gathers * sum(gather) + sum(reduce)
+        if dev.comm_overlaps_compute:  # the first gather and the last reduction wait; the rest runs beside compute
+            fsdp_exposed = max(max(gather, default=0.0) + max(reduce, default=0.0), total - compute_s)
+        else:
+            fsdp_exposed = total
+        opt_s = optimizer_time(rank.local["params"], rank.local["grads"], rank.local["optimizer"], dev)
+        rank_step = compute_s + bubble + stage_comm + fsdp_exposed + opt_s
+        if rank_step > step_s:
+            step_s, exposed_s = rank_step, fsdp_exposed + stage_comm + m * slowest.tp_s
+            opt_slowest = opt_s
+    return (
+        _ProfileFigures(
+            step_s=step_s,
+            exposed_s=exposed_s,
+            tokens_per_s=full.tokens / (layout.tp * layout.pp) / step_s,
+            mfu=0.0,
+            reserved=0,
+            compute={"forward": m * slowest.forward_s, "backward": m * slowest.backward_s, "optimizer": opt_slowest},
+            tp_s=m * slowest.tp_s,
+        ),
+        {"bubble_s": bubble, "pp_comm_s": stage_comm, "slowest_rank": slowest.rank},
+    )
+
+
+def _pipeline_memory(layout: Layout, full: _FullModel, copies: _Copies, ranks: list[_PipelineRank], split):
+    """Per-rank bytes of the pp rank with the highest peak: its sharded state, its stages gathered for the step,
+    the unsharded gradients accumulated over micro-batches (in the reduce dtype, as FSDP2 accumulates them with
+    gradient sync off), the activations of the micro-batches in flight, and one micro-batch's transient."""
+    from fsdp2_compile.planner.pipeline import in_flight
+
+    fused = _FUSED[layout.compiler]
+    m, n_stages = layout.microbatches or full.local_batch, layout.pp * layout.v
+    saved = _part_figures(
+        copies, [{p: t.saved_bytes(fused, p) for p in ("block", "first", "last")} for t in copies.traces]
+    )
+    one = copies.traces[0]
+    transient = max((b for _, b in one.liveness(fused)), default=0) - one.saved_bytes(fused)
+    # a block's figure holds its input (the previous block's output); the first stage's first input is the
+    # embedding's, so its last block's output, which only crosses to the next stage, is not held there
+    boundary = one.boundary_bytes if n_stages > 1 else 0
+    reduce_itemsize, itemsize = _itemsize(full.reduce_dtype), _itemsize(full.param_dtype)
+    best = None
+    for rank in ranks:
+        per_stage = [
+            split[k][1] * saved["block"]
+            + (saved["first"] - boundary if k == 0 else 0)
+            + (saved["last"] if k == n_stages - 1 else 0)
+            for k in rank.stages
+        ]
+        rank.activations = int(sum(per_stage))
+        numel = sum(n for _, n in rank.buckets.values())
+        if m > 1:
+            unsharded_grads = numel * reduce_itemsize
+        else:  # one micro-batch: the plain step's gradient buffers (two blocks in flight)
+            largest = max((n for b, (_, n) in rank.buckets.items() if b), default=0)
+            unsharded_grads = 2 * largest * (itemsize + reduce_itemsize)
+        per_rank = {
+            **rank.local,
+            "gathered_peak": sum(g for g, _ in rank.buckets.values()),
+            "unsharded_grads": int(unsharded_grads),
+            "activations": int(in_flight(layout.pp_schedule, layout.pp, layout.v, m, rank.rank) * rank.activations),
+        }
+        per_rank["total"] = sum(per_rank.values())
+        per_rank["peak"] = int(per_rank["total"] + transient)
+        if best is None or per_rank["peak"] > best[1]["peak"]:
+            best = (rank, per_rank)
+    return best
+
+
 def _method(layout: Layout, full: _FullModel, copies: _Copies, ac_used: str, kept) -> str:
     """How the plan's figures were obtained, in words."""
     method = (
@@ -828,6 +1260,23 @@ def _method(layout: Layout, full: _FullModel, copies: _Copies, ac_used: str, kep
             + (f", left whole: {', '.join(copies.tp_left)}" if copies.tp_left else "")
             + "; MFU: the unsplit model's FLOPs / tp per rank; tokens/s per rank: the dp rank's tokens / tp"
         )
+    if layout.pp > 1:
+        method += (
+            f"; pipeline parallel {layout.pp} ({layout.pp_schedule}, {layout.v} stage(s) per rank): blocks split as "
+            "torchtitan splits them (the embedding and the head count one block each), the copies compiled and "
+            "played for one micro-batch; per pp rank its stages' sharded state, its stages gathered for the step "
+            "and their gradients accumulated unsharded in the reduce dtype (torch's schedules reshard and reduce "
+            "after the last micro-batch; reshard_after_forward False unless given True: torchtitan's pp default), "
+            "activations of the micro-batches the schedule holds; step: the slowest rank's micro-batches, the "
+            "bubble, the stage sends on the critical path on the profile's link, FSDP's first gather and last "
+            "reduction exposed, the optimizer; tokens/s per rank: the dp rank's tokens / (pp x tp)"
+        )
+    if layout.float8:
+        method += (
+            "; float8: the blocks' Linear weights gathered in float8 (1 byte an element), their 2-D matmuls at the "
+            "device's float8 peak x the matmul efficiency; the head and everything else in bf16; MFU against the "
+            "bf16 peak"
+        )
     return method
 
 
@@ -843,8 +1292,14 @@ def make_plan(
     one); `call(factory, **kwargs)` builds `(model, args, loss_fn)` (the CLI's checked call); `profiles`: the
     device profiles to time the step on (default: all of PROFILES); `progress(message)` is told each phase."""
     profiles = profiles or list(PROFILES)
+    for name in profiles if layout.float8 else ():
+        if not device_for(name).float8_flops:
+            raise ValueError(
+                f"float8 on profile {name!r}: the device has no float8 matmul (float8_flops 0); plan float8 on "
+                f"one that has, e.g. {', '.join(n for n in PROFILES if device_for(n).float8_flops)}"
+            )
     step = progress or (lambda msg: None)
-    meshes = plan_meshes(layout.world_size, layout.replicate, layout.tp)
+    meshes = plan_meshes(layout.world_size, layout.replicate, layout.tp, layout.pp)
 
     full = _shard_full_model(factory, layout, call, meshes, step)
     kept = _kept_decision(layout, full)
@@ -853,12 +1308,36 @@ def make_plan(
 
     kept_bytes = _kept_for_backward(kept, copies, full.numel)
     comm = _communication(copies, layout.shard_size, kept_bytes)
-    per_rank = _memory(full, copies, _FUSED[layout.compiler], kept_bytes)
     model_flops = 3 * copies.extrapolate([t.forward_flops() for t in (copies.full_traces or copies.traces)]) / layout.tp
-    times = {
-        name: _profile_figures(name, layout, full, copies, kept, ac_used, model_flops, per_rank["peak"])
-        for name in profiles
-    }
+    pipeline: dict[str, object] = {}
+    analytical = full.analytical
+    if layout.pp > 1:
+        m = layout.microbatches or full.local_batch
+        ranks, split = _pipeline_ranks(layout, full)
+        rank, per_rank = _pipeline_memory(layout, full, copies, ranks, split)
+        analytical = rank.analytical
+        _pipeline_communication(comm, layout, full, rank, m)
+        model_flops *= m / layout.pp
+        times, pipeline = {}, {"bubble_s": {}, "pp_comm_s": {}, "slowest_rank": {}}
+        for name in profiles:
+            figures, extra = _pipeline_figures(name, layout, full, copies, ranks, split, ac_used)
+            dev = device_for(name)
+            figures.mfu = model_flops / figures.step_s / dev.peak_flops
+            figures.reserved = int(per_rank["peak"] * dev.allocator_factor + dev.runtime_bytes)
+            times[name] = figures
+            for key, value in extra.items():
+                pipeline[key][name] = value
+        pipeline.update(rank=rank.rank, stage_blocks=[n for _, n in split], microbatches=m)
+    else:
+        saving = _float8_gather_saving(layout, full, kept)
+        comm.wire -= (layout.shard_size - 1) / layout.shard_size * saving
+        if saving:
+            comm.buffers["all_gather"] -= saving
+        per_rank = _memory(full, copies, _FUSED[layout.compiler], kept_bytes)
+        times = {
+            name: _profile_figures(name, layout, full, copies, kept, ac_used, model_flops, per_rank["peak"])
+            for name in profiles
+        }
 
     assumptions = {
         "attention": layout.attention,
@@ -877,14 +1356,18 @@ def make_plan(
         "tp": layout.tp,
         "keep_gathered": layout.keep_gathered,
         "memory_budget_bytes": layout.memory_budget_bytes,
+        "pp": layout.pp,
+        "float8": layout.float8,
     }
+    if layout.pp > 1:
+        assumptions["reshard_after_forward"] = layout.reshard_after_forward is True  # torchtitan's pp default
     shard_size = layout.shard_size
     return Plan(
         layout.world_size,
         full.params,
         full.layers,
         per_rank,
-        full.analytical,
+        analytical,
         int(comm.wire),
         comm.buffers,
         {n: t.step_s for n, t in times.items()},
@@ -914,6 +1397,15 @@ def make_plan(
             "kept_for_backward_bytes": kept_bytes,
             "backward_gather_bytes_saved": int((shard_size - 1) / shard_size * kept_bytes),
         },
+        pp=layout.pp,
+        pp_schedule=layout.pp_schedule if layout.pp > 1 else "",
+        microbatches=pipeline.get("microbatches", 1),
+        stages_per_rank=layout.v if layout.pp > 1 else 1,
+        pp_stage_blocks=pipeline.get("stage_blocks", []),
+        pp_rank=pipeline.get("rank", 0),
+        bubble_s=pipeline.get("bubble_s", {}),
+        pp_comm_s=pipeline.get("pp_comm_s", {}),
+        float8=layout.float8,
     )
 
 
@@ -924,7 +1416,11 @@ def _col(n: float) -> str:
 def format_plan(plan, seconds: float, rss: int) -> str:
     pr, an = plan.per_rank_bytes, plan.analytical_bytes
     header = f"plan: {plan.params:,} parameters, {plan.layers} blocks, world size {plan.world_size}"
-    if plan.replicate > 1 and plan.tp == 1:
+    if plan.pp > 1:
+        dims = [("pp", plan.pp), ("replicate", plan.replicate), ("dp", plan.shard_size), ("tp", plan.tp)]
+        dims = [(name, n) for name, n in dims if n > 1 or name == "dp"]
+        header += f", mesh {' x '.join(str(n) for _, n in dims)} ({' x '.join(name for name, _ in dims)})"
+    elif plan.replicate > 1 and plan.tp == 1:
         header += f", mesh {plan.replicate} x {plan.shard_size} (replicate x shard)"
     elif plan.tp > 1:
         header += (
@@ -935,11 +1431,18 @@ def format_plan(plan, seconds: float, rss: int) -> str:
     divisor = "N" if plan.replicate == 1 else "(N/R)"
     if plan.tp > 1:
         divisor = "(dp*tp), /dp untouched by TP"
-    out = [header, "", "per-rank memory (rank 0, the largest shard)"]
+    if plan.pp > 1:
+        divisor = "dp, this pp rank's stages"
+    where = "rank 0, the largest shard" if plan.pp == 1 else f"pp rank {plan.pp_rank}: the highest peak"
+    out = [header, "", f"per-rank memory ({where})"]
     for key in ("params", "grads", "optimizer"):
         error = (pr[key] - an[key]) / an[key] * 100 if an[key] else 0.0
         out.append(f"  {key:<14}{_col(pr[key])}   analytical numel*bytes/{divisor} {_col(an[key])}  ({error:+.3f}%)")
-    out.append(f"  {'gathered_peak':<14}{_col(pr['gathered_peak'])}   root bucket + 2 largest block buckets")
+    if plan.pp > 1:
+        out.append(f"  {'gathered_peak':<14}{_col(pr['gathered_peak'])}   its stages, gathered for the whole step")
+        out.append(f"  unsharded_grads{_col(pr['unsharded_grads'])[1:]}   gradients accumulated over micro-batches")
+    else:
+        out.append(f"  {'gathered_peak':<14}{_col(pr['gathered_peak'])}   root bucket + 2 largest block buckets")
     out.append(f"  {'activations':<14}{_col(pr['activations'])}   saved by forward for backward")
     out.append(f"  {'total':<14}{_col(pr['total'])}   sum of the above")
     if "peak" in pr:
@@ -960,6 +1463,14 @@ def format_plan(plan, seconds: float, rss: int) -> str:
         f"communication per step: {size_text(plan.comm_bytes_per_step)} sent per rank ({ring}: {buffers})"
         + (" (FSDP's, over dp)" if plan.tp > 1 else "")
     )
+    if plan.pp > 1:
+        out.append(
+            f"pipeline parallel {plan.pp}: {plan.pp_schedule}, {plan.microbatches} micro-batches, "
+            f"{plan.stages_per_rank} stage(s) per rank, blocks per stage {plan.pp_stage_blocks} (embedding with the "
+            "first, head with the last); bubble and stage sends (PP comm) below"
+        )
+    if plan.float8:
+        out.append("float8: the blocks' Linear weights gathered in float8 (1 byte), their matmuls at the float8 peak")
     if plan.kept_gathered:
         from fsdp2_compile.compiler.selective_unshard import KeptGathered
 
@@ -996,7 +1507,9 @@ def format_plan(plan, seconds: float, rss: int) -> str:
     out.append("")
     out.append(
         f"  {'profile':<20}{'step time':>12}{'exposed comm':>14}{'tokens/s/rank':>15}{'MFU':>7}"
-        f"{'reserved peak':>15}" + (f"{'TP comm':>12}" if plan.tp_comm_s else "")
+        f"{'reserved peak':>15}"
+        + (f"{'TP comm':>12}" if plan.tp_comm_s else "")
+        + (f"{'bubble':>12}{'PP comm':>12}" if plan.bubble_s else "")
     )
     for name, t in plan.step_time_s.items():
         tps, mfu = plan.tokens_per_s_per_rank.get(name), plan.mfu.get(name)
@@ -1006,6 +1519,11 @@ def format_plan(plan, seconds: float, rss: int) -> str:
             + (f"{tps:>15,.0f}" if tps is not None and tps >= 100 else f"{tps:>15.3g}" if tps is not None else "")
             + (f"{mfu * 100:>6.1f}%{size_text(reserved):>15}" if mfu is not None else "")
             + (f"{plan.tp_comm_s[name] * 1e3:>9.1f} ms" if name in plan.tp_comm_s else "")
+            + (
+                f"{plan.bubble_s[name] * 1e3:>9.1f} ms{plan.pp_comm_s[name] * 1e3:>9.1f} ms"
+                if name in plan.bubble_s
+                else ""
+            )
         )
     out.append("")
     out.append("profiles (cost model: alpha, link, FLOP/s, memory; source)")

@@ -7,6 +7,8 @@ the optimizer step, and the memory an allocator sees over the step.
   `prefetch` blocks ahead of its use, on one communication lane in issue order; in backward each block is
   re-gathered ahead of use and its gradients reduce-scattered (then all-reduced over HSDP replicas) after its
   backward. Where communication does not progress beside compute (`comm_overlaps_compute` False) the times add.
+- Float8 (torchao): the blocks' Linear matmuls at the float8 peak, plus an amax pass and a cast pass over each
+  operand that is not a parameter.
 - Optimizer: AdamW reads parameters, gradients and both states and writes parameters and states, memory bound
   (at the device's measured optimizer rate where it has one).
 - Memory: sharded state + gathered buckets + live activations (the trace's liveness, transients included) +, in
@@ -22,7 +24,17 @@ from dataclasses import dataclass
 from fsdp2_compile.planner.devices import DeviceFigures
 from fsdp2_compile.planner.trace import StepTrace
 
-__all__ = ["PhaseTimes", "StepComm", "forward_backward_time", "memory_peak", "optimizer_time", "phase_times"]
+__all__ = [
+    "FLOAT8_MATMULS",
+    "PhaseTimes",
+    "StepComm",
+    "forward_backward_time",
+    "memory_peak",
+    "op_seconds",
+    "optimizer_time",
+    "part_times",
+    "phase_times",
+]
 
 
 @dataclass
@@ -31,21 +43,56 @@ class PhaseTimes:
     backward: float
 
 
-def phase_times(trace: StepTrace, dev: DeviceFigures, fused: bool | str) -> PhaseTimes:
+FLOAT8_MATMULS = frozenset({"mm", "addmm", "linear"})
+"""The 2-D matmuls nn.Linear runs (attention runs as bmm or its fused kernel): inside a block, float8 training runs
+them in float8 (torchao converts the blocks' Linear layers; torchtitan leaves the output head in bf16)."""
+
+
+def op_seconds(trace: StepTrace, dev: DeviceFigures, fused: bool | str, float8: bool = False) -> list[float]:
+    """Seconds of each traced op (a view: 0)."""
     keep = trace.materialized(fused)
     moved = trace.moved_bytes(fused)
-    times = {"forward": 0.0, "backward": 0.0}
     bandwidth = dev.mem_bytes_per_s * dev.efficiency["memory"]
+    seconds = []
     for op, nbytes in zip(trace.ops, moved):
         if op.kind == "view":
+            seconds.append(0.0)
             continue
         if fused and op.kind == "fusible" and op.creates and not any(sid in keep for sid, _ in op.creates):
             launch = 0.0  # inside a fused kernel
         else:
             launch = dev.launch_s
-        flop_s = dev.peak_flops * dev.efficiency.get(op.kind, 1.0)
-        times[op.phase] += max(op.flops / flop_s, nbytes / bandwidth) + launch
+        peak, casts = dev.peak_flops, 0.0
+        if float8 and op.in_block and op.name in FLOAT8_MATMULS:
+            peak = dev.float8_flops
+            casts = _float8_cast_s(op, trace.excluded, bandwidth, dev.launch_s)
+        flop_s = peak * dev.efficiency.get(op.kind, 1.0)
+        seconds.append(max(op.flops / flop_s, nbytes / bandwidth) + launch + casts)
+    return seconds
+
+
+def _float8_cast_s(op, parameters: set[int], bandwidth: float, launch_s: float) -> float:
+    """torchao's dynamic tensorwise scaling of a float8 matmul's operands that are not parameters (activations and
+    gradients; the weights arrive in float8 from the all-gather): an amax reduction reads the operand, then the
+    scaled cast reads it again and writes it in float8 (half its bf16 bytes); the cast needs the amax first, so
+    the two are separate passes, each a kernel."""
+    operands = [nb for sid, nb in op.reads if sid not in parameters]
+    return sum(2.5 * nb / bandwidth + 2 * launch_s for nb in operands)
+
+
+def phase_times(trace: StepTrace, dev: DeviceFigures, fused: bool | str, float8: bool = False) -> PhaseTimes:
+    times = {"forward": 0.0, "backward": 0.0}
+    for op, seconds in zip(trace.ops, op_seconds(trace, dev, fused, float8)):
+        times[op.phase] += seconds
     return PhaseTimes(times["forward"], times["backward"])
+
+
+def part_times(trace: StepTrace, dev: DeviceFigures, fused: bool | str, float8: bool = False) -> dict:
+    """Seconds by (phase, pipeline part) ("block", "first", "last": `OpRecord.part`)."""
+    times: dict[tuple[str, str], float] = {}
+    for op, seconds in zip(trace.ops, op_seconds(trace, dev, fused, float8)):
+        times[op.phase, op.part] = times.get((op.phase, op.part), 0.0) + seconds
+    return times
 
 
 def optimizer_time(params: int, grads: int, states: int, dev: DeviceFigures) -> float:

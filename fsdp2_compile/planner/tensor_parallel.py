@@ -74,21 +74,23 @@ def hsdp_mesh(world_size: int, replicate: int):
     )
 
 
-def plan_meshes(world_size: int, replicate: int, tp: int):
-    """(the mesh `shard` takes, the TP mesh or None) over the default process group: tp == 1: `hsdp_mesh`'s;
-    else ("dp", "tp") of (world / tp, tp), or with replicas ("replicate", "shard", "tp") of (R, world / (R tp), tp)
-    and shard takes the ("replicate", "shard") slice."""
+def plan_meshes(world_size: int, replicate: int, tp: int, pp: int = 1):
+    """(the mesh `shard` takes, the TP mesh or None) over the default process group: tp == pp == 1: `hsdp_mesh`'s;
+    else the mesh (["pp",] ["replicate", "shard" | "dp"] [, "tp"]) of (P, R, world / (P R T), T), one dimension
+    per degree above 1 ("dp" without replicas), and shard takes its ("replicate", "shard") or "dp" slice."""
 
-    if tp == 1:
+    if tp == 1 and pp == 1:
         return hsdp_mesh(world_size, replicate), None
-    if tp < 1 or replicate < 1 or world_size % (replicate * tp):
-        raise ValueError(f"world size {world_size} is not a multiple of {replicate} replica(s) x tp {tp}")
-    shard = world_size // (replicate * tp)
-    if replicate == 1:
-        mesh = init_device_mesh(default_device_type(), (shard, tp), mesh_dim_names=("dp", "tp"))
-        return mesh["dp"], mesh["tp"]
-    mesh = init_device_mesh(default_device_type(), (replicate, shard, tp), mesh_dim_names=("replicate", "shard", "tp"))
-    return mesh["replicate", "shard"], mesh["tp"]
+    if tp < 1 or replicate < 1 or pp < 1 or world_size % (pp * replicate * tp):
+        raise ValueError(f"world size {world_size} is not a multiple of pp {pp} x {replicate} replica(s) x tp {tp}")
+    shard = world_size // (pp * replicate * tp)
+    dims = [("pp", pp)] if pp > 1 else []
+    dims += [("replicate", replicate), ("shard", shard)] if replicate > 1 else [("dp", shard)]
+    dims += [("tp", tp)] if tp > 1 else []
+    mesh = init_device_mesh(
+        default_device_type(), tuple(n for _, n in dims), mesh_dim_names=tuple(name for name, _ in dims)
+    )
+    return (mesh["replicate", "shard"] if replicate > 1 else mesh["dp"]), (mesh["tp"] if tp > 1 else None)
 
 
 def default_tp_plan(block: nn.Module) -> dict:

@@ -81,6 +81,10 @@ class OpRecord:
     """(storage id, bytes) of each storage this op allocates."""
     in_block: bool = False
     """Ran inside a block of the block list (its forward, recomputation or backward)."""
+    part: str = "first"
+    """Which pipeline stage runs it: "block" (inside a block), "first" (outside the blocks, before them in forward,
+    after them in backward: the embedding) or "last" (after the blocks in forward, before them in backward: the
+    head and the loss)."""
 
 
 @dataclass
@@ -90,6 +94,8 @@ class StepTrace:
     """Storages of parameters and their gradients."""
     attention: str = "fused"
     ac: str = "none"
+    boundary_bytes: int = 0
+    """Bytes of a block's output: what one pipeline stage sends the next."""
 
     def forward_flops(self) -> float:
         return sum(op.flops for op in self.ops if op.phase == "forward")
@@ -140,13 +146,14 @@ class StepTrace:
             out.append((op.phase, live))
         return out
 
-    def saved_bytes(self, fused: bool = False) -> int:
-        """Bytes created in forward and read in backward: what forward leaves alive for backward."""
+    def saved_bytes(self, fused: bool = False, part: str | None = None) -> int:
+        """Bytes created in forward and read in backward: what forward leaves alive for backward (`part`: only what
+        the ops of that part created)."""
         keep = self.materialized(fused) - self.excluded
         size, born_fw, read_bw = {}, set(), set()
         for op in self.ops:
             for sid, nb in op.creates:
-                if op.phase == "forward" and sid in keep:
+                if op.phase == "forward" and sid in keep and part in (None, op.part):
                     born_fw.add(sid)
                     size[sid] = nb
             if op.phase == "backward":
@@ -172,6 +179,7 @@ class _Recorder(TorchDispatchMode):
         super().__init__()
         self.trace, self.phase, self.seen, self.keep = trace, "forward", set(), []
         self.depth = 0
+        self.blocks_ran = {"forward": False, "backward": False}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -207,7 +215,12 @@ class _Recorder(TorchDispatchMode):
         reads = [(_sid(t), _nbytes(t)) for t in ins]
         if kind == "view":
             reads = []
-        self.trace.ops.append(OpRecord(name, self.phase, kind, flops, reads, creates, self.depth > 0))
+        if self.depth > 0:
+            self.blocks_ran[self.phase] = True
+            part = "block"
+        else:
+            part = "last" if self.blocks_ran[self.phase] == (self.phase == "forward") else "first"
+        self.trace.ops.append(OpRecord(name, self.phase, kind, flops, reads, creates, self.depth > 0, part))
         return out
 
 
@@ -221,10 +234,17 @@ def _mark_blocks(model: nn.Module, recorder: _Recorder) -> None:
     def leave(*_):
         recorder.depth -= 1
 
+    def leave_forward(_module, _args, output):
+        leave()
+        if recorder.phase == "forward":
+            first = next((t for t in tree_leaves(output) if isinstance(t, torch.Tensor)), None)
+            if first is not None:
+                recorder.trace.boundary_bytes = max(recorder.trace.boundary_bytes, _nbytes(first))
+
     _, blocks = block_list(model)
     for block in blocks if blocks is not None else ():
         block.register_forward_pre_hook(enter)
-        block.register_forward_hook(leave)
+        block.register_forward_hook(leave_forward)
         block.register_full_backward_pre_hook(enter)
         block.register_full_backward_hook(leave)
 
