@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 
 import pytest
 import torch
@@ -147,6 +148,44 @@ def test_mistakes_that_trained_silently_wrong_are_refused_on_every_rank(case, wo
 
 def test_the_initial_weights_check_can_be_turned_off():
     assert [r["different_weights_check_off"] for r in _silent_mistakes()] == [None, None]
+
+
+@pytest.mark.parametrize("case", ["backward_twice_with_retain_graph", "complex_parameter"])
+def test_trains_as_fully_shard(case):
+    """Two backwards of one loss (`retain_graph=True`: gradients add up) and a complex parameter in a group of its
+    own: bitwise fully_shard's gradients / parameters after three AdamW steps, on 2 gloo ranks."""
+    assert [r[case] for r in _silent_mistakes()] == [None, None]
+
+
+@pytest.mark.parametrize(
+    "budget, words",
+    [
+        (
+            dict(memory_budget_bytes=16),
+            "CompileConfig.memory_budget_bytes=16 bytes is smaller than the smallest bucket ('<root>': 172 bytes "
+            "gathered), so nothing is prefetched or kept gathered, and every all-gather exceeds it. Raise "
+            "memory_budget_bytes to at least 172, make buckets smaller",
+        ),
+        (
+            dict(keep_gathered=16),
+            "CompileConfig.keep_gathered=16 bytes is smaller than the smallest bucket ('blocks.0': 288 bytes "
+            "gathered), so no bucket is kept gathered for backward. Raise keep_gathered to at least 288",
+        ),
+        (dict(memory_budget_bytes=172), None),
+        (dict(keep_gathered=288), None),
+    ],
+)
+def test_a_byte_budget_no_bucket_fits_in_warns(fake_pg, budget, words):
+    model = Net()
+    for block in model.blocks:
+        fc.shard(block)
+    fc.shard_compile(model, compile_config=fc.CompileConfig(**budget))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model(torch.randn(2, 8)).sum().backward()
+    told = [str(w.message) for w in caught if "CompileConfig" in str(w.message)]
+    assert len(told) == (words is not None) and all(words in t for t in told), told
+    torch._dynamo.reset()
 
 
 # ------------------------------------------------------------------------------------ unclear before

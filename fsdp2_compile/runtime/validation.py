@@ -284,9 +284,7 @@ def check_same_values(members: list[nn.Module], mesh: DeviceMesh, ignored: dict[
         sums = torch.stack(
             [
                 torch.stack([x.new_tensor(x.numel()), x.sum(), x.square().sum()])
-                for x in (
-                    (p.to_local() if isinstance(p, DTensor) else p).detach().double().nan_to_num() for _, p in named
-                )
+                for x in (_real(p.to_local() if isinstance(p, DTensor) else p).double().nan_to_num() for _, p in named)
             ]
         ).cpu()
     high, low = sums.to(device, copy=True), sums.to(device, copy=True)
@@ -305,6 +303,12 @@ def check_same_values(members: list[nn.Module], mesh: DeviceMesh, ignored: dict[
             "creating it) or load the same checkpoint on every rank before shard; or pass check_same_init=False "
             "to skip this check (one pass over the parameters and a few all-reduces per shard call)"
         )
+
+
+def _real(x: torch.Tensor) -> torch.Tensor:
+    """`x` detached, a complex tensor viewed as its real and imaginary parts (both count in a checksum)."""
+    x = x.detach()
+    return torch.view_as_real(x) if x.is_complex() else x
 
 
 def check_no_aliases(members: list[nn.Module], ignored: dict[int, nn.Parameter]) -> None:
