@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed import fsdp
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
@@ -198,7 +199,8 @@ def _shard_dim(fqn: str, param: nn.Parameter, placement: object) -> int:
 
 
 def check_modules(module: object) -> list[nn.Module]:
-    """The modules of one `shard` call: a module, or a non-empty list / tuple of distinct modules, none sharded."""
+    """The modules of one `shard` call: a module, or a non-empty list / tuple of distinct modules, none sharded, none
+    holding a module `fully_shard` sharded."""
     members = list(module) if isinstance(module, (list, tuple)) else [module]
     if not members:
         raise ValueError("fsdp2_compile.shard got an empty list of modules; pass a module or a list of modules")
@@ -212,6 +214,16 @@ def check_modules(module: object) -> list[nn.Module]:
             )
     if len({id(m) for m in members}) != len(members):
         raise ValueError("fsdp2_compile.shard got the same module twice in its list; list each module once")
+    for i, m in enumerate(members):
+        where = f"[{i}] " if isinstance(module, (list, tuple)) else ""
+        for name, sub in m.named_modules():
+            if isinstance(sub, fsdp.FSDPModule) and not is_sharded(sub):
+                what = f"'s submodule '{name}' ({type(sub).__name__})" if name else ""
+                raise ValueError(
+                    f"fsdp2_compile.shard: module {where}{type(m).__name__}{what} was sharded by torch's fully_shard; "
+                    "fully_shard and fsdp2_compile.shard cannot shard parts of one model. Build the model again and "
+                    "call fsdp2_compile.shard where you called fully_shard (blocks first, then the root)"
+                )
     return members
 
 
