@@ -94,6 +94,13 @@ def _backward_twice_with_retain_graph(model: nn.Module, x: torch.Tensor) -> list
     return [p.grad.full_tensor() for p in model.parameters()]
 
 
+def _regularised_over_parameters(model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+    """An L2 term over `model.parameters()` (DTensor shards) added to the loss, as docs/mistakes.md says to."""
+    l2 = sum(p.pow(2).sum() for p in model.parameters()).full_tensor()
+    (model(x).sum() + 1e-2 * l2).backward()
+    return [p.grad.full_tensor() for p in model.parameters()]
+
+
 class _Complex(nn.Module):
     def __init__(self):
         super().__init__()
@@ -139,6 +146,7 @@ def silent_mistakes(rank: int, world_size: int) -> dict:
         "backward_twice_with_retain_graph": lambda: _same_as_fully_shard(
             rank, _Blocks, _backward_twice_with_retain_graph
         ),
+        "regularised_over_parameters": lambda: _same_as_fully_shard(rank, _Blocks, _regularised_over_parameters),
         "complex_parameter": lambda: _same_as_fully_shard(rank, _WithComplex, _adamw_steps),
     }
     out = {}

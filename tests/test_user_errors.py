@@ -150,10 +150,13 @@ def test_the_initial_weights_check_can_be_turned_off():
     assert [r["different_weights_check_off"] for r in _silent_mistakes()] == [None, None]
 
 
-@pytest.mark.parametrize("case", ["backward_twice_with_retain_graph", "complex_parameter"])
+@pytest.mark.parametrize(
+    "case", ["backward_twice_with_retain_graph", "regularised_over_parameters", "complex_parameter"]
+)
 def test_trains_as_fully_shard(case):
-    """Two backwards of one loss (`retain_graph=True`: gradients add up) and a complex parameter in a group of its
-    own: bitwise fully_shard's gradients / parameters after three AdamW steps, on 2 gloo ranks."""
+    """Two backwards of one loss (`retain_graph=True`: gradients add up), an L2 term over the parameters made a
+    plain tensor with `full_tensor()`, a complex parameter in a group of its own: bitwise fully_shard's gradients
+    (parameters after three AdamW steps), on 2 gloo ranks."""
     assert [r[case] for r in _silent_mistakes()] == [None, None]
 
 
