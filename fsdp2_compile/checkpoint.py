@@ -10,14 +10,15 @@ broadcasts it), checksums what DCP wrote once every rank has finished (each rank
 rank 0 commits: it replaces `committed.json` with `os.replace` (atomic) and deletes the other save folders. A save
 killed at any point leaves the previous record, hence the previous checkpoint, in force; the next save deletes the
 half-written folder. `load_checkpoint` reads the record, verifies every file against it (again a share per rank),
-compares the checkpoint's model entries with the model's (a checkpoint of another architecture fails naming the first
-mismatching entry and both shapes), then loads. Checkpoints reshard on load: any world size, 1-D or HSDP mesh,
+compares the checkpoint's entries with the model's and the optimizer's (a checkpoint of another architecture or another
+optimizer fails naming the first few entries missing or unexpected, or a shape), then loads. Checkpoints reshard on load: any world size, 1-D or HSDP mesh,
 `fully_shard` or `shard_compile`.
 
 Every failure is an ordinary exception raised on every rank with the same message: FileNotFoundError when there is
-no committed checkpoint, ValueError for another architecture, CheckpointError otherwise (a corrupt, truncated,
-missing or mixed-in file, named with the rank that wrote it; an unwritable path; DCP's own CheckpointException, which
-derives from BaseException, with the first failing rank's cause). Assumes every rank sees the same files at `path`
+no committed checkpoint, TypeError for arguments of the wrong type, ValueError for another architecture or
+optimizer, CheckpointError otherwise (a corrupt, truncated, missing or mixed-in file, named with the rank that wrote
+it; an unwritable path; DCP's own CheckpointException, which derives from BaseException, with the first failing rank's
+cause). Assumes every rank sees the same files at `path`
 (a shared file system, as DCP's FileSystemWriter does) and one save at a time per path.
 """
 
@@ -146,6 +147,7 @@ def _commit(path: str, folder: str, files: dict[str, dict]) -> None:
 def save_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
     """Save `model`'s (and `optimizer`'s) sharded state as the checkpoint in the folder `path`, replacing the one
     there only once the new one is complete and checksummed. Collective: every rank calls it."""
+    path = _check_arguments("save_checkpoint", path, model, optimizer)
     folder = _on_rank0(_new_save_folder, path)
     _dcp(dcp.save, _state(model, optimizer), folder, "save to")  # returns once every rank's files are written
     files = _digests(folder, _on_rank0(lambda: sorted(os.listdir(folder))))
@@ -195,35 +197,89 @@ def _verify(path: str, folder: str, files: dict[str, dict]) -> None:
         )
 
 
-def check_compatible(path: str, model: nn.Module) -> None:
-    """Raise ValueError naming the first entry where the DCP checkpoint folder `path` and `model` differ (a name only
-    one of them has, or a shape), in the model's order."""
+def _flat_keys(value: Any, prefix: str) -> list[str]:
+    """The keys DCP stores a nested state dict under (`model.head.weight`, `optim.param_groups.0.lr`)."""
+    if isinstance(value, dict):
+        return [k for key, v in value.items() for k in _flat_keys(v, f"{prefix}.{key}")]
+    if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+        return [k for i, v in enumerate(value) for k in _flat_keys(v, f"{prefix}.{i}")]
+    return [prefix]
+
+
+def _first(keys: list[str], strip: str) -> str:
+    names = ", ".join(f"'{k.removeprefix(strip)}'" for k in keys[:3])
+    return names + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
+
+
+def check_compatible(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
+    """Raise ValueError naming the entries where the DCP checkpoint folder `path` and `model` (and `optimizer`)
+    differ: the first few the checkpoint lacks, then those only it has, then shapes, in the model's order; then the
+    optimizer's entries it lacks (another optimizer, or none saved)."""
+    metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     saved = {
         key.removeprefix("model."): tuple(meta.size)
-        for key, meta in dcp.FileSystemReader(path).read_metadata().state_dict_metadata.items()
+        for key, meta in metadata.items()
         if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)
     }
     expected = {k: tuple(v.shape) for k, v in get_state_dict(model, [])[0].items() if isinstance(v, torch.Tensor)}
-    hint = "was it saved from another architecture or model config?"
+    hint = "was it saved from another architecture or model config? Load it into the model it was saved from"
+    missing = [k for k in expected if k not in saved]
+    if missing:
+        extra = [k for k in saved if k not in expected]
+        also = f"; it has {_first(extra, '')}, which the model does not" if extra else ""
+        raise ValueError(
+            f"checkpoint {path} has no entry for model parameter/buffer {_first(missing, '')}{also}; {hint}"
+        )
+    extra = [k for k in saved if k not in expected]
+    if extra:
+        raise ValueError(f"checkpoint {path} has {_first(extra, '')}, which the model does not have; {hint}")
     for key, shape in expected.items():
-        if key not in saved:
-            raise ValueError(f"checkpoint {path} has no entry for model parameter/buffer '{key}'; {hint}")
         if saved[key] != shape:
             raise ValueError(
                 f"checkpoint {path}: '{key}' has shape {saved[key]} in the checkpoint but {shape} in the model; {hint}"
             )
-    extra = [k for k in saved if k not in expected]
-    if extra:
-        raise ValueError(f"checkpoint {path} has '{extra[0]}', which the model does not have; {hint}")
+    if optimizer is None:
+        return
+    if not any(key.startswith("optim.") for key in metadata):
+        raise ValueError(
+            f"checkpoint {path} holds no optimizer state (saved without an optimizer): load it with optimizer=None "
+            "and start the optimizer afresh"
+        )
+    lacking = [k for k in _flat_keys(_state(model, optimizer)["optim"], "optim") if k not in metadata]
+    if lacking:
+        raise ValueError(
+            f"checkpoint {path} has no optimizer entries {_first(lacking, 'optim.')} that "
+            f"{type(optimizer).__name__} has: was it saved with another optimizer or other optimizer settings? Load "
+            "it with the optimizer it was saved with, or with optimizer=None to start the optimizer afresh"
+        )
+
+
+def _check_arguments(what: str, path: object, model: object, optimizer: object) -> str:
+    """`path` as a str, after refusing arguments of the wrong type (swapped ones named as such); rank-local."""
+    order = f"{what}(path, model, optimizer=None)"
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"{what}: path must be a folder path (str), got {type(path).__name__}; the order is {order}")
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"{what}: model must be an nn.Module, got {type(model).__name__}; the order is {order}"
+            + (" (pass the module itself, not its state_dict())" if isinstance(model, dict) else "")
+        )
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"{what}: optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}; the order is "
+            f"{order}"
+        )
+    return os.fspath(path)
 
 
 def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
     """Load the checkpoint `save_checkpoint` committed at `path` (saved at any world size or mesh) into `model` (and
     `optimizer`), in place, after checking every file against the commit record and the model's entries against the
     checkpoint's. Collective."""
+    path = _check_arguments("load_checkpoint", path, model, optimizer)
     folder, files = _on_rank0(_read_record, path)
     _verify(path, folder, files)
-    check_compatible(folder, model)
+    check_compatible(folder, model, optimizer)
     state = _state(model, optimizer)
     _dcp(dcp.load, state, folder, "load from")
     set_state_dict(

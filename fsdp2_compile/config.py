@@ -15,6 +15,12 @@ def _check_floating(name: str, dtype: torch.dtype | None) -> None:
             f"MixedPrecisionPolicy.{name}={dtype!r} is not a floating-point dtype; "
             "use e.g. torch.bfloat16, torch.float16 or torch.float32, or None to keep the parameter's dtype"
         )
+    if dtype is not None and dtype.itemsize < 2:
+        raise ValueError(
+            f"MixedPrecisionPolicy.{name}={dtype}: a one-byte float needs a scale per tensor, which a cast does not "
+            "give. For float8 training use torchao's float8 layers (torchao.float8.convert_to_float8_training), which "
+            "keep weights in a wider dtype and cast them with a scale in forward; keep this dtype torch.bfloat16 or None"
+        )
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,8 @@ gloo has no reduce-scatter of its own: `ProcessGroupGloo` all-reduces the whole 
 so it moves twice a reduce-scatter's bytes (measured: 1.94-1.99x an all-gather of the same buffer,
 `benchmarks/link_figures.py`). An all-to-all moves exactly a reduce-scatter's bytes. With two ranks the local sum
 x_0 + x_1 is the one addition gloo makes (commutative, so either order), and an average divides it by two as gloo
-does: results stay bitwise equal. Larger groups keep gloo's reduce-scatter: its ring adds in an order that depends
-on the rank and the buffer size.
+does: results stay bitwise equal. Larger groups keep gloo's reduce-scatter (its ring adds in an order that depends
+on the rank and the buffer size), as do complex gradients (gloo's all-to-all has no complex dtypes).
 
 `reduce_scatter(x) → wait` becomes `all_to_all_single(x) → wait → first half + second half [→ / 2 for "avg"]`. The
 all-to-all keeps the reduce-scatter's place and tags (`ir.collective_kind` counts it as a reduce-scatter), so it
@@ -35,7 +35,7 @@ def reduce_scatter_by_all_to_all(gm: fx.GraphModule, ctx: PassContext) -> fx.Gra
     graph = gm.graph
     for node in [n for n in graph.nodes if fsdp_collective_kind(n) == Role.REDUCE_SCATTER]:
         rs = ReduceScatterArgs.of(node)
-        if rs.group_size != 2 or not _on_gloo(rs.group_name):
+        if rs.group_size != 2 or val(rs.input).is_complex() or not _on_gloo(rs.group_name):
             continue
         [wait] = node.users
         assert wait.target is WAIT

@@ -1,11 +1,12 @@
 """Per-rank jobs for tests/test_user_errors.py: mistakes that used to train silently wrong, made on real gloo ranks;
-each case returns what every rank was told."""
+each case returns what every rank was told. Cases that must train as `fully_shard` does raise when they differ."""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import fully_shard
 
 import fsdp2_compile as fc
 
@@ -52,6 +53,88 @@ def _different_weights_check_off(rank: int) -> None:
     fc.shard(nn.Sequential(nn.Linear(8, 8)), check_same_init=False)
 
 
+class _Blocks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(2))
+        self.head = nn.Linear(8, 2)
+
+    def groups(self) -> list[nn.Module]:
+        return list(self.blocks)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def _same_as_fully_shard(rank: int, build, step) -> None:
+    """Raise unless `step(model, x)` returns bitwise the same tensors for a model `build()` sharded by
+    `shard` / `shard_compile` as by `fully_shard` (its `groups()` first, then the root)."""
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+    results = []
+    for shard, root in ((fully_shard, fully_shard), (fc.shard, fc.shard_compile)):
+        model = build()
+        for group in model.groups():
+            shard(group)
+        root(model)
+        results.append(step(model, x))
+    assert len(results[0]) == len(results[1])
+    for i, (ours, theirs) in enumerate(zip(results[1], results[0])):
+        if not torch.equal(ours, theirs):
+            raise AssertionError(f"tensor {i} differs from fully_shard's by {(ours - theirs).abs().max()}")
+
+
+def _backward_twice_with_retain_graph(model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+    """Two backwards of one loss: the second adds the same gradients again (each reduced)."""
+    loss = model(x).sum()
+    loss.backward(retain_graph=True)
+    loss.backward()
+    return [p.grad.full_tensor() for p in model.parameters()]
+
+
+def _regularised_over_parameters(model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+    """An L2 term over `model.parameters()` (DTensor shards) added to the loss, as docs/mistakes.md says to."""
+    l2 = sum(p.pow(2).sum() for p in model.parameters()).full_tensor()
+    (model(x).sum() + 1e-2 * l2).backward()
+    return [p.grad.full_tensor() for p in model.parameters()]
+
+
+class _Complex(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 8, dtype=torch.cfloat))
+
+    def forward(self, x):
+        return x.to(torch.cfloat) @ self.w
+
+
+class _WithComplex(nn.Module):
+    """A complex parameter in a module of its own (fully_shard needs one dtype per group)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.rotate = _Complex()
+        self.head = nn.Linear(8, 2)
+
+    def groups(self) -> list[nn.Module]:
+        return [self.rotate]
+
+    def forward(self, x):
+        return self.head(self.rotate(x).abs())
+
+
+def _adamw_steps(model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(3):
+        model(x).pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    return [p.full_tensor() for p in model.parameters()]
+
+
 def silent_mistakes(rank: int, world_size: int) -> dict:
     """Each case in turn (a barrier between them): the error each rank got, or None."""
     cases = {
@@ -60,6 +143,11 @@ def silent_mistakes(rank: int, world_size: int) -> dict:
         "step_with_sync_left_off": lambda: _step_with_sync_left_off(rank),
         "different_initial_weights": lambda: _different_initial_weights(rank),
         "different_weights_check_off": lambda: _different_weights_check_off(rank),
+        "backward_twice_with_retain_graph": lambda: _same_as_fully_shard(
+            rank, _Blocks, _backward_twice_with_retain_graph
+        ),
+        "regularised_over_parameters": lambda: _same_as_fully_shard(rank, _Blocks, _regularised_over_parameters),
+        "complex_parameter": lambda: _same_as_fully_shard(rank, _WithComplex, _adamw_steps),
     }
     out = {}
     for name, case in cases.items():

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 
 import pytest
 import torch
@@ -149,6 +150,47 @@ def test_the_initial_weights_check_can_be_turned_off():
     assert [r["different_weights_check_off"] for r in _silent_mistakes()] == [None, None]
 
 
+@pytest.mark.parametrize(
+    "case", ["backward_twice_with_retain_graph", "regularised_over_parameters", "complex_parameter"]
+)
+def test_trains_as_fully_shard(case):
+    """Two backwards of one loss (`retain_graph=True`: gradients add up), an L2 term over the parameters made a
+    plain tensor with `full_tensor()`, a complex parameter in a group of its own: bitwise fully_shard's gradients
+    (parameters after three AdamW steps), on 2 gloo ranks."""
+    assert [r[case] for r in _silent_mistakes()] == [None, None]
+
+
+@pytest.mark.parametrize(
+    "budget, words",
+    [
+        (
+            dict(memory_budget_bytes=16),
+            "CompileConfig.memory_budget_bytes=16 bytes is smaller than the smallest bucket ('<root>': 172 bytes "
+            "gathered), so nothing is prefetched or kept gathered, and every all-gather exceeds it. Raise "
+            "memory_budget_bytes to at least 172, make buckets smaller",
+        ),
+        (
+            dict(keep_gathered=16),
+            "CompileConfig.keep_gathered=16 bytes is smaller than the smallest bucket ('blocks.0': 288 bytes "
+            "gathered), so no bucket is kept gathered for backward. Raise keep_gathered to at least 288",
+        ),
+        (dict(memory_budget_bytes=172), None),
+        (dict(keep_gathered=288), None),
+    ],
+)
+def test_a_byte_budget_no_bucket_fits_in_warns(fake_pg, budget, words):
+    model = Net()
+    for block in model.blocks:
+        fc.shard(block)
+    fc.shard_compile(model, compile_config=fc.CompileConfig(**budget))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model(torch.randn(2, 8)).sum().backward()
+    told = [str(w.message) for w in caught if "CompileConfig" in str(w.message)]
+    assert len(told) == (words is not None) and all(words in t for t in told), told
+    torch._dynamo.reset()
+
+
 # ------------------------------------------------------------------------------------ unclear before
 
 
@@ -248,6 +290,26 @@ def test_mp_policy_must_be_a_policy(fake_pg):
         fc.MixedPrecisionPolicy(param_dtype="bf16")
     with raises(TypeError, "cast_forward_inputs='yes'"):
         fc.MixedPrecisionPolicy(cast_forward_inputs="yes")
+
+
+@pytest.mark.parametrize("field", ["param_dtype", "reduce_dtype"])
+def test_a_float8_policy_points_to_torchao(field):
+    with raises(ValueError, f"MixedPrecisionPolicy.{field}=torch.float8_e4m3fn", "convert_to_float8_training"):
+        fc.MixedPrecisionPolicy(**{field: torch.float8_e4m3fn})
+
+
+def test_fully_shard_and_shard_in_one_model(fake_pg):
+    from torch.distributed.fsdp import fully_shard
+
+    model = Net()
+    fully_shard(model.blocks[0])
+    with raises(
+        ValueError,
+        "module Net's submodule 'blocks.0' (FSDPSequential) was sharded by torch's fully_shard",
+        "call fsdp2_compile.shard where you called fully_shard",
+    ):
+        fc.shard(model)
+    assert not fc.is_sharded(model)
 
 
 @pytest.mark.parametrize(
@@ -371,6 +433,53 @@ def test_checkpoint_to_an_unwritable_path(tmp_path):
     with pytest.raises(CheckpointError) as info:
         save_checkpoint(path, Net())
     assert "ckpt" in str(info.value) and isinstance(info.value, Exception)
+
+
+@pytest.mark.parametrize(
+    "call, text",
+    [
+        (lambda d, m, o: save_checkpoint(m, d), "save_checkpoint: path must be a folder path (str), got Net"),
+        (lambda d, m, o: load_checkpoint(d, o, m), "load_checkpoint: model must be an nn.Module, got AdamW"),
+        (lambda d, m, o: load_checkpoint(d, m.state_dict()), "not its state_dict()"),
+        (
+            lambda d, m, o: save_checkpoint(d, m, m),
+            "save_checkpoint: optimizer must be a torch.optim.Optimizer or None",
+        ),
+    ],
+)
+def test_checkpoint_arguments_of_the_wrong_type(tmp_path, call, text):
+    model = Net()
+    with raises(TypeError, text, "(path, model, optimizer=None)"):
+        call(str(tmp_path), model, torch.optim.AdamW(model.parameters()))
+
+
+def test_checkpoint_of_another_model_or_optimizer(tmp_path):
+    model = Net()
+    adamw = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 8)).sum().backward()
+    adamw.step()
+    save_checkpoint(str(tmp_path / "adamw"), model, adamw)
+    save_checkpoint(str(tmp_path / "plain"), model)
+    other = Net()
+    other.blocks.append(nn.Linear(8, 8))
+    del other.norm
+    with raises(
+        ValueError,
+        "no entry for model parameter/buffer 'blocks.2.weight', 'blocks.2.bias'; it has 'norm.weight', 'norm.bias', "
+        "which the model does not",
+        "Load it into the model it was saved from",
+    ):
+        load_checkpoint(str(tmp_path / "adamw"), other)
+    sgd = torch.optim.SGD(model.parameters(), momentum=0.9)
+    model(torch.randn(2, 8)).sum().backward()
+    sgd.step()
+    with raises(
+        ValueError, "no optimizer entries 'state.blocks.0.0.weight.momentum_buffer',", "and 8 more that SGD has"
+    ):
+        load_checkpoint(str(tmp_path / "adamw"), model, sgd)
+    with raises(ValueError, "holds no optimizer state", "load it with optimizer=None"):
+        load_checkpoint(str(tmp_path / "plain"), model, adamw)
+    load_checkpoint(str(tmp_path / "adamw"), model, torch.optim.AdamW(model.parameters()))  # the right one loads
 
 
 def test_optimizer_in_backward_with_sync_off_through_the_backend_route(fake_pg):

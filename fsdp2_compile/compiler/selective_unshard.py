@@ -14,6 +14,7 @@ it; the planner makes the same decision from the full model's bucket sizes (`cho
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -83,17 +84,52 @@ def buckets_to_keep(joint: fx.Graph, config) -> KeptGathered | None:
     every: dict[str, int] = {}  # every bucket's gathered bytes, resharded or not: any may be in the prefetch window
     last_use: dict[str, int] = {}
     seen: set[str] = set()
+    smallest_param = 0
     for i, node in enumerate(nodes_calling(joint, UNSHARD)):
         call = UnshardArgs.of(node)
         if call.fqn not in seen:
             seen.add(call.fqn)
-            every[call.bucket] = every.get(call.bucket, 0) + nbytes(val(node))
+            size = nbytes(val(node))
+            every[call.bucket] = every.get(call.bucket, 0) + size
+            smallest_param = min(smallest_param, size) if smallest_param else size
         if call.reshard_after_forward:
             last_use[call.bucket] = i
             sizes[call.bucket] = every[call.bucket]
     keep = keep_amount(config, max(every.values(), default=0))
     if keep is None:
         return None
+    _warn_if_nothing_fits(config, every, sizes, smallest_param)
     decision = choose_kept({b: sizes[b] for b in sorted(sizes, key=last_use.__getitem__)}, keep)
     log.info("%s", decision.describe())
     return decision
+
+
+def _warn_if_nothing_fits(config, every: dict[str, int], resharded: dict[str, int], smallest_param: int) -> None:
+    """Warn when a budget in bytes holds no bucket: `memory_budget_bytes` below the smallest gather (a bucket of
+    `every` with `buckets="shard_calls"`, else one parameter: no bucketing gathers less), which neither prefetching
+    nor keeping can honour; a `keep_gathered` byte count below the smallest `resharded` bucket, which keeps nothing.
+    The graph and the config decide it, so every rank warns alike."""
+    budget = config.memory_budget_bytes
+    if budget is not None and every:
+        name, size = (
+            min(every.items(), key=lambda kv: kv[1]) if config.buckets == "shard_calls" else (None, smallest_param)
+        )
+        if budget < size:
+            effect = "nothing is prefetched or kept gathered, and every all-gather exceeds it"
+            _warn("memory_budget_bytes", budget, name, size, effect, ", or CompileConfig.buckets=<bytes>")
+            return
+    keep = config.keep_gathered
+    if isinstance(keep, int) and keep and resharded:
+        name, size = min(resharded.items(), key=lambda kv: kv[1])
+        if keep < size:
+            _warn("keep_gathered", keep, name, size, "no bucket is kept gathered for backward", "")
+
+
+def _warn(field: str, budget: int, bucket: str | None, size: int, effect: str, more_fixes: str) -> None:
+    what = "the smallest gather (one parameter" if bucket is None else f"the smallest bucket ('{bucket or '<root>'}'"
+    warnings.warn(
+        f"CompileConfig.{field}={budget:,} bytes is smaller than {what}: {size:,} bytes gathered), so {effect}. "
+        f"Raise {field} to at least {size:,}, make buckets smaller (shard smaller modules{more_fixes}), or drop "
+        f"{field}",
+        stacklevel=3,
+    )

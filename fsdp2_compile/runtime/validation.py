@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed import fsdp
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
@@ -220,7 +221,8 @@ def _shard_dim(fqn: str, param: nn.Parameter, placement: object) -> int:
 
 
 def check_modules(module: object) -> list[nn.Module]:
-    """The modules of one `shard` call: a module, or a non-empty list / tuple of distinct modules, none sharded."""
+    """The modules of one `shard` call: a module, or a non-empty list / tuple of distinct modules, none sharded, none
+    holding a module `fully_shard` sharded."""
     members = list(module) if isinstance(module, (list, tuple)) else [module]
     if not members:
         raise ValueError("fsdp2_compile.shard got an empty list of modules; pass a module or a list of modules")
@@ -234,6 +236,16 @@ def check_modules(module: object) -> list[nn.Module]:
             )
     if len({id(m) for m in members}) != len(members):
         raise ValueError("fsdp2_compile.shard got the same module twice in its list; list each module once")
+    for i, m in enumerate(members):
+        where = f"[{i}] " if isinstance(module, (list, tuple)) else ""
+        for name, sub in m.named_modules():
+            if isinstance(sub, fsdp.FSDPModule) and not is_sharded(sub):
+                what = f"'s submodule '{name}' ({type(sub).__name__})" if name else ""
+                raise ValueError(
+                    f"fsdp2_compile.shard: module {where}{type(m).__name__}{what} was sharded by torch's fully_shard; "
+                    "fully_shard and fsdp2_compile.shard cannot shard parts of one model. Build the model again and "
+                    "call fsdp2_compile.shard where you called fully_shard (blocks first, then the root)"
+                )
     return members
 
 
@@ -307,7 +319,7 @@ def check_same_values(members: list[nn.Module], mesh: DeviceMesh, ignored: dict[
             [
                 torch.stack([x.new_tensor(x.numel()), x.sum(), x.square().sum()])
                 for x in (
-                    high_precision(p.to_local() if isinstance(p, DTensor) else p).detach().double().nan_to_num()
+                    _real(high_precision(p.to_local() if isinstance(p, DTensor) else p)).double().nan_to_num()
                     for _, p in named
                 )
             ]
@@ -328,6 +340,12 @@ def check_same_values(members: list[nn.Module], mesh: DeviceMesh, ignored: dict[
             "creating it) or load the same checkpoint on every rank before shard; or pass check_same_init=False "
             "to skip this check (one pass over the parameters and a few all-reduces per shard call)"
         )
+
+
+def _real(x: torch.Tensor) -> torch.Tensor:
+    """`x` detached, a complex tensor viewed as its real and imaginary parts (both count in a checksum)."""
+    x = x.detach()
+    return torch.view_as_real(x) if x.is_complex() else x
 
 
 def check_no_aliases(members: list[nn.Module], ignored: dict[int, nn.Parameter]) -> None:
