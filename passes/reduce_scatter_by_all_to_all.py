@@ -20,7 +20,7 @@ from torch import fx
 
 from fsdp2_compile._torch_private import one_thread_gloo_backend, resolve_group
 from fsdp2_compile.compiler.pass_api import Fact, PassContext, contract
-from fsdp2_compile.core.graph import insert_call, insert_op, val
+from fsdp2_compile.core.graph import insert_call, insert_op, tags_of, val
 from fsdp2_compile.core.ir import ROLE, WAIT, AllToAllArgs, ReduceScatterArgs, Role, fsdp_collective_kind
 
 aten = torch.ops.aten
@@ -40,7 +40,7 @@ def reduce_scatter_by_all_to_all(gm: fx.GraphModule, ctx: PassContext) -> fx.Gra
         [wait] = node.users
         assert wait.target is WAIT
         rows = val(node).shape[0]
-        tags = {k: v for k, v in node.meta.items() if k != "val"}
+        tags = tags_of(node)
         with graph.inserting_before(node):
             a2a = insert_op(graph, AllToAllArgs(rs.input, [rows, rows], [rows, rows], rs.group_name), tags)
         wait.args = (a2a,)

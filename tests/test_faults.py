@@ -71,6 +71,7 @@ def test_divergent_models_name_the_first_differing_collective():
     assert "rank 0 and rank 1 compiled different forward schedules" in r0["error"], r0
     assert "collective #1: all_gather:float32:1088 here vs all_gather:float32:1632 on rank 1" in r0["error"], r0
     assert "collective #1: all_gather:float32:1632 here vs all_gather:float32:1088 on rank 0" in r1["error"], r1
+    assert 'pipeline stages: shard each stage over the dp slice of the mesh (mesh["dp"])' in r0["error"], r0
     assert max(r0["seconds"], r1["seconds"]) < BOUND_S
 
 

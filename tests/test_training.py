@@ -287,10 +287,11 @@ def test_hsdp_reduce_scatters_within_the_shard_group_then_all_reduces_across_rep
     assert kinds.index("all_reduce") < len(kinds) - 1 - kinds[::-1].index("reduce_scatter"), kinds
 
 
-@pytest.mark.parametrize("mode", ["compiled", "eager"])
-def test_set_requires_gradient_sync_accumulates_unsharded_and_reduces_once(mode):
+@pytest.mark.parametrize("mode,compiler", [("compiled", "aot_eager"), ("compiled", "inductor"), ("eager", None)])
+def test_set_requires_gradient_sync_accumulates_unsharded_and_reduces_once(mode, compiler):
     # 2 micro-batches a step: the first with gradient sync off, the second on — equal to one large batch
-    result = run("gpt", 2, mode, accumulate=2, no_sync=True)
+    config = (("compiler", compiler),) if compiler else ()
+    result = run("gpt", 2, mode, accumulate=2, no_sync=True, config=config)
     ref_losses, ref_params = reference("gpt")
     torch.testing.assert_close(result["losses"], ref_losses, rtol=1e-5, atol=0)
     assert_params_close(result["full"], ref_params, PARAM_RTOL, PARAM_ATOL)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from torch import fx
 
-from fsdp2_compile.core.graph import insert_call
+from fsdp2_compile.core.graph import insert_call, tags_of
 from fsdp2_compile.core.grouped_unshard import GROUPS, REDUCE_GROUP, REDUCTIONS, UNSHARD_GROUP
 from fsdp2_compile.core.ir import UNSHARD, ReduceGroupArgs, UnshardGroupArgs, output_of
 from fsdp2_compile.core.ops import shard_grad
@@ -38,7 +38,7 @@ def split_reduce_groups(gm: fx.GraphModule) -> None:
     groups = list(gm.graph.find_nodes(op="call_function", target=REDUCE_GROUP))
     for group in groups:
         call = ReduceGroupArgs.of(group)
-        meta = {k: v for k, v in group.meta.items() if k != "val"}
+        meta = tags_of(group)
         with gm.graph.inserting_before(group):
             reduced = [
                 shard_grad(f, g, lambda op, *args, meta=meta: insert_call(gm.graph, op, args, meta))

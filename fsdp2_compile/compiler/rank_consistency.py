@@ -121,7 +121,8 @@ def _schedule_error(rank: int, mine: str, r: int, theirs: str, kind: str) -> str
         f"fsdp2_compile: rank {rank} and rank {r} compiled different {kind} schedules (sha256 {sha(mine)} vs "
         f"{sha(theirs)}); collective #{i}: {_short(ours, i)} here vs {_short(other, i)} on rank {r}{params}. "
         "Give every rank the same model, CompileConfig and inputs, and use every parameter on every rank "
-        "(not under a rank-dependent branch)"
+        "(not under a rank-dependent branch); pipeline stages: shard each stage over the dp slice of the mesh "
+        '(mesh["dp"]), whose ranks all hold that stage, not over a mesh that spans stages'
     )
 
 

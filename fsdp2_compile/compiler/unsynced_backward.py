@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from types import SimpleNamespace
 
 from torch import fx
 
 from fsdp2_compile._torch_private import current_compile_context, in_compile_context
-from fsdp2_compile.core.graph import insert_call, nodes_calling, val
+from fsdp2_compile.core.graph import insert_call, nodes_calling, tags_of, val
 from fsdp2_compile.core.ir import (
     ADD_PENDING_GRAD,
     REDUCE_GRAD,
@@ -27,7 +26,7 @@ from fsdp2_compile.core.ir import (
     ReduceGradArgs,
     StashGradArgs,
 )
-from fsdp2_compile.core.ops import shard_grad, unshard_backward_context
+from fsdp2_compile.core.ops import backward_facts, shard_grad
 from fsdp2_compile.runtime.param_state import ParamInfo
 
 __all__ = ["BackwardBySync"]
@@ -38,10 +37,6 @@ def _traced_sync(gm: fx.GraphModule) -> dict[str, bool]:
     traced = {ReduceGradArgs.of(n).fqn: True for n in nodes_calling(gm.graph, REDUCE_GRAD)}
     traced.update({StashGradArgs.of(n).fqn: False for n in nodes_calling(gm.graph, STASH_GRAD)})
     return traced
-
-
-def _tags(node: fx.Node) -> dict:
-    return {k: v for k, v in node.meta.items() if k != "val"}
 
 
 def _copy(gm: fx.GraphModule) -> fx.GraphModule:
@@ -65,7 +60,7 @@ def _flip(gm: fx.GraphModule, infos: dict[str, ParamInfo], flipped: frozenset[st
         info = infos[a.fqn]
         with graph.inserting_before(node):
             args = (grad, info.pending_key, a.reduce_dtype, a.local_rows, a.out_dtype, a.fqn)
-            kept = insert_call(graph, STASH_GRAD, args, _tags(node))
+            kept = insert_call(graph, STASH_GRAD, args, tags_of(node))
         node.replace_all_uses_with(kept)
         graph.erase_node(node)
         if pending is not None and not pending.users:
@@ -76,9 +71,9 @@ def _flip(gm: fx.GraphModule, infos: dict[str, ParamInfo], flipped: frozenset[st
             continue
         shard = val(node)  # the zero shard it returns: the shard's rows, dtype and device
         spec = infos[a.fqn].spec()
-        facts = unshard_backward_context(SimpleNamespace(**vars(spec), shard=shard, grad_anchor=None), 4)
+        facts = backward_facts(spec, shard, 4)
         with graph.inserting_before(node):
-            tags = _tags(node)
+            tags = tags_of(node)
             reduced = shard_grad(facts, a.grad, lambda op, *args, tags=tags: insert_call(graph, op, args, tags))
         node.replace_all_uses_with(reduced)
         graph.erase_node(node)

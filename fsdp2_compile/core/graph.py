@@ -81,6 +81,16 @@ fake outputs are made by these functions on the meta kernels (`fake_output_by_me
 would make them but without its per-call dispatch (a fifth of the time); other ops run under the mode."""
 
 
+_OWN_META = ("val", "eager_input_vals")
+"""What a node's meta says of its own output and arguments: not carried over to a node replacing it."""
+
+
+def tags_of(node: fx.Node) -> dict[str, Any]:
+    """`node`'s meta for a node that replaces it (another op): its tags, not its value or argument values (Inductor
+    checks a call's arguments against `eager_input_vals`)."""
+    return {k: v for k, v in node.meta.items() if k not in _OWN_META}
+
+
 def insert_call(
     graph: fx.Graph, target: Any, args: tuple, meta: dict[str, Any] | None = None, kwargs: dict[str, Any] | None = None
 ) -> fx.Node:
