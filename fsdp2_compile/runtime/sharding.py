@@ -116,8 +116,8 @@ def _shard_param(param: nn.Parameter, mesh: DeviceMesh, offload: CPUOffloadPolic
     on = mesh
     if isinstance(param, DTensor):
         tp_mesh, tp_placements = param.device_mesh, tuple(param.placements)
-        if tp_placements[0].is_shard(0):  # TP's row blocks are split again by dp: strided, as FSDP2 places them
-            dp[-1] = strided_shard(0, tp_mesh.size())
+        if tp_placements[0].is_shard(dim):  # TP's blocks of that dim are split again by dp: strided, as FSDP2 does
+            dp[-1] = strided_shard(dim, tp_mesh.size())
         dp, on = [*dp, *tp_placements], concatenate_meshes([mesh, tp_mesh])
     local = local.clone()
     if offload is not None and not local.is_meta:
@@ -277,7 +277,7 @@ def shard(
                     info = ParamInfo(
                         fqn=fqn,
                         bucket=_group_path(member, mod_name, paths),
-                        dim0=param.to_local().shape[0] if tp is not None else param.shape[dim],
+                        dim0=(param.to_local() if tp is not None else param).shape[dim],
                         shard_dim=dim,
                         world_size=world_size,
                         group_name=group_name,
