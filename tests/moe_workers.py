@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_module, distribu
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 import fsdp2_compile as fc
+from fsdp2_compile.compiler.report import clear_compiled_graphs, collectives, compiled_graphs
 
 DIM, HIDDEN, VOCAB, SEQ, BATCH, TOP_K, STEPS = 16, 32, 64, 8, 2, 2, 3
 
@@ -153,12 +154,14 @@ def _parallelize(system: str, model: MoETransformer, mesh: DeviceMesh, dp_mesh: 
 
 def moe_training(rank: int, world_size: int) -> dict:
     """Per number of experts (4: `Shard(0)` over dp_shard_mod_ep; 2: `Shard(1)`), per system: the losses of
-    `STEPS` AdamW steps, every parameter in full after them, and the experts' placements."""
+    `STEPS` AdamW steps, every parameter in full after them, the experts' placements, and (ours) the collectives
+    of each compiled graph."""
     mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("dp_shard_mod_ep", "ep"))
     dp_mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
     out = {}
     for num_experts in (4, 2):
         for system in ("fsdp2", "ours"):
+            clear_compiled_graphs()
             torch.manual_seed(0)
             model = MoETransformer(num_experts)
             _parallelize(system, model, mesh, dp_mesh)
@@ -179,5 +182,6 @@ def moe_training(rank: int, world_size: int) -> dict:
                 "losses": losses,
                 "params": {n: p.full_tensor() for n, p in params.items()},
                 "experts": (w1.device_mesh.mesh_dim_names, tuple(str(p) for p in w1.placements)),
+                "graphs": [(r.kind, [(c.kind, bool(c.params)) for c in collectives(r.gm)]) for r in compiled_graphs()],
             }
     return out

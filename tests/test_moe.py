@@ -33,3 +33,19 @@ def test_expert_parallel_moe_matches_fully_shard_bitwise(num_experts):
     assert placements == (("_S(0, 2)" if num_experts == 4 else "S(1)"), "S(0)")
     # each rank trained on its own batch: the losses differ between ranks, the parameters do not
     assert len({tuple(r[(num_experts, "ours")]["losses"]) for r in results()}) == 4
+
+
+def test_token_all_to_alls_trace_into_the_compiled_graphs_next_to_fsdp_collectives():
+    """One forward and one backward graph: each holds the 4 all-to-alls of the 2 blocks' dispatch and combine
+    (told from FSDP's collectives: they serve no parameter); forward gathers each of the 5 groups (root, 2 blocks,
+    their 2 expert groups) once, backward reduce-scatters each once."""
+    for num_experts in (4, 2):
+        graphs = dict(results()[0][(num_experts, "ours")]["graphs"])
+        assert graphs.keys() == {"forward", "backward"}
+        for kind, found in graphs.items():
+            assert [k for k, serves_params in found if not serves_params] == ["all_to_all"] * 4
+            fsdp = [k for k, serves_params in found if serves_params]
+            if kind == "forward":
+                assert fsdp == ["all_gather"] * 5
+            else:
+                assert fsdp.count("reduce_scatter") == 5
