@@ -11,7 +11,8 @@ mesh's last dim, replicated over its first; gradients are reduce-scattered, then
 
 FSDP + tensor parallelism: a parameter that is already a DTensor on a 1-D TP mesh (from `parallelize_module`)
 keeps its TP layout and is sharded over the dp mesh on top, as FSDP2 does: a DTensor on the concatenated (dp, tp)
-mesh, `[Shard(0) | _StridedShard(0) when TP also shards dim 0, *tp placements]`. `module.weight` gathers over dp
+mesh, `[Shard(d) | _StridedShard(d) when TP also shards dim d, *tp placements]` (d: 0, or the dim
+`shard_placement_fn` chose; expert parallelism's `Shard(0)` experts alike). `module.weight` gathers over dp
 and returns the TP DTensor, so TP's own collectives (DTensor redistribution) trace into the same graph.
 
 What `shard` records is in `param_state.py`, what it refuses in `validation.py`, the methods sharded modules
