@@ -11,7 +11,8 @@ mesh's last dim, replicated over its first; gradients are reduce-scattered, then
 
 FSDP + tensor parallelism: a parameter that is already a DTensor on a 1-D TP mesh (from `parallelize_module`)
 keeps its TP layout and is sharded over the dp mesh on top, as FSDP2 does: a DTensor on the concatenated (dp, tp)
-mesh, `[Shard(0) | _StridedShard(0) when TP also shards dim 0, *tp placements]`. `module.weight` gathers over dp
+mesh, `[Shard(d) | _StridedShard(d) when TP also shards dim d, *tp placements]` (d: 0, or the dim
+`shard_placement_fn` chose; expert parallelism's `Shard(0)` experts alike). `module.weight` gathers over dp
 and returns the TP DTensor, so TP's own collectives (DTensor redistribution) trace into the same graph.
 
 What `shard` records is in `param_state.py`, what it refuses in `validation.py`, the methods sharded modules
@@ -116,8 +117,8 @@ def _shard_param(param: nn.Parameter, mesh: DeviceMesh, offload: CPUOffloadPolic
     on = mesh
     if isinstance(param, DTensor):
         tp_mesh, tp_placements = param.device_mesh, tuple(param.placements)
-        if tp_placements[0].is_shard(0):  # TP's row blocks are split again by dp: strided, as FSDP2 places them
-            dp[-1] = strided_shard(0, tp_mesh.size())
+        if tp_placements[0].is_shard(dim):  # TP's blocks of that dim are split again by dp: strided, as FSDP2 does
+            dp[-1] = strided_shard(dim, tp_mesh.size())
         dp, on = [*dp, *tp_placements], concatenate_meshes([mesh, tp_mesh])
     local = local.clone()
     if offload is not None and not local.is_meta:
@@ -277,7 +278,7 @@ def shard(
                     info = ParamInfo(
                         fqn=fqn,
                         bucket=_group_path(member, mod_name, paths),
-                        dim0=param.to_local().shape[0] if tp is not None else param.shape[dim],
+                        dim0=(param.to_local() if tp is not None else param).shape[dim],
                         shard_dim=dim,
                         world_size=world_size,
                         group_name=group_name,

@@ -197,8 +197,7 @@ def _check_float8_param(fqn: str, param: nn.Parameter, dim: int, offload: bool) 
 
 
 def _shard_dim(fqn: str, param: nn.Parameter, placement: object) -> int:
-    """The dim `shard_placement_fn` chose for `param` (None: 0), checked: a `Shard` of a dim the parameter has, and
-    0 for a tensor-parallel parameter."""
+    """The dim `shard_placement_fn` chose for `param` (None: 0), checked: a `Shard` of a dim the parameter has."""
     if placement is None:
         return 0
     if type(placement) is not Shard:
@@ -210,12 +209,6 @@ def _shard_dim(fqn: str, param: nn.Parameter, placement: object) -> int:
         raise ValueError(
             f"shard_placement_fn returned Shard({placement.dim}) for parameter '{fqn}' of shape {tuple(param.shape)}, "
             f"which has no dim {placement.dim}: return Shard(d) for 0 <= d < {param.ndim}, or None"
-        )
-    if dim and isinstance(param, DTensor):
-        raise ValueError(
-            f"shard_placement_fn returned Shard({placement.dim}) for parameter '{fqn}', which is tensor-parallel "
-            f"({tuple(param.placements)}): fsdp2_compile shards tensor-parallel parameters on dim 0 only; return None "
-            "for it"
         )
     return dim
 
