@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from models import make_model, make_optimizer
+from torch.distributed.checkpoint.api import CheckpointException
 from workers import _full_state, _gpt_steps
 
 import fsdp2_compile as fc
@@ -95,6 +96,11 @@ def _flip(file: str, count: int = 16) -> None:
         f.write(bytes(b ^ 0xFF for b in data))
 
 
+def _failing_dcp(state: dict, checkpoint_id: str) -> None:
+    """DCP's load failing on rank 1, as every rank hears of it (DCP gathers the failures)."""
+    raise CheckpointException("load", {1: OSError("storage of rank 1 unreachable")})
+
+
 def _truncate(file: str) -> None:
     os.truncate(file, os.path.getsize(file) // 2)
 
@@ -153,5 +159,11 @@ def damaged_checkpoints(rank: int, world_size: int, root: str) -> dict:
     errors["save folder"] = attempt(load_checkpoint, folder, fresh, fresh_opt)
     model_only = os.path.join(root, "model-only")
     errors["model-only into an optimizer"] = attempt(load_checkpoint, model_only, fresh, fresh_opt)
+    real_load = dcp.load
+    try:  # DCP's own failure on one rank (its storage): as DCP reports it, a CheckpointException
+        dcp.load = _failing_dcp
+        errors["dcp failure"] = attempt(load_checkpoint, path, fresh, fresh_opt)
+    finally:
+        dcp.load = real_load
     errors["unwritable"] = attempt(save_checkpoint, os.path.join(root, "a-file", "ckpt"), model, opt)
     return errors

@@ -158,7 +158,9 @@ def test_saving_where_no_folder_can_be_made_and_dcp_failures_are_ordinary_errors
     error = damaged["unwritable"]  # a CheckpointError (a RuntimeError), not DCP's BaseException
     assert error.startswith("CheckpointError: cannot save a checkpoint to ") and "a-file" + os.sep + "ckpt" in error
     assert "Not a directory" in error, error
-    # DCP's own failure (here: optimizer state asked of a model-only checkpoint) names the rank and its cause
     error = damaged["model-only into an optimizer"]
-    assert error.startswith("CheckpointError: DCP could not load from ") and "on rank 0: " in error, error
+    assert error.startswith("ValueError: checkpoint ") and "holds no optimizer state" in error, error
+    # DCP's own failure names the rank and its cause
+    error = damaged["dcp failure"]
+    assert error.startswith("CheckpointError: DCP could not load from ") and "on rank 1: OSError: storage of rank 1" in error
     assert "CheckpointException ranks" not in error, error
