@@ -9,7 +9,9 @@ A checkpoint at `path` is a folder:
 broadcasts it), checksums what DCP wrote once every rank has finished (each rank reads a share of the files), then
 rank 0 commits: it replaces `committed.json` with `os.replace` (atomic) and deletes the other save folders. A save
 killed at any point leaves the previous record, hence the previous checkpoint, in force; the next save deletes the
-half-written folder. `load_checkpoint` reads the record, verifies every file against it (again a share per rank),
+half-written folder. With `async_save=True` it returns an `AsyncSave` once the state is copied, and a background
+thread does the rest (DCP's write, checksums, commit) over a process group of its own; the next save or load waits
+for it. `load_checkpoint` reads the record, verifies every file against it (again a share per rank),
 compares the checkpoint's entries with the model's and the optimizer's (a checkpoint of another architecture or another
 optimizer fails naming the first few entries missing or unexpected, or a shape), then loads. Checkpoints reshard on load: any world size, 1-D or HSDP mesh,
 `fully_shard` or `shard_compile`.
