@@ -185,13 +185,6 @@ def damaged_checkpoints(rank: int, world_size: int, root: str) -> dict:
     }
     fresh, fresh_opt = _gpt()
 
-    def attempt(fn, *args) -> str:
-        try:
-            fn(*args)
-            return "no error"
-        except Exception as e:  # every error the checkpoint helpers raise is an ordinary Exception
-            return f"{type(e).__name__}: {e}"
-
     errors = {}
     for label, damage in damages.items():
         dist.barrier()
@@ -200,17 +193,20 @@ def damaged_checkpoints(rank: int, world_size: int, root: str) -> dict:
             shutil.copy(os.path.join(folder, ".metadata"), os.path.join(root, "metadata.bak"))
             damage()
         dist.barrier()
-        errors[label] = attempt(load_checkpoint, path, fresh, fresh_opt)
+        errors[label] = _attempt(load_checkpoint, path, fresh, fresh_opt)
         dist.barrier()
         if rank == 0:
             os.replace(data1 + ".bak", data1)
             os.replace(os.path.join(root, "metadata.bak"), os.path.join(folder, ".metadata"))
     dist.barrier()
-    errors["intact"] = attempt(load_checkpoint, path, fresh, fresh_opt)  # undamaged again: it loads
+    errors["intact"] = _attempt(load_checkpoint, path, fresh, fresh_opt)  # undamaged again: it loads
     for label in ("empty", "nonexistent", "uncommitted", "plain"):
-        errors[label] = attempt(load_checkpoint, os.path.join(root, label), fresh, fresh_opt)
-    errors["save folder"] = attempt(load_checkpoint, folder, fresh, fresh_opt)
+        errors[label] = _attempt(load_checkpoint, os.path.join(root, label), fresh, fresh_opt)
+    errors["save folder"] = _attempt(load_checkpoint, folder, fresh, fresh_opt)
     model_only = os.path.join(root, "model-only")
-    errors["model-only into an optimizer"] = attempt(load_checkpoint, model_only, fresh, fresh_opt)
-    errors["unwritable"] = attempt(save_checkpoint, os.path.join(root, "a-file", "ckpt"), model, opt)
+    errors["model-only into an optimizer"] = _attempt(load_checkpoint, model_only, fresh, fresh_opt)
+    errors["unwritable"] = _attempt(save_checkpoint, os.path.join(root, "a-file", "ckpt"), model, opt)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(fresh_opt, lambda step: 1.0)
+    errors["extra_state absent"] = _attempt(load_checkpoint, path, fresh, fresh_opt, extra_state={"lr": scheduler})
+    errors["extra_state not stateful"] = _attempt(save_checkpoint, path, model, opt, extra_state={"step": 3})
     return errors

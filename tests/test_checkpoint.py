@@ -179,3 +179,14 @@ def test_saving_where_no_folder_can_be_made_and_dcp_failures_are_ordinary_errors
     error = damaged["model-only into an optimizer"]
     assert error.startswith("CheckpointError: DCP could not load from ") and "on rank 0: " in error, error
     assert "CheckpointException ranks" not in error, error
+
+
+def test_extra_state_the_checkpoint_lacks_or_without_state_dict_is_refused(damaged):
+    error = damaged["extra_state absent"]
+    assert error.startswith("ValueError: checkpoint ") and "holds no extra_state 'lr' (saved without it)" in error, (
+        error
+    )
+    error = damaged["extra_state not stateful"]
+    assert error.startswith("TypeError: save_checkpoint: extra_state['step'] is a int, which has no state_dict()"), (
+        error
+    )

@@ -107,3 +107,13 @@ def test_sigterm_to_one_rank_then_sigkill_to_both_then_relaunch_is_bitwise_an_un
     ours = committed(ckpt, str(tmp_path / "ours.pt"))
     assert ours["extra"]["train"]["step"] == STEPS
     assert_same(ours, committed(str(tmp_path / "ref"), str(tmp_path / "ref.pt")))
+
+
+def test_checkpoint_every_below_one_is_an_argument_error():
+    proc = subprocess.run(
+        [sys.executable, EXAMPLE, "--checkpoint-dir", "x", "--checkpoint-every", "0"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2 and "--checkpoint-every: must be 1 or more, got 0" in proc.stderr, proc.stderr
