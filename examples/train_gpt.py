@@ -2,6 +2,12 @@
 
     torchrun --nproc-per-node 2 examples/train_gpt.py [--steps 20] [--bf16] [--eager] [--accumulate 2]
     torchrun --nproc-per-node 4 examples/train_gpt.py --hsdp        # 2 replicas x 2 shards
+    torchrun --nproc-per-node 2 examples/train_gpt.py --checkpoint-dir ckpt --checkpoint-every 5
+
+With --checkpoint-dir the run resumes from the checkpoint committed there, if any, and saves the model, AdamW, the
+LR scheduler and the step every --checkpoint-every steps and at the end (the data is synthetic: a step's batch is a
+function of the step, so the step is the data position). SIGTERM (a scheduler's notice before SIGKILL; torchrun
+passes it on to its workers and kills them 30 s later) stops every rank after the same step, saves, and exits 0.
 
 Prints the loss of every step, then per rank the bytes held (parameters, gradients, AdamW state) against the
 unsharded model, and the collectives of every compiled graph (with --accumulate: a forward/backward pair without
@@ -13,7 +19,9 @@ from __future__ import annotations
 import argparse
 import os
 import resource
+import signal
 import sys
+import threading
 from collections import defaultdict
 
 import torch
@@ -25,7 +33,28 @@ sys.path.insert(0, os.path.dirname(__file__))
 from gpt import GPT, GPTConfig, gpt_loss  # noqa: E402
 
 import fsdp2_compile as fc  # noqa: E402
+from fsdp2_compile.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 from fsdp2_compile.compiler.report import collectives, compiled_graphs  # noqa: E402
+
+
+class TrainState:
+    """The next step to run; saved with the checkpoint through its state_dict() / load_state_dict()."""
+
+    def __init__(self) -> None:
+        self.step = 0
+
+    def state_dict(self) -> dict:
+        return {"step": self.step}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = state["step"]
+
+
+def at_least_one(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, got {value}")
+    return value
 
 
 def pattern_batch(cfg: GPTConfig, batch: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,7 +81,12 @@ def main() -> None:
     parser.add_argument(
         "--accumulate", type=int, default=1, help="micro-batches per step, gradient sync only on the last"
     )
+    parser.add_argument("--checkpoint-dir", help="resume from the checkpoint committed here, if any; save here")
+    parser.add_argument("--checkpoint-every", type=at_least_one, default=10, help="save every this many steps")
     args = parser.parse_args()
+    stop_asked = threading.Event()
+    if args.checkpoint_dir:  # SIGTERM: finish the step, agree with the other ranks, save, exit 0
+        signal.signal(signal.SIGTERM, lambda signum, frame: stop_asked.set())
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -71,9 +105,19 @@ def main() -> None:
         fc.shard(block, mesh, mp_policy=mp)
     (fc.shard if args.eager else fc.shard_compile)(model, mesh, mp_policy=mp)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 5))  # 5 steps of warmup
+    train = TrainState()
+    saved = dict(scheduler=scheduler, train=train)
+    if args.checkpoint_dir:
+        try:
+            load_checkpoint(args.checkpoint_dir, model, opt, extra_state=saved)
+            if rank == 0:
+                print(f"resumed from {args.checkpoint_dir} at step {train.step}", flush=True)
+        except FileNotFoundError:  # nothing committed there yet (every rank alike): start afresh
+            pass
 
     local = args.batch // world
-    for step in range(args.steps):
+    for step in range(train.step, args.steps):
         x, y = pattern_batch(cfg, args.batch, seed=step)
         x, y = x[rank * local : (rank + 1) * local], y[rank * local : (rank + 1) * local]
         loss = torch.zeros(())
@@ -83,11 +127,24 @@ def main() -> None:
             micro.backward()
             loss += micro.detach()
         opt.step()
+        scheduler.step()
         opt.zero_grad(set_to_none=False)
+        train.step = step + 1
         mean = loss.detach().clone()
         dist.all_reduce(mean)
-        if rank == 0:
-            print(f"step {step:3d}  loss {mean.item() / world:.4f}", flush=True)
+        if rank == 0:  # 9 digits tell every float32 apart: runs compare bitwise by their output
+            print(f"step {step:3d}  loss {mean.item() / world:.9g}", flush=True)
+        if not args.checkpoint_dir:
+            continue
+        stop = torch.tensor([float(stop_asked.is_set())])
+        dist.all_reduce(stop, op=dist.ReduceOp.MAX)  # a rank signalled later than another stops at the same step
+        if stop.item() or train.step % args.checkpoint_every == 0 or train.step == args.steps:
+            save_checkpoint(args.checkpoint_dir, model, opt, extra_state=saved)
+        if stop.item():
+            if rank == 0:
+                print(f"SIGTERM: saved at step {train.step} to {args.checkpoint_dir}; exiting", flush=True)
+            dist.destroy_process_group()
+            return
 
     params = list(model.parameters())
     state = [v for s in opt.state.values() for k, v in s.items() if k != "step"]

@@ -9,7 +9,9 @@ A checkpoint at `path` is a folder:
 broadcasts it), checksums what DCP wrote once every rank has finished (each rank reads a share of the files), then
 rank 0 commits: it replaces `committed.json` with `os.replace` (atomic) and deletes the other save folders. A save
 killed at any point leaves the previous record, hence the previous checkpoint, in force; the next save deletes the
-half-written folder. `load_checkpoint` reads the record, verifies every file against it (again a share per rank),
+half-written folder. With `async_save=True` it returns an `AsyncSave` once the state is copied, and a background
+thread does the rest (DCP's write, checksums, commit) over a process group of its own; the next save or load waits
+for it. `load_checkpoint` reads the record, verifies every file against it (again a share per rank),
 compares the checkpoint's entries with the model's and the optimizer's (a checkpoint of another architecture or another
 optimizer fails naming the first few entries missing or unexpected, or a shape), then loads. Checkpoints reshard on load: any world size, 1-D or HSDP mesh,
 `fully_shard` or `shard_compile`.
@@ -24,12 +26,15 @@ cause). Assumes every rank sees the same files at `path`
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
 import re
 import shutil
+import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -39,8 +44,11 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.stateful import Stateful
 
-__all__ = ["CheckpointError", "load_checkpoint", "save_checkpoint"]
+from fsdp2_compile.core.group_caches import dropped_with_groups, forget_destroyed_groups
+
+__all__ = ["AsyncSave", "CheckpointError", "load_checkpoint", "save_checkpoint", "wait_for_saves"]
 
 RECORD = "committed.json"
 _SAVE_FOLDER = re.compile(r"save-(\d+)")
@@ -51,17 +59,20 @@ class CheckpointError(RuntimeError):
     """A checkpoint that could not be saved, or that `load_checkpoint` does not trust. Raised on every rank alike."""
 
 
-def _state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict:
+def _state(model: nn.Module, optimizer: torch.optim.Optimizer | None, extra_state: dict | None = None) -> dict:
     model_sd, optim_sd = get_state_dict(model, [optimizer] if optimizer is not None else [])
-    return {"model": model_sd, "optim": optim_sd} if optimizer is not None else {"model": model_sd}
+    state = {"model": model_sd, "optim": optim_sd} if optimizer is not None else {"model": model_sd}
+    if extra_state:
+        state["extra"] = {name: obj.state_dict() for name, obj in extra_state.items()}
+    return state
 
 
 def _rank_and_size() -> tuple[int, int]:
     return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
 
-def _on_rank0(fn: Callable, *args: Any) -> Any:
-    """`fn(*args)` run on rank 0; its result, or the exception it raised, on every rank."""
+def _on_rank0(fn: Callable, *args: Any, group: dist.ProcessGroup | None = None) -> Any:
+    """`fn(*args)` run on rank 0; its result, or the exception it raised, on every rank (of `group`, all ranks)."""
     rank, world = _rank_and_size()
     box: list[Any] = [None]
     if rank == 0:
@@ -72,14 +83,14 @@ def _on_rank0(fn: Callable, *args: Any) -> Any:
         except Exception as e:  # anything else still reaches every rank, as a CheckpointError
             box[0] = (None, CheckpointError(f"{type(e).__name__}: {e}"))
     if world > 1:
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=0, group=group)
     result, error = box[0]
     if error is not None:
         raise error
     return result
 
 
-def _digests(folder: str, names: list[str]) -> dict[str, dict]:
+def _digests(folder: str, names: list[str], group: dist.ProcessGroup | None = None) -> dict[str, dict]:
     """{name: {"bytes", "sha256"} or {"error"}} of the files `names` in `folder`; each rank reads a share."""
     rank, world = _rank_and_size()
     mine = {}
@@ -95,14 +106,14 @@ def _digests(folder: str, names: list[str]) -> dict[str, dict]:
             mine[name] = {"error": f"{type(e).__name__}: {e.strerror or e}"}
     shares = [mine] * world
     if world > 1:
-        dist.all_gather_object(shares, mine)
+        dist.all_gather_object(shares, mine, group=group)
     return {name: digest for share in shares for name, digest in share.items()}
 
 
-def _dcp(fn: Callable, state: dict, folder: str, what: str) -> None:
+def _dcp(fn: Callable, state: dict, folder: str, what: str, group: dist.ProcessGroup | None = None) -> None:
     """`dcp.save` / `dcp.load`, with its CheckpointException (a BaseException) turned into a CheckpointError."""
     try:
-        fn(state, checkpoint_id=folder)
+        fn(state, checkpoint_id=folder, process_group=group)
     except CheckpointException as e:
         rank, failure = min(e.failures.items())
         cause = failure[0] if isinstance(failure, tuple) else failure
@@ -144,14 +155,104 @@ def _commit(path: str, folder: str, files: dict[str, dict]) -> None:
             shutil.rmtree(os.path.join(path, d), ignore_errors=True)
 
 
-def save_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
+class AsyncSave:
+    """A `save_checkpoint(..., async_save=True)` in flight: a background thread writes the staged state, checksums it
+    and commits it, over a process group of its own. `wait()` returns once it is committed, or raises (on every rank
+    alike) what made it fail; the next `save_checkpoint` or `load_checkpoint` waits for it first."""
+
+    def __init__(self, path: str, work: Callable[[], None]) -> None:
+        self.path = path
+        self._result: Future = Future()
+        self._thread = threading.Thread(target=self._run, args=(work,), name=f"save_checkpoint {path}")
+        _PENDING.append(self)
+        self._thread.start()
+
+    def _run(self, work: Callable[[], None]) -> None:
+        try:
+            work()
+            self._result.set_result(None)
+        except BaseException as e:  # kept for wait(), which raises it in the caller's thread
+            self._result.set_exception(e)
+
+    def done(self) -> bool:
+        """Whether the save has ended (committed or failed); does not block."""
+        return self._result.done()
+
+    def wait(self) -> None:
+        """Block until the save is committed; raise its failure (a CheckpointError) if it failed."""
+        self._thread.join()
+        if self in _PENDING:
+            _PENDING.remove(self)
+        self._result.result()
+
+
+_PENDING: list[AsyncSave] = []
+"""The async saves not yet waited for, oldest first."""
+
+_SAVE_GROUPS: dict[str, dist.ProcessGroup] = dropped_with_groups({})
+"""The default group's name -> the group of all ranks the background saves run their collectives on."""
+
+
+def _save_group() -> dist.ProcessGroup | None:
+    """All ranks in a group of their own, made once (a collective call): a background save's collectives on it never
+    interleave with training's on the others."""
+    if not dist.is_initialized():
+        return None
+    forget_destroyed_groups()
+    world = dist.group.WORLD.group_name
+    if world not in _SAVE_GROUPS:
+        _SAVE_GROUPS[world] = dist.new_group(backend="gloo", group_desc="fsdp2_compile background checkpoint saves")
+    return _SAVE_GROUPS[world]
+
+
+def _staged(value: Any) -> Any:
+    """A copy of the state dict `value` whose tensors (DTensors: their local shards) own their memory, so training
+    may change the originals while the copy is written."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {k: _staged(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_staged(v) for v in value)
+    return copy.deepcopy(value)
+
+
+def _write_and_commit(path: str, folder: str, state: dict, group: dist.ProcessGroup | None) -> None:
+    _dcp(dcp.save, state, folder, "save to", group)  # returns once every rank wrote its files
+    files = _digests(folder, _on_rank0(lambda: sorted(os.listdir(folder)), group=group), group)
+    _on_rank0(_commit, path, folder, files, group=group)
+
+
+def wait_for_saves() -> None:
+    """Block until every async save of this process is committed; raise the first failure."""
+    while _PENDING:
+        _PENDING[0].wait()
+
+
+def save_checkpoint(
+    path: str,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    extra_state: dict[str, Stateful] | None = None,
+    async_save: bool = False,
+) -> AsyncSave | None:
     """Save `model`'s (and `optimizer`'s) sharded state as the checkpoint in the folder `path`, replacing the one
-    there only once the new one is complete and checksummed. Collective: every rank calls it."""
-    path = _check_arguments("save_checkpoint", path, model, optimizer)
+    there only once the new one is complete and checksummed. `extra_state` names further objects with
+    `state_dict()` / `load_state_dict()` (an LR scheduler, the step, a data loader's position), saved in the same
+    commit. Collective: every rank calls it. Waits for an async save still in flight first (raising its failure).
+
+    `async_save=True` returns an `AsyncSave` as soon as the state is copied in memory; writing, checksumming and
+    committing go on in a background thread. Call its `wait()` (or save again) before `destroy_process_group`."""
+    path = _check_arguments("save_checkpoint", path, model, optimizer, extra_state)
+    wait_for_saves()
     folder = _on_rank0(_new_save_folder, path)
-    _dcp(dcp.save, _state(model, optimizer), folder, "save to")  # returns once every rank's files are written
-    files = _digests(folder, _on_rank0(lambda: sorted(os.listdir(folder))))
-    _on_rank0(_commit, path, folder, files)
+    state = _state(model, optimizer, extra_state)
+    if not async_save:
+        _write_and_commit(path, folder, state, None)
+        return None
+    state, group = _staged(state), _save_group()
+    return AsyncSave(path, lambda: _write_and_commit(path, folder, state, group))
 
 
 def _read_record(path: str) -> tuple[str, dict[str, dict]]:
@@ -211,10 +312,15 @@ def _first(keys: list[str], strip: str) -> str:
     return names + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
 
 
-def check_compatible(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
+def check_compatible(
+    path: str,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    extra_state: dict[str, Stateful] | None = None,
+) -> None:
     """Raise ValueError naming the entries where the DCP checkpoint folder `path` and `model` (and `optimizer`)
     differ: the first few the checkpoint lacks, then those only it has, then shapes, in the model's order; then the
-    optimizer's entries it lacks (another optimizer, or none saved)."""
+    optimizer's entries it lacks (another optimizer, or none saved); then the `extra_state` names it lacks."""
     metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     saved = {
         key.removeprefix("model."): tuple(meta.size)
@@ -238,6 +344,12 @@ def check_compatible(path: str, model: nn.Module, optimizer: torch.optim.Optimiz
             raise ValueError(
                 f"checkpoint {path}: '{key}' has shape {saved[key]} in the checkpoint but {shape} in the model; {hint}"
             )
+    absent = [name for name in extra_state or {} if not any(k.startswith(f"extra.{name}.") for k in metadata)]
+    if absent:
+        raise ValueError(
+            f"checkpoint {path} holds no extra_state {_first(absent, '')} (saved without it): load it without that "
+            "name and start that object afresh"
+        )
     if optimizer is None:
         return
     if not any(key.startswith("optim.") for key in metadata):
@@ -254,7 +366,7 @@ def check_compatible(path: str, model: nn.Module, optimizer: torch.optim.Optimiz
         )
 
 
-def _check_arguments(what: str, path: object, model: object, optimizer: object) -> str:
+def _check_arguments(what: str, path: object, model: object, optimizer: object, extra_state: object) -> str:
     """`path` as a str, after refusing arguments of the wrong type (swapped ones named as such); rank-local."""
     order = f"{what}(path, model, optimizer=None)"
     if not isinstance(path, (str, os.PathLike)):
@@ -269,19 +381,38 @@ def _check_arguments(what: str, path: object, model: object, optimizer: object) 
             f"{what}: optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}; the order is "
             f"{order}"
         )
+    if extra_state is not None and not isinstance(extra_state, dict):
+        raise TypeError(
+            f"{what}: extra_state must be a dict of name -> object with state_dict(), got {type(extra_state).__name__}"
+        )
+    for name, obj in (extra_state or {}).items():
+        if not isinstance(name, str) or not isinstance(obj, Stateful):
+            raise TypeError(
+                f"{what}: extra_state[{name!r}] is a {type(obj).__name__}, which has no state_dict() and "
+                "load_state_dict(); pass objects that have both (an LR scheduler, or a small class holding the step)"
+            )
     return os.fspath(path)
 
 
-def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
+def load_checkpoint(
+    path: str,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    extra_state: dict[str, Stateful] | None = None,
+) -> None:
     """Load the checkpoint `save_checkpoint` committed at `path` (saved at any world size or mesh) into `model` (and
-    `optimizer`), in place, after checking every file against the commit record and the model's entries against the
-    checkpoint's. Collective."""
-    path = _check_arguments("load_checkpoint", path, model, optimizer)
+    `optimizer`, and each object of `extra_state` by its `load_state_dict`), in place, after checking every file
+    against the commit record and the model's entries against the checkpoint's. Collective."""
+    path = _check_arguments("load_checkpoint", path, model, optimizer, extra_state)
+    wait_for_saves()
     folder, files = _on_rank0(_read_record, path)
     _verify(path, folder, files)
-    check_compatible(folder, model, optimizer)
-    state = _state(model, optimizer)
+    check_compatible(folder, model, optimizer, extra_state)
+    state = _state(model, optimizer, extra_state)
     _dcp(dcp.load, state, folder, "load from")
+    for name, obj in (extra_state or {}).items():
+        obj.load_state_dict(state["extra"][name])
     set_state_dict(
         model,
         [optimizer] if optimizer is not None else [],

@@ -42,7 +42,7 @@ def _die(marker: str) -> None:
 
 def _arm(kill: str, rank: int, marker: str) -> None:
     """Make this rank die at `kill` during the next save_checkpoint, leaving `marker`."""
-    if kill == "rank1-after-writing-its-data" and rank == 1:
+    if kill in ("rank1-after-writing-its-data", "rank1-during-async-write") and rank == 1:
         writer = dcp.FileSystemWriter
         write_data = writer.write_data
 
@@ -70,7 +70,10 @@ def save_then_die(rank: int, world_size: int, path: str, kill: str, snapshot: st
         torch.save(states, snapshot)
     dist.barrier()
     _arm(kill, rank, snapshot + ".died")
-    save_checkpoint(path, model, opt)
+    if kill == "rank1-during-async-write":  # rank 1 dies in the background thread, rank 0 waits for it
+        save_checkpoint(path, model, opt, async_save=True).wait()
+    else:
+        save_checkpoint(path, model, opt)
     dist.barrier()  # a rank whose part survived waits here for the one that died, until the harness ends it
 
 
@@ -86,6 +89,62 @@ def load_after_kill(rank: int, world_size: int, path: str) -> dict:
     load_checkpoint(path, fresh, fresh_opt)
     after = sorted(os.listdir(path))
     return dict(loaded=loaded, left=left, after=after, resaved=_state(model, opt), reloaded=_state(fresh, fresh_opt))
+
+
+def _attempt(fn, *args, **kwargs) -> str:
+    """ "Type: message" of what `fn(*args, **kwargs)` raised, or "no error"."""
+    try:
+        fn(*args, **kwargs)
+        return "no error"
+    except Exception as e:  # every error the checkpoint helpers raise is an ordinary Exception
+        return f"{type(e).__name__}: {e}"
+
+
+def async_saves(rank: int, world_size: int, root: str) -> dict:
+    """An async save while training goes on, and a sync save, both loaded back; two async saves in a row; then async
+    saves whose writes fail on rank 1, raised by wait() and by the next save; then what is committed, loaded."""
+    model, opt = _gpt()
+    _gpt_steps(model, opt, rank, world_size, range(2))
+    sync_path, async_path = os.path.join(root, "sync"), os.path.join(root, "async")
+    at_call = _state(model, opt)
+    save_checkpoint(sync_path, model, opt)
+    pending = save_checkpoint(async_path, model, opt, async_save=True)
+    _gpt_steps(model, opt, rank, world_size, range(2, 4))  # the parameters and AdamW state change meanwhile
+    pending.wait()
+    later = _state(model, opt)
+    loaded = {}
+    for name, path in (("sync", sync_path), ("async", async_path)):
+        fresh, fresh_opt = _gpt()
+        load_checkpoint(path, fresh, fresh_opt)
+        loaded[name] = _state(fresh, fresh_opt)
+    first = save_checkpoint(async_path, model, opt, async_save=True)
+    second = save_checkpoint(async_path, model, opt, async_save=True)  # waits for the first
+    first_done = first.done()
+    second.wait()
+    listing = sorted(os.listdir(async_path))
+    dist.barrier()  # every rank listed the folder before the next save changes it
+    writer, write_data = dcp.FileSystemWriter, dcp.FileSystemWriter.write_data
+    if rank == 1:
+
+        def fail(self, plan, planner):
+            raise OSError(28, "No space left on device")
+
+        writer.write_data = fail
+    errors = {"wait": _attempt(save_checkpoint(async_path, model, opt, async_save=True).wait)}
+    save_checkpoint(async_path, model, opt, async_save=True)
+    errors["next save"] = _attempt(save_checkpoint, async_path, model, opt)
+    writer.write_data = write_data
+    fresh, fresh_opt = _gpt()
+    load_checkpoint(async_path, fresh, fresh_opt)
+    return dict(
+        at_call=at_call,
+        later=later,
+        loaded=loaded,
+        first_done=first_done,
+        listing=listing,
+        errors=errors,
+        after_failures=_state(fresh, fresh_opt),
+    )
 
 
 def _flip(file: str, count: int = 16) -> None:
@@ -132,13 +191,6 @@ def damaged_checkpoints(rank: int, world_size: int, root: str) -> dict:
     }
     fresh, fresh_opt = _gpt()
 
-    def attempt(fn, *args) -> str:
-        try:
-            fn(*args)
-            return "no error"
-        except Exception as e:  # every error the checkpoint helpers raise is an ordinary Exception
-            return f"{type(e).__name__}: {e}"
-
     errors = {}
     for label, damage in damages.items():
         dist.barrier()
@@ -147,23 +199,26 @@ def damaged_checkpoints(rank: int, world_size: int, root: str) -> dict:
             shutil.copy(os.path.join(folder, ".metadata"), os.path.join(root, "metadata.bak"))
             damage()
         dist.barrier()
-        errors[label] = attempt(load_checkpoint, path, fresh, fresh_opt)
+        errors[label] = _attempt(load_checkpoint, path, fresh, fresh_opt)
         dist.barrier()
         if rank == 0:
             os.replace(data1 + ".bak", data1)
             os.replace(os.path.join(root, "metadata.bak"), os.path.join(folder, ".metadata"))
     dist.barrier()
-    errors["intact"] = attempt(load_checkpoint, path, fresh, fresh_opt)  # undamaged again: it loads
+    errors["intact"] = _attempt(load_checkpoint, path, fresh, fresh_opt)  # undamaged again: it loads
     for label in ("empty", "nonexistent", "uncommitted", "plain"):
-        errors[label] = attempt(load_checkpoint, os.path.join(root, label), fresh, fresh_opt)
-    errors["save folder"] = attempt(load_checkpoint, folder, fresh, fresh_opt)
+        errors[label] = _attempt(load_checkpoint, os.path.join(root, label), fresh, fresh_opt)
+    errors["save folder"] = _attempt(load_checkpoint, folder, fresh, fresh_opt)
     model_only = os.path.join(root, "model-only")
-    errors["model-only into an optimizer"] = attempt(load_checkpoint, model_only, fresh, fresh_opt)
+    errors["model-only into an optimizer"] = _attempt(load_checkpoint, model_only, fresh, fresh_opt)
     real_load = dcp.load
     try:  # DCP's own failure on one rank (its storage): as DCP reports it, a CheckpointException
         dcp.load = _failing_dcp
-        errors["dcp failure"] = attempt(load_checkpoint, path, fresh, fresh_opt)
+        errors["dcp failure"] = _attempt(load_checkpoint, path, fresh, fresh_opt)
     finally:
         dcp.load = real_load
-    errors["unwritable"] = attempt(save_checkpoint, os.path.join(root, "a-file", "ckpt"), model, opt)
+    errors["unwritable"] = _attempt(save_checkpoint, os.path.join(root, "a-file", "ckpt"), model, opt)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(fresh_opt, lambda step: 1.0)
+    errors["extra_state absent"] = _attempt(load_checkpoint, path, fresh, fresh_opt, extra_state={"lr": scheduler})
+    errors["extra_state not stateful"] = _attempt(save_checkpoint, path, model, opt, extra_state={"step": 3})
     return errors

@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from checkpoint_workers import damaged_checkpoints, load_after_kill, save_then_die
+from checkpoint_workers import async_saves, damaged_checkpoints, load_after_kill, save_then_die
 from harness import run_ranks
 from models import make_model
 from torch.multiprocessing.spawn import ProcessException
@@ -98,7 +98,9 @@ def _same_state(a: dict, b: dict) -> bool:
     return all(a[p].keys() == b[p].keys() and all(torch.equal(v, b[p][k]) for k, v in a[p].items()) for p in a)
 
 
-@pytest.mark.parametrize("kill", ["rank1-after-writing-its-data", "rank0-before-commit", "rank0-after-commit"])
+@pytest.mark.parametrize(
+    "kill", ["rank1-after-writing-its-data", "rank0-before-commit", "rank0-after-commit", "rank1-during-async-write"]
+)
 def test_a_save_killed_part_way_leaves_a_checkpoint_that_loads(tmp_path, kill):
     path, snapshot = str(tmp_path / "ckpt"), str(tmp_path / "states.pt")
     with pytest.raises(ProcessException) as ended:  # one rank dies inside the second save; the harness ends the other
@@ -114,6 +116,21 @@ def test_a_save_killed_part_way_leaves_a_checkpoint_that_loads(tmp_path, kill):
     # the next save commits past the leftovers and deletes them
     assert result["after"] == ["committed.json", "save-000003"], result["after"]
     assert _same_state(result["reloaded"], result["resaved"])
+
+
+def test_async_save_writes_the_state_at_the_call_and_its_failures_reach_every_rank(tmp_path):
+    results = run_ranks(async_saves, 2, str(tmp_path))
+    for r in results:
+        assert not _same_state(r["at_call"], r["later"])  # training changed the state while the save was written
+        assert _same_state(r["loaded"]["async"], r["at_call"]), "the async save wrote another state than at the call"
+        assert _same_state(r["loaded"]["async"], r["loaded"]["sync"])
+        assert r["first_done"], "a save began before the previous async save had ended"
+        assert r["listing"] == ["committed.json", "save-000003"], r["listing"]
+        for how, error in r["errors"].items():  # a write failing on rank 1, raised on both ranks
+            assert error.startswith("CheckpointError: DCP could not save to "), (how, error)
+            assert "on rank 1: OSError: [Errno 28] No space left on device" in error, (how, error)
+        assert _same_state(r["after_failures"], r["later"]), "the failed saves changed what is committed"
+    assert results[0]["errors"] == results[1]["errors"]
 
 
 @pytest.fixture(scope="module")
@@ -164,3 +181,14 @@ def test_saving_where_no_folder_can_be_made_and_dcp_failures_are_ordinary_errors
     error = damaged["dcp failure"]
     assert error.startswith("CheckpointError: DCP could not load from ") and "on rank 1: OSError: storage of rank 1" in error
     assert "CheckpointException ranks" not in error, error
+
+
+def test_extra_state_the_checkpoint_lacks_or_without_state_dict_is_refused(damaged):
+    error = damaged["extra_state absent"]
+    assert error.startswith("ValueError: checkpoint ") and "holds no extra_state 'lr' (saved without it)" in error, (
+        error
+    )
+    error = damaged["extra_state not stateful"]
+    assert error.startswith("TypeError: save_checkpoint: extra_state['step'] is a int, which has no state_dict()"), (
+        error
+    )
