@@ -179,7 +179,10 @@ def test_saving_where_no_folder_can_be_made_and_dcp_failures_are_ordinary_errors
     assert error.startswith("ValueError: checkpoint ") and "holds no optimizer state" in error, error
     # DCP's own failure names the rank and its cause
     error = damaged["dcp failure"]
-    assert error.startswith("CheckpointError: DCP could not load from ") and "on rank 1: OSError: storage of rank 1" in error
+    assert (
+        error.startswith("CheckpointError: DCP could not load from ")
+        and "on rank 1: OSError: storage of rank 1" in error
+    )
     assert "CheckpointException ranks" not in error, error
 
 
