@@ -155,7 +155,7 @@ def _flip(file: str, count: int = 16) -> None:
         f.write(bytes(b ^ 0xFF for b in data))
 
 
-def _failing_dcp(state: dict, checkpoint_id: str) -> None:
+def _failing_dcp(state: dict, **_kwargs) -> None:
     """DCP's load failing on rank 1, as every rank hears of it (DCP gathers the failures)."""
     raise CheckpointException("load", {1: OSError("storage of rank 1 unreachable")})
 
