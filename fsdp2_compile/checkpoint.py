@@ -11,17 +11,17 @@ rank 0 commits: it replaces `committed.json` with `os.replace` (atomic) and dele
 killed at any point leaves the previous record, hence the previous checkpoint, in force; the next save deletes the
 half-written folder. With `async_save=True` it returns an `AsyncSave` once the state is copied, and a background
 thread does the rest (DCP's write, checksums, commit) over a process group of its own; the next save or load waits
-for it. `load_checkpoint` reads the record, verifies every file against it (again a share per rank),
-compares the checkpoint's entries with the model's and the optimizer's (a checkpoint of another architecture or another
-optimizer fails naming the first few entries missing or unexpected, or a shape), then loads. Checkpoints reshard on load: any world size, 1-D or HSDP mesh,
-`fully_shard` or `shard_compile`.
+for it. `load_checkpoint` reads the record, verifies every file against it (again a share per rank), compares the
+checkpoint's entries with the model's and the optimizer's (a checkpoint of another architecture or another
+optimizer fails naming the first few entries missing or unexpected, or a shape), then loads. Checkpoints reshard on
+load: any world size, 1-D or HSDP mesh, `fully_shard` or `shard_compile`.
 
 Every failure is an ordinary exception raised on every rank with the same message: FileNotFoundError when there is
 no committed checkpoint, TypeError for arguments of the wrong type, ValueError for another architecture or
 optimizer, CheckpointError otherwise (a corrupt, truncated, missing or mixed-in file, named with the rank that wrote
-it; an unwritable path; DCP's own CheckpointException, which derives from BaseException, with the first failing rank's
-cause). Assumes every rank sees the same files at `path`
-(a shared file system, as DCP's FileSystemWriter does) and one save at a time per path.
+it; an unwritable path; DCP's own CheckpointException, which derives from BaseException, with the first failing
+rank's cause). Assumes every rank sees the same files at `path` (a shared file system, as DCP's FileSystemWriter
+does) and one save at a time per path.
 """
 
 from __future__ import annotations
