@@ -47,6 +47,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.checkpoint.stateful import Stateful
 
 from fsdp2_compile.core.group_caches import dropped_with_groups, forget_destroyed_groups
+from fsdp2_compile.runtime.param_state import sharded_parameters
 
 __all__ = ["AsyncSave", "CheckpointError", "load_checkpoint", "save_checkpoint", "wait_for_saves"]
 
@@ -60,7 +61,8 @@ class CheckpointError(RuntimeError):
 
 
 def _state(model: nn.Module, optimizer: torch.optim.Optimizer | None, extra_state: dict | None = None) -> dict:
-    model_sd, optim_sd = get_state_dict(model, [optimizer] if optimizer is not None else [])
+    with sharded_parameters():  # DCP reads each parameter by attribute: the shard, not a gather of it
+        model_sd, optim_sd = get_state_dict(model, [optimizer] if optimizer is not None else [])
     state = {"model": model_sd, "optim": optim_sd} if optimizer is not None else {"model": model_sd}
     if extra_state:
         state["extra"] = {name: obj.state_dict() for name, obj in extra_state.items()}
@@ -327,7 +329,9 @@ def check_compatible(
         for key, meta in metadata.items()
         if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)
     }
-    expected = {k: tuple(v.shape) for k, v in get_state_dict(model, [])[0].items() if isinstance(v, torch.Tensor)}
+    with sharded_parameters():
+        model_sd = get_state_dict(model, [])[0]
+    expected = {k: tuple(v.shape) for k, v in model_sd.items() if isinstance(v, torch.Tensor)}
     hint = "was it saved from another architecture or model config? Load it into the model it was saved from"
     missing = [k for k in expected if k not in saved]
     if missing:
@@ -413,9 +417,10 @@ def load_checkpoint(
     _dcp(dcp.load, state, folder, "load from")
     for name, obj in (extra_state or {}).items():
         obj.load_state_dict(state["extra"][name])
-    set_state_dict(
-        model,
-        [optimizer] if optimizer is not None else [],
-        model_state_dict=state["model"],
-        optim_state_dict=state.get("optim", {}),
-    )
+    with sharded_parameters():
+        set_state_dict(
+            model,
+            [optimizer] if optimizer is not None else [],
+            model_state_dict=state["model"],
+            optim_state_dict=state.get("optim", {}),
+        )
