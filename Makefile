@@ -18,7 +18,7 @@ demo: $(READY)
 	$(VENV)/bin/torchrun --nproc-per-node 2 examples/train_gpt.py
 
 test: $(READY)
-	$(VENV)/bin/python -m pytest -q tests
+	$(VENV)/bin/python -m pytest -q --durations=25 tests
 
 lint: $(READY)
 	$(VENV)/bin/ruff check .
