@@ -17,6 +17,7 @@ from workers import _full_state, _gpt_steps
 import fsdp2_compile as fc
 from fsdp2_compile import checkpoint
 from fsdp2_compile.checkpoint import load_checkpoint, save_checkpoint
+from fsdp2_compile.runtime.param_state import ParamInfo
 
 
 def _gpt():
@@ -107,8 +108,13 @@ def async_saves(rank: int, world_size: int, root: str) -> dict:
     _gpt_steps(model, opt, rank, world_size, range(2))
     sync_path, async_path = os.path.join(root, "sync"), os.path.join(root, "async")
     at_call = _state(model, opt)
-    save_checkpoint(sync_path, model, opt)
-    pending = save_checkpoint(async_path, model, opt, async_save=True)
+    gathers, gather = [0], ParamInfo._gather
+    ParamInfo._gather = lambda info, param: (gathers.__setitem__(0, gathers[0] + 1), gather(info, param))[1]
+    try:  # torch's state-dict helpers read each parameter by attribute: the shard, never a gather of it
+        save_checkpoint(sync_path, model, opt)
+        pending = save_checkpoint(async_path, model, opt, async_save=True)
+    finally:
+        ParamInfo._gather = gather
     _gpt_steps(model, opt, rank, world_size, range(2, 4))  # the parameters and AdamW state change meanwhile
     pending.wait()
     later = _state(model, opt)
@@ -137,6 +143,7 @@ def async_saves(rank: int, world_size: int, root: str) -> dict:
     fresh, fresh_opt = _gpt()
     load_checkpoint(async_path, fresh, fresh_opt)
     return dict(
+        gathers=gathers[0],
         at_call=at_call,
         later=later,
         loaded=loaded,

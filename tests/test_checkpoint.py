@@ -121,6 +121,7 @@ def test_a_save_killed_part_way_leaves_a_checkpoint_that_loads(tmp_path, kill):
 def test_async_save_writes_the_state_at_the_call_and_its_failures_reach_every_rank(tmp_path):
     results = run_ranks(async_saves, 2, str(tmp_path))
     for r in results:
+        assert r["gathers"] == 0, "saving gathered parameters"
         assert not _same_state(r["at_call"], r["later"])  # training changed the state while the save was written
         assert _same_state(r["loaded"]["async"], r["at_call"]), "the async save wrote another state than at the call"
         assert _same_state(r["loaded"]["async"], r["loaded"]["sync"])
