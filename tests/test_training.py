@@ -233,13 +233,6 @@ def test_ranks_agree_on_a_memory_budget_from_their_free_memory(world_size, hsdp)
     assert run_ranks(memory_budget_agreement, world_size, hsdp) == [(500, None)] * world_size
 
 
-def test_inductor_keeps_parity():
-    # Inductor fuses elementwise ops and may sum in another order: fp32 losses agree to ~1e-6 relative per step,
-    # which AdamW's sign-like updates can grow over 10 steps; 1e-4 still tells a wrong gradient apart (~1e-2).
-    result = run("gpt", 2, config=(("compiler", "inductor"),))
-    torch.testing.assert_close(result["losses"], reference("gpt")[0], rtol=1e-4, atol=0)
-
-
 def test_ranks_configured_differently_fail_clearly_on_every_rank():
     messages = run_ranks(mismatched_configs, 2, timeout=300)
     for message in messages:  # the configs are compared (field by field) before the schedules
@@ -289,7 +282,8 @@ def test_hsdp_reduce_scatters_within_the_shard_group_then_all_reduces_across_rep
 
 @pytest.mark.parametrize("mode,compiler", [("compiled", "aot_eager"), ("compiled", "inductor"), ("eager", None)])
 def test_set_requires_gradient_sync_accumulates_unsharded_and_reduces_once(mode, compiler):
-    # 2 micro-batches a step: the first with gradient sync off, the second on — equal to one large batch
+    # 2 micro-batches a step: the first with gradient sync off, the second on — equal to one large batch; with
+    # Inductor too (its fused elementwise ops may sum in another order, still within these bounds)
     config = (("compiler", compiler),) if compiler else ()
     result = run("gpt", 2, mode, accumulate=2, no_sync=True, config=config)
     ref_losses, ref_params = reference("gpt")
