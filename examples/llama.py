@@ -1,8 +1,11 @@
 """A Llama-style decoder (RMSNorm, rotary position embedding, grouped-query attention, SwiGLU MLP, untied lm head)
-and factories with the shapes of Llama-3-8B and Llama-3-70B, built on the meta device (no memory used).
+and factories with the shapes of Llama-3-8B, Llama-3-70B and Llama-3.1-405B, built on the meta device (no memory used).
 
 The factories follow the `fsdp2-compile` TARGET convention: they return `(model, args, loss_fn)`, and accept
-`layers=` so the planner can compile a reduced copy with the same widths and scale by the layer count:
+`layers=` so the planner can compile a reduced copy with the same widths and scale by the layer count. Their
+`tp_plan` / `tp_root_plan` are torchtitan's Llama plan (`--tp`): sequence-parallel norms, the activations gathered
+before attention and the MLP and reduce-scattered after, a vocab-parallel embedding and a column-wise head whose
+logits stay vocab-sharded (loss parallel):
 
     fsdp2-compile plan examples/llama.py:llama3_70b --world-size 1024
 """
@@ -14,6 +17,8 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 
 
 @dataclass(frozen=True)
@@ -30,6 +35,8 @@ class LlamaConfig:
 
 LLAMA3_8B = LlamaConfig()
 LLAMA3_70B = LlamaConfig(n_layers=80, d_model=8192, n_heads=64, n_kv_heads=8, ffn_dim=28672)
+# torchtitan's 405B: ffn 4096 x ceil(1.2 x int(2/3 x 4 x 16384) / 4096) (ffn_dim_multiplier 1.2, multiple_of 4096)
+LLAMA3_405B = LlamaConfig(n_layers=126, d_model=16384, n_heads=128, n_kv_heads=8, ffn_dim=53248)
 
 
 class RMSNorm(nn.Module):
@@ -134,6 +141,33 @@ def build(cfg: LlamaConfig, layers: int | None = None, batch: int = 1, seq: int 
     return model, (tokens,), next_token_loss
 
 
+def tp_plan(block: Block) -> dict:
+    """torchtitan's per-block TP plan (parallelize_llama.apply_tp) in this model's names."""
+    seq, whole = Shard(1), Replicate()
+    return {
+        "attn_norm": SequenceParallel(),
+        "attn": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(whole,)),
+        "attn.wq": ColwiseParallel(),
+        "attn.wk": ColwiseParallel(),
+        "attn.wv": ColwiseParallel(),
+        "attn.wo": RowwiseParallel(output_layouts=seq),
+        "mlp_norm": SequenceParallel(),
+        "mlp": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(whole,)),
+        "mlp.w1": ColwiseParallel(),
+        "mlp.w3": ColwiseParallel(),
+        "mlp.w2": RowwiseParallel(output_layouts=seq),
+    }
+
+
+TP_ROOT_PLAN = {
+    "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+    "norm": SequenceParallel(),
+    "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1)),
+}
+"""torchtitan's plan of the modules outside the blocks; the head's logits stay vocab-sharded (as under
+`loss_parallel`, whose all-reduces of per-token max and sum are a few bytes a token)."""
+
+
 def llama3_8b(layers: int | None = None, batch: int = 1, seq: int = 2048):
     """Llama-3-8B shapes: 32 layers, d 4096, 32 query / 8 key-value heads, SwiGLU 14336, vocab 128256."""
     return build(LLAMA3_8B, layers, batch, seq)
@@ -142,6 +176,15 @@ def llama3_8b(layers: int | None = None, batch: int = 1, seq: int = 2048):
 def llama3_70b(layers: int | None = None, batch: int = 1, seq: int = 2048):
     """Llama-3-70B shapes: 80 layers, d 8192, 64 query / 8 key-value heads, SwiGLU 28672, vocab 128256."""
     return build(LLAMA3_70B, layers, batch, seq)
+
+
+def llama3_405b(layers: int | None = None, batch: int = 1, seq: int = 2048):
+    """Llama-3.1-405B shapes: 126 layers, d 16384, 128 query / 8 key-value heads, SwiGLU 53248, vocab 128256."""
+    return build(LLAMA3_405B, layers, batch, seq)
+
+
+for _factory in (llama3_8b, llama3_70b, llama3_405b):
+    _factory.tp_plan, _factory.tp_root_plan = tp_plan, TP_ROOT_PLAN
 
 
 LLAMA_TINY = LlamaConfig(vocab_size=256, n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, ffn_dim=160)
