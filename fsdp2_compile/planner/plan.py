@@ -907,13 +907,22 @@ def _memory(full: _FullModel, copies: _Copies, fused: bool | str, kept_bytes: in
     return per_rank
 
 
-def _tp_phase_seconds(figures: list[_GraphFigures], dev, ac_used: str) -> tuple[list[float], list[float]]:
+def _tp_phase_seconds(
+    figures: list[_GraphFigures], dev, ac_used: str, float8: bool = False
+) -> tuple[list[float], list[float]]:
     """Each copy's seconds of TP's collectives on the intra-node link in forward and in backward (full AC replays
-    forward's in backward)."""
+    forward's in backward). float8: forward's all-gathers move float8 activations, half the graphs' bf16 bytes
+    (torchao's `PrepareFloat8ModuleInput` casts before the gather; the head's gather, one per step, is counted so too)."""
 
     def tp_time(f: _GraphFigures, graph: str) -> float:
         return sum(
-            tp_collective_s(k, b, g, dev.intra_node_alpha_s, dev.intra_node_bytes_per_s)
+            tp_collective_s(
+                k,
+                b / 2 if float8 and graph == "forward" and k == Role.ALL_GATHER else b,
+                g,
+                dev.intra_node_alpha_s,
+                dev.intra_node_bytes_per_s,
+            )
             for gk, k, b, g in f.tp_collectives
             if gk == graph
         )
@@ -977,7 +986,7 @@ def _profile_figures(
     fw_block, fw_rest = copies.split([p.forward for p in phases])
     bw_block, bw_rest = copies.split([p.backward for p in phases])
     # TP's collectives, on the critical path (the next op needs their result): added to the phase they run in
-    tp_fw, tp_bw = _tp_phase_seconds(copies.figures, dev, ac_used)
+    tp_fw, tp_bw = _tp_phase_seconds(copies.figures, dev, ac_used, layout.float8)
     tp_fw_block, tp_fw_rest = copies.split(tp_fw)
     tp_bw_block, tp_bw_rest = copies.split(tp_bw)
     tp_s = tp_fw_rest + tp_bw_rest + (copies.layers * (tp_fw_block + tp_bw_block) if copies.reduce else 0.0)
@@ -1118,7 +1127,7 @@ def _pipeline_figures(
     times = [part_times(t, dev, fused, layout.float8) for t in copies.traces]
     fw = _part_figures(copies, [{p: t.get(("forward", p), 0.0) for p in ("block", "first", "last")} for t in times])
     bw = _part_figures(copies, [{p: t.get(("backward", p), 0.0) for p in ("block", "first", "last")} for t in times])
-    tp_fw, tp_bw = _tp_phase_seconds(copies.figures, dev, ac_used)
+    tp_fw, tp_bw = _tp_phase_seconds(copies.figures, dev, ac_used, layout.float8)
     if copies.reduce:
         (fw_tp_block, fw_tp_rest), (bw_tp_block, bw_tp_rest) = copies.split(tp_fw), copies.split(tp_bw)
         tp_block, tp_rest = fw_tp_block + bw_tp_block, fw_tp_rest + bw_tp_rest

@@ -8,7 +8,8 @@ the optimizer step, and the memory an allocator sees over the step.
   re-gathered ahead of use and its gradients reduce-scattered (then all-reduced over HSDP replicas) after its
   backward. Where communication does not progress beside compute (`comm_overlaps_compute` False) the times add.
 - Float8 (torchao): the blocks' Linear matmuls at the float8 peak, plus an amax pass and a cast pass over each
-  operand that is not a parameter.
+  operand that is not a parameter; an operand tensor parallelism all-gathered (`StepTrace.gathered`) is cast once,
+  on the shard before the gather (torchao's `PrepareFloat8ModuleInput`, which torchtitan's float8 TP plan uses).
 - Optimizer: AdamW reads parameters, gradients and both states and writes parameters and states, memory bound
   (at the device's measured optimizer rate where it has one).
 - Memory: sharded state + gathered buckets + live activations (the trace's liveness, transients included) +, in
@@ -53,7 +54,7 @@ def op_seconds(trace: StepTrace, dev: DeviceFigures, fused: bool | str, float8: 
     keep = trace.materialized(fused)
     moved = trace.moved_bytes(fused)
     bandwidth = dev.mem_bytes_per_s * dev.efficiency["memory"]
-    seconds = []
+    seconds, cast = [], set()
     for op, nbytes in zip(trace.ops, moved):
         if op.kind == "view":
             seconds.append(0.0)
@@ -65,19 +66,27 @@ def op_seconds(trace: StepTrace, dev: DeviceFigures, fused: bool | str, float8: 
         peak, casts = dev.peak_flops, 0.0
         if float8 and op.in_block and op.name in FLOAT8_MATMULS:
             peak = dev.float8_flops
-            casts = _float8_cast_s(op, trace.excluded, bandwidth, dev.launch_s)
+            casts = _float8_cast_s(op, trace, bandwidth, dev.launch_s, cast)
         flop_s = peak * dev.efficiency.get(op.kind, 1.0)
         seconds.append(max(op.flops / flop_s, nbytes / bandwidth) + launch + casts)
     return seconds
 
 
-def _float8_cast_s(op, parameters: set[int], bandwidth: float, launch_s: float) -> float:
+def _float8_cast_s(op, trace: StepTrace, bandwidth: float, launch_s: float, cast: set[int]) -> float:
     """torchao's dynamic tensorwise scaling of a float8 matmul's operands that are not parameters (activations and
     gradients; the weights arrive in float8 from the all-gather): an amax reduction reads the operand, then the
     scaled cast reads it again and writes it in float8 (half its bf16 bytes); the cast needs the amax first, so
-    the two are separate passes, each a kernel."""
-    operands = [nb for sid, nb in op.reads if sid not in parameters]
-    return sum(2.5 * nb / bandwidth + 2 * launch_s for nb in operands)
+    the two are separate passes, each a kernel. An all-gathered activation arrives in float8: its shard was cast
+    once before the gather (`cast` holds those already counted)."""
+    seconds = 0.0
+    for sid, nb in op.reads:
+        if sid in trace.excluded or sid in cast:
+            continue
+        if sid in trace.gathered:
+            cast.add(sid)
+            nb = trace.gathered[sid]
+        seconds += 2.5 * nb / bandwidth + 2 * launch_s
+    return seconds
 
 
 def phase_times(trace: StepTrace, dev: DeviceFigures, fused: bool | str, float8: bool = False) -> PhaseTimes:

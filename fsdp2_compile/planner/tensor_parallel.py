@@ -266,11 +266,11 @@ def _replicated(layout) -> bool:
 
 def _gather_args(dims: list[int | None], tp: int) -> Callable:
     """A forward pre-hook that stands for the all-gather of the positional inputs at `dims` (None: as they are)."""
-    import torch
+    from fsdp2_compile.planner.trace import tp_gather
 
     def hook(_module, args):
         return tuple(
-            torch.cat([a] * tp, dim=dims[i]) if i < len(dims) and dims[i] is not None else a for i, a in enumerate(args)
+            tp_gather(a, tp, dims[i]) if i < len(dims) and dims[i] is not None else a for i, a in enumerate(args)
         )
 
     return hook

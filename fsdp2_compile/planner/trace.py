@@ -10,10 +10,13 @@ the storages it reads and the storages it creates. From that:
   torchtitan's `apply_compile` does): the output of a pointwise or reduction op read only by such ops of the same
   phase (and, for "blocks", inside a block) is never written to memory, so it costs neither bytes nor memory.
 Attention and activation checkpointing run as the planner was asked (`attention.py`, `activation_checkpointing.py`).
+A TP-local copy's stand-in for tensor parallelism's all-gather of an activation (`tp_gather`) is recorded as such
+(`StepTrace.gathered`).
 """
 
 from __future__ import annotations
 
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 import torch
@@ -25,7 +28,7 @@ from torch.utils.flop_counter import flop_registry
 from fsdp2_compile._torch_private import TorchDispatchMode, tree_leaves
 from fsdp2_compile.planner.attention import AttentionMode, is_attention, is_causal
 
-__all__ = ["OpRecord", "StepTrace", "trace_step"]
+__all__ = ["OpRecord", "StepTrace", "tp_gather", "trace_step"]
 
 MATMULS = {"mm", "bmm", "addmm", "baddbmm", "convolution", "convolution_backward", "_scaled_mm", "linear"}
 VIEWS = {
@@ -96,6 +99,9 @@ class StepTrace:
     ac: str = "none"
     boundary_bytes: int = 0
     """Bytes of a block's output: what one pipeline stage sends the next."""
+    gathered: dict[int, int] = field(default_factory=dict)
+    """Storages that tensor parallelism's all-gather of an activation creates (`tp_gather`), with the bytes of the
+    shard each rank gave."""
 
     def forward_flops(self) -> float:
         return sum(op.flops for op in self.ops if op.phase == "forward")
@@ -164,6 +170,20 @@ class StepTrace:
         """Bytes each op reads and writes (fused: only storages that are materialized)."""
         keep = self.materialized(fused) if fused else None
         return [sum(nb for sid, nb in op.reads + op.creates if keep is None or sid in keep) for op in self.ops]
+
+
+_GATHERED: ContextVar[dict[int, int] | None] = ContextVar("tp_gathered", default=None)
+"""The playing trace's `gathered` while `trace_step` runs."""
+
+
+def tp_gather(x: torch.Tensor, tp: int, dim: int) -> torch.Tensor:
+    """What one rank holds after tensor parallelism's all-gather of its shard `x` along `dim` (tp copies
+    concatenated: the gathered buffer's size and traffic), recorded in the playing trace's `gathered`."""
+    out = torch.cat([x] * tp, dim=dim)
+    gathered = _GATHERED.get()
+    if gathered is not None:
+        gathered[_sid(out)] = _nbytes(x)
+    return out
 
 
 def _sid(t: torch.Tensor) -> int:
@@ -284,9 +304,13 @@ def trace_step(
     _mark_blocks(model, recorder)
     # early_stop=False: a recomputation runs to the block's end, so it reads every output selective checkpointing
     # cached (those outputs are held until then)
-    with AttentionMode(attention), recorder, set_checkpoint_early_stop(False):
-        loss = loss_fn(model(*_to_meta(args)))
-        recorder.phase = "backward"
-        loss.backward()
+    token = _GATHERED.set(trace.gathered)
+    try:
+        with AttentionMode(attention), recorder, set_checkpoint_early_stop(False):
+            loss = loss_fn(model(*_to_meta(args)))
+            recorder.phase = "backward"
+            loss.backward()
+    finally:
+        _GATHERED.reset(token)
     trace.excluded |= {_sid(p.grad) for p in params if p.grad is not None}
     return trace
