@@ -126,6 +126,28 @@ ROWS = {
         72.7 * GIB,
         None,
     ),
+    "tt405-1f1b": (
+        "Llama 3.1 405B, 512 H100 (PP 8 x FSDP 8 x TP 8, 1F1B, 8 micro-batches), bs 32 x 8192, full AC, "
+        "torch.compile, float8, async TP",
+        f"{TT}, Table 5 '1F1B'",
+        "llama:llama3_405b",
+        {"batch": 32, "seq": 8192},
+        512,
+        "h100-infiniband",
+        {
+            "ac": "full",
+            "compiler": "inductor-blocks",
+            "mp": "bf16",
+            "float8": True,
+            "tp": 8,
+            "pp": 8,
+            "pp_schedule": "1F1B",
+            "microbatches": 8,
+        },
+        100,
+        82.5 * GIB,
+        None,
+    ),
     "gpt-lo": (
         "GPT 29.5M, 2 ranks gloo loopback, full pipeline",
         "benchmarks/run.py, full, mean of 3 runs (2026-12-01)",

@@ -499,3 +499,62 @@ def test_pp_with_tp_shards_each_stage_over_dp_times_tp():
     assert plan.per_rank_bytes["params"] == elements[plan.pp_rank] * F32
     assert plan.analytical_bytes["params"] == elements[plan.pp_rank] * F32
     assert plan.tp_collectives_per_layer == {"forward": {"all_reduce": 1}, "backward": {"all_reduce": 1}}
+
+
+def llama_sequence_parallel(layers: int | None = None):
+    """examples/llama.py's tiny shapes on meta (4 blocks, d 64, vocab 256, bs 2 x 16) with the examples' plan,
+    torchtitan's: sequence-parallel norms, gathered / reduce-scattered activations, vocab-parallel embedding and
+    head."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+    import llama
+
+    return llama.build(llama.LLAMA_TINY, 4 if layers is None else layers, 2, 16)
+
+
+def _llama_tp_plans():
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+    import llama
+
+    return llama.tp_plan, llama.TP_ROOT_PLAN
+
+
+llama_sequence_parallel.tp_plan, llama_sequence_parallel.tp_root_plan = _llama_tp_plans()
+
+
+def test_sequence_parallel_plan_shards_activations_and_float8_casts_each_gathered_input_once():
+    """tp 2 at 4 ranks, bf16, full AC. Compiled: per block forward all-gathers the activations before attention and
+    the MLP and reduce-scatters them after, the embedding's reduce-scatter and the head's gather once each. Traced
+    (one TP rank): what full AC saves per block is its input, half the sequence; the logits half the vocabulary;
+    under float8 a gathered activation is cast once, on its shard, however many matmuls read it."""
+    from fsdp2_compile.config import MixedPrecisionPolicy
+    from fsdp2_compile.planner.devices import device_for
+    from fsdp2_compile.planner.step_model import _float8_cast_s
+    from fsdp2_compile.planner.tensor_parallel import tp_local_copy, tp_plan_for
+
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    plan = _tp_plan(llama_sequence_parallel, 2, mp_policy=bf16, ac="full")
+    assert "root: rowwise embed, sequence parallel norm, colwise lm_head" in plan.tp_plan
+    assert plan.tp_collectives_per_layer["forward"] == {"all_gather": 2, "reduce_scatter": 2}
+    assert plan.tp_collectives_per_step["forward"] == {"all_gather": 9, "reduce_scatter": 9}
+    traces = []
+    for layers in (1, 2):
+        model, args, loss_fn = llama_sequence_parallel(layers)
+        tp_local_copy(model, tp_plan_for(llama_sequence_parallel, model.layers[0])[0], 2)
+        traces.append(trace_step(model, args, loss_fn, ac="full", param_dtype=torch.bfloat16))
+    half_seq = 2 * 8 * 64 * 2  # bs 2 x seq 16 / 2 x d 64, bf16
+    assert traces[1].saved_bytes() - traces[0].saved_bytes() == half_seq
+    assert traces[0].boundary_bytes == half_seq
+    logits = [op for op in traces[0].ops if op.name == "mm" and op.phase == "forward" and op.part == "last"]
+    assert [nb for _, nb in logits[-1].creates] == [2 * 16 * 128 * 2]
+    trace, dev = traces[0], device_for("h100-nvlink")
+    bandwidth = dev.mem_bytes_per_s * dev.efficiency["memory"]
+    sid, shard = next(iter(trace.gathered.items()))
+    readers = [op for op in trace.ops if op.in_block and op.name == "mm" and any(s == sid for s, _ in op.reads)]
+    assert len(readers) >= 3  # wq, wk, wv (and their weight gradients)
+    cast: set[int] = set()
+    seconds = [_float8_cast_s(op, trace, bandwidth, dev.launch_s, cast) for op in readers]
+    others = [
+        _float8_cast_s(op, trace, bandwidth, dev.launch_s, {sid}) for op in readers
+    ]  # the same matmuls with that operand already cast
+    assert sum(seconds) - sum(others) == pytest.approx(2.5 * shard / bandwidth + 2 * dev.launch_s)
+    assert shard == 2 * 8 * 64 * 2
