@@ -390,8 +390,8 @@ def test_pp_splits_the_blocks_and_holds_the_micro_batches_its_schedule_keeps():
     the blocks over the same dp as pp 1 at half the ranks; its activations per micro-batch are x and x * scale
     (2D), two blocks' relu outputs (4H) and the second block's input (D); 1F1B keeps P = 2 micro-batches in
     flight on rank 0, GPipe all M = 4, Interleaved1F1B (V = 2, stages [1, 2, 1, 0] blocks) on rank 0 (stages 0 and
-    2) (V - 1) P + 2 (P - 1) + 1 = 5 of its 4 stage-chunks: stage 0 (x, x * scale, 2H) and stage 2 (its input D,
-    2H). The bubble is (P - 1) / (M V) of the step's compute, the stage sends 2 (M V + P - 1) one-way sends of a
+    2) its (V - 1) R + 2 (P - 1) = 4 warm-up forwards and one more, R = 2 micro-batches a round, in torch's order
+    (stage 0 twice, stage 2 twice, stage 0): 3 x stage 0 (x, x * scale, 2H) + 2 x stage 2 (its input D, 2H). The bubble is (P - 1) / (M V) of the step's compute, the stage sends 2 (M V + P - 1) one-way sends of a
     block output (D x 4 tokens x 4 B) on the profile's link."""
     flat = _pp_plan(world=4)
     one_f_one_b, gpipe = _pp_plan(pp=2), _pp_plan(pp=2, pp_schedule="GPipe")
@@ -408,7 +408,7 @@ def test_pp_splits_the_blocks_and_holds_the_micro_batches_its_schedule_keeps():
     assert one_f_one_b.per_rank_bytes["activations"] == 2 * stage0
     assert gpipe.per_rank_bytes["activations"] == 4 * stage0
     assert interleaved.pp_stage_blocks == [1, 2, 1, 0] and interleaved.stages_per_rank == 2
-    assert interleaved.per_rank_bytes["activations"] == 5 * ((2 * D + 2 * H) + (D + 2 * H)) * MB_TOKENS * F32 // 2
+    assert interleaved.per_rank_bytes["activations"] == (3 * (2 * D + 2 * H) + 2 * (D + 2 * H)) * MB_TOKENS * F32
     for plan, v in ((one_f_one_b, 1), (gpipe, 1), (interleaved, 2)):
         compute = plan.compute_s["h100-nvlink"]
         assert plan.bubble_s["h100-nvlink"] == pytest.approx(

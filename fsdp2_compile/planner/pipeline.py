@@ -5,10 +5,11 @@ how many micro-batches' activations a schedule keeps, the bubble and the stage-t
   L + 2 "layers", the embedding and the head counting one each; the first (L + 2) mod S stages get one more; the
   first stage holds the embedding and one block less, the last the head (and the loss) and one block less.
 - Stages of a rank: rank r runs stages r, r + P, ... (torch's looped schedules; V = 1 for 1F1B and GPipe).
-- Activations in flight on rank r (micro-batch activations of its stages, torch's schedules): GPipe all M; 1F1B
-  min(P - r, M) (the first stage P); Interleaved1F1B (V - 1) P + 2 (P - 1 - r) + 1 stage-chunks, at most M V, each
-  1/V of the rank's micro-batch activations (the first rank P (1 + (P - 1) / (P V)) micro-batches: Narayanan et
-  al. 2021, Korthikanti et al. 2022).
+- Activations in flight on rank r (micro-batches of each of its stages, torch's schedules): GPipe all M; 1F1B
+  min(P - r, M) (the first stage P); Interleaved1F1B the (V - 1) R + 2 (P - 1 - r) warm-up forwards and the next
+  one, at most M V, R = M / max(1, M / P) micro-batches a round, in the schedule's order: R micro-batches through
+  its first stage, then through its second, ... (the last rank: P of its first stage, one of its last; Narayanan
+  et al. 2021, Korthikanti et al. 2022).
 - Time: the slowest rank's M micro-batches plus the bubble, (P - 1) / V of its time for one micro-batch
   ((P - 1) / M of the step's compute for 1F1B and GPipe); each micro-batch's activation crosses each stage
   boundary forward and its gradient backward, waited for before the next stage computes: 2 (M V + P - 1) sends
@@ -42,16 +43,20 @@ def rank_stages(rank: int, pp: int, stages_per_rank: int) -> list[int]:
     return [rank + j * pp for j in range(stages_per_rank)]
 
 
-def in_flight(schedule: str, pp: int, stages_per_rank: int, microbatches: int, rank: int) -> float:
-    """Micro-batches whose activations rank `rank` holds at its peak, in units of one micro-batch through all of
-    the rank's stages."""
+def in_flight(schedule: str, pp: int, stages_per_rank: int, microbatches: int, rank: int) -> list[int]:
+    """Micro-batches whose activations rank `rank` holds at its peak, for each of its stages (`rank_stages`
+    order)."""
     if schedule == "GPipe":
-        return float(microbatches)
+        return [microbatches]
     if schedule == "1F1B":
-        return float(min(pp - rank, microbatches))
+        return [min(pp - rank, microbatches)]
     v = stages_per_rank
-    chunks = min((v - 1) * pp + 2 * (pp - 1 - rank) + 1, microbatches * v)
-    return chunks / v
+    per_round = microbatches // max(1, microbatches // pp)
+    chunks = min((v - 1) * per_round + 2 * (pp - 1 - rank) + 1, microbatches * v)
+    counts = [0] * v
+    for j in range(chunks):
+        counts[(j // per_round) % v] += 1
+    return counts
 
 
 def bubble_s(pp: int, stages_per_rank: int, microbatch_s: float) -> float:

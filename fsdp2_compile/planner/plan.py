@@ -1225,7 +1225,9 @@ def _pipeline_memory(layout: Layout, full: _FullModel, copies: _Copies, ranks: l
             **rank.local,
             "gathered_peak": sum(g for g, _ in rank.buckets.values()),
             "unsharded_grads": int(unsharded_grads),
-            "activations": int(in_flight(layout.pp_schedule, layout.pp, layout.v, m, rank.rank) * rank.activations),
+            "activations": int(
+                sum(n * a for n, a in zip(in_flight(layout.pp_schedule, layout.pp, layout.v, m, rank.rank), per_stage))
+            ),
         }
         per_rank["total"] = sum(per_rank.values())
         per_rank["peak"] = int(per_rank["total"] + transient)
