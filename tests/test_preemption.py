@@ -5,6 +5,7 @@ restarted in place by torchrun's agent; relaunched at 4 ranks, the losses are wi
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -26,9 +27,9 @@ STEPS, EVERY = 12, 3
 class Run:
     """The example on `world` ranks, launched as torchrun would (env:// rendezvous), each rank's output in a file."""
 
-    def __init__(self, folder, ckpt: str, world: int = 2, steps: int = STEPS) -> None:
+    def __init__(self, folder, ckpt: str, world: int = 2, steps: int = STEPS, extra: tuple = ()) -> None:
         port, self.logs = free_port(), [f"{folder}rank{r}.log" for r in range(world)]
-        args = ["--eager", "--steps", str(steps), "--checkpoint-dir", ckpt, "--checkpoint-every", str(EVERY)]
+        args = ["--eager", "--steps", str(steps), "--checkpoint-dir", ckpt, "--checkpoint-every", str(EVERY), *extra]
         self.procs = []
         for rank, log in enumerate(self.logs):
             env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
@@ -162,6 +163,87 @@ def test_sigterm_to_one_rank_then_sigkill_of_one_rank_under_torchrun_resume_bitw
     assert sorted(done) == list(range(saved, saved + 3)), wider.output()
     for step, loss in done.items():
         assert abs(float(loss) - float(expected[step])) <= 1e-6, (step, loss, expected[step])
+
+
+def digest(folder: str) -> str:
+    """sha256 of every file's path and bytes under `folder`."""
+    h = hashlib.sha256()
+    for root, _, files in sorted(os.walk(folder)):
+        for name in sorted(files):
+            h.update(os.path.relpath(os.path.join(root, name), folder).encode())
+            with open(os.path.join(root, name), "rb") as f:
+                h.update(f.read())
+    return h.hexdigest()
+
+
+IN_ONE_PROCESS = """
+import contextlib, io, json, os, sys
+import torch.distributed as dist
+example, cases, port = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
+sys.path.insert(0, os.path.dirname(example))
+import train_gpt
+results = []
+for i, args in enumerate(cases):
+    os.environ["MASTER_PORT"] = str(port + i)
+    sys.argv[1:] = args
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            train_gpt.main()
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    except ValueError as e:
+        code, err = 1, io.StringIO(f"ValueError: {e}")
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    results.append([code, err.getvalue()])
+print(json.dumps(results))
+"""
+
+
+def test_relaunch_with_another_model_a_batch_that_does_not_split_or_steps_below_the_checkpoint_fails_clearly(tmp_path):
+    ckpt, common = str(tmp_path / "ckpt"), ("--eager", "--checkpoint-dir", str(tmp_path / "ckpt"), "--batch", "3")
+    small = ("--layers", "1", "--d-model", "32")
+    folder = os.path.join(ckpt, "save-000001")
+    cases = {  # one process, one rank: train_gpt's main() once per case
+        "save": (0, "", [*common, *small, "--steps", "3"]),
+        "deeper": (1, f"ValueError: checkpoint {folder} has no entry for model parameter/buffer 'blocks.1.", []),
+        "wider": (
+            1,
+            f"ValueError: checkpoint {folder}: 'tok_emb.weight' has shape (512, 32) in the checkpoint but ",
+            [],
+        ),
+        "steps": (
+            2,
+            "--steps 2 is below step 3, where the checkpoint in " + ckpt + " resumes (the data is endless",
+            [],
+        ),
+    }
+    cases["deeper"][2].extend([*common, "--layers", "2", "--d-model", "32"])
+    cases["wider"][2].extend([*common, "--layers", "1", "--d-model", "64"])
+    cases["steps"][2].extend([*common, *small, "--steps", "2"])
+    env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+    one = subprocess.Popen(
+        [sys.executable, "-c", IN_ONE_PROCESS, EXAMPLE, json.dumps([c[2] for c in cases.values()]), str(free_port())],
+        stdout=subprocess.PIPE,
+        env=dict(env, OMP_NUM_THREADS="1"),
+        text=True,
+    )
+    deadline = time.monotonic() + 120
+    while not os.path.exists(os.path.join(ckpt, "committed.json")):  # the save is done
+        assert one.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    before = digest(ckpt)
+    world = Run(tmp_path / "world-", ckpt, world=2, extra=("--batch", "3", *small))  # 2 ranks: 3 does not split
+    results = json.loads(one.communicate(timeout=120)[0].splitlines()[-1])
+    for (case, (code, message, _)), (got, output) in zip(cases.items(), results):
+        assert got == code and message in output, (case, got, output)
+    assert world.finish(timeout=120) == [2, 2], world.output()
+    for log in world.logs:  # on every rank, before any collective
+        output = open(log).read()
+        assert "--batch 3 does not split evenly over 2 ranks x --accumulate 1 micro-batches: run on" in output, output
+    assert digest(ckpt) == before
 
 
 def test_checkpoint_every_below_one_is_an_argument_error():

@@ -88,7 +88,7 @@ def _warn_if_restarts_share_the_store() -> None:
             "that dies: the next attempt's init_process_group (gloo) may read a dead rank's address and fail with "
             "'Connection refused' or hang until its timeout, with fully_shard as with shard; "
             + ELASTIC_RESTART_SETTINGS,
-            stacklevel=4,
+            stacklevel=6,  # fc.shard's caller
         )
 
 
