@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from gpt import GPT, GPTConfig, gpt_loss  # noqa: E402
 
 import fsdp2_compile as fc  # noqa: E402
-from fsdp2_compile.checkpoint import load_checkpoint, save_checkpoint, wait_for_saves  # noqa: E402
+from fsdp2_compile.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 from fsdp2_compile.compiler.report import collectives, compiled_graphs  # noqa: E402
 
 
