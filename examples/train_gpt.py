@@ -1,12 +1,12 @@
 """Sharded training of a small GPT on CPU/gloo through the compiler pipeline.
 
-    torchrun --nproc-per-node 2 examples/train_gpt.py [--steps 20] [--bf16] [--eager] [--accumulate 2]
+    torchrun --nproc-per-node 2 examples/train_gpt.py [--steps 20] [--bf16] [--eager] [--accumulate 2] [--layers 4]
     torchrun --nproc-per-node 4 examples/train_gpt.py --hsdp        # 2 replicas x 2 shards
     torchrun --nproc-per-node 2 examples/train_gpt.py --checkpoint-dir ckpt --checkpoint-every 5
 
 With --checkpoint-dir the run resumes from the checkpoint committed there, if any, and saves the model, AdamW, the
 LR scheduler and the step every --checkpoint-every steps and at the end (the data is synthetic: a step's batch is a
-function of the step, so the step is the data position). SIGTERM (a scheduler's notice before SIGKILL; torchrun
+function of the step, so the step is the data position, and the data is endless). SIGTERM (a scheduler's notice before SIGKILL; torchrun
 passes it on to its workers and kills them 30 s later) stops every rank after the same step, saves, and exits 0.
 
 Prints the loss of every step, then per rank the bytes held (parameters, gradients, AdamW state) against the
@@ -79,20 +79,33 @@ def main() -> None:
     parser.add_argument("--eager", action="store_true", help="run the sharded module without compiling it")
     parser.add_argument("--hsdp", action="store_true", help="HSDP: shard within pairs of ranks, replicate across")
     parser.add_argument(
-        "--accumulate", type=int, default=1, help="micro-batches per step, gradient sync only on the last"
+        "--accumulate", type=at_least_one, default=1, help="micro-batches per step, gradient sync only on the last"
     )
+    parser.add_argument("--layers", type=at_least_one, default=4, help="transformer blocks")
+    parser.add_argument("--d-model", type=at_least_one, default=128, help="model width (a multiple of 4, the heads)")
     parser.add_argument("--checkpoint-dir", help="resume from the checkpoint committed here, if any; save here")
     parser.add_argument("--checkpoint-every", type=at_least_one, default=10, help="save every this many steps")
+    parser.add_argument(
+        "--async-save", action="store_true", help="the saves every --checkpoint-every steps in the background"
+    )
     args = parser.parse_args()
+    if args.d_model % 4:
+        parser.error(f"--d-model must be a multiple of 4 (the heads), got {args.d_model}")
     stop_asked = threading.Event()
     if args.checkpoint_dir:  # SIGTERM: finish the step, agree with the other ranks, save, exit 0
         signal.signal(signal.SIGTERM, lambda signum, frame: stop_asked.set())
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    if args.batch % (world * args.accumulate):  # before any collective: every rank exits alike
+        parser.error(
+            f"--batch {args.batch} does not split evenly over {world} ranks x --accumulate {args.accumulate} "
+            "micro-batches: run on a number of ranks whose product with --accumulate divides --batch (the global "
+            "batch, and so the math, stays the same), or change --batch"
+        )
     mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("replicate", "shard")) if args.hsdp else None
     torch.manual_seed(0)
-    cfg = GPTConfig(vocab_size=512, block_size=64, n_layer=4, n_head=4, d_model=128)
+    cfg = GPTConfig(vocab_size=512, block_size=64, n_layer=args.layers, n_head=4, d_model=args.d_model)
     model = GPT(cfg)
     unsharded = sum(p.numel() * p.element_size() for p in model.parameters())
 
@@ -115,6 +128,12 @@ def main() -> None:
                 print(f"resumed from {args.checkpoint_dir} at step {train.step}", flush=True)
         except FileNotFoundError:  # nothing committed there yet (every rank alike): start afresh
             pass
+        if train.step > args.steps:  # every rank loaded the same step
+            parser.error(
+                f"--steps {args.steps} is below step {train.step}, where the checkpoint in {args.checkpoint_dir} "
+                "resumes (the data is endless: a step's batch is a function of the step); pass --steps above "
+                f"{train.step} to train on, or another --checkpoint-dir to start afresh"
+            )
 
     local = args.batch // world
     for step in range(train.step, args.steps):
@@ -139,7 +158,8 @@ def main() -> None:
         stop = torch.tensor([float(stop_asked.is_set())])
         dist.all_reduce(stop, op=dist.ReduceOp.MAX)  # a rank signalled later than another stops at the same step
         if stop.item() or train.step % args.checkpoint_every == 0 or train.step == args.steps:
-            save_checkpoint(args.checkpoint_dir, model, opt, extra_state=saved)
+            background = args.async_save and not stop.item() and train.step < args.steps
+            save_checkpoint(args.checkpoint_dir, model, opt, extra_state=saved, async_save=background)
         if stop.item():
             if rank == 0:
                 print(f"SIGTERM: saved at step {train.step} to {args.checkpoint_dir}; exiting", flush=True)

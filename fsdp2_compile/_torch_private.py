@@ -83,6 +83,7 @@ __all__ = [
     "root_mesh_groups",
     "set_compiled_call_impl",
     "set_fully_shard_state",
+    "store_keys_under",
     "strided_shard",
     "subgraph_schemas_reused",
     "to_copy",
@@ -469,12 +470,14 @@ def resolve_group(group_name: str):
 
 
 _ONE_THREAD_GLOO = "fsdp2_gloo_one_thread"
+_KEY_PREFIX: list[str] = [""]
+"""The store-key prefix of the next group `one_thread_gloo_backend` makes (`store_keys_under`)."""
 
 
 def one_thread_gloo_backend() -> str:
     """The name of a registered backend that is gloo with one worker thread (`init_process_group` and
     `new_group` ignore gloo's `pg_options`, so its thread count can only be set by constructing it)."""
-    from torch.distributed import Backend, ProcessGroupGloo
+    from torch.distributed import Backend, PrefixStore, ProcessGroupGloo
 
     if not hasattr(Backend, _ONE_THREAD_GLOO.upper()):
 
@@ -483,10 +486,24 @@ def one_thread_gloo_backend() -> str:
             options._threads = 1
             options._timeout = timeout
             options._devices = [ProcessGroupGloo.create_default_device()]
+            if _KEY_PREFIX[0]:
+                store = PrefixStore(_KEY_PREFIX[0], store)
             return ProcessGroupGloo(store, rank, size, options)
 
         Backend.register_backend(_ONE_THREAD_GLOO, create, devices=["cpu"])
     return _ONE_THREAD_GLOO
+
+
+@contextlib.contextmanager
+def store_keys_under(prefix: str) -> Iterator[None]:
+    """Groups of `one_thread_gloo_backend` made in this block publish their addresses in the store under `prefix`
+    (gloo's own keys are a function of the group's name alone, which a restarted attempt reuses: in a store that
+    outlived the previous attempt, a rank would read its dead peer's address)."""
+    _KEY_PREFIX[0] = prefix
+    try:
+        yield
+    finally:
+        _KEY_PREFIX[0] = ""
 
 
 _trace_structured_artifact = _resolve("torch._logging._internal:trace_structured_artifact")

@@ -23,6 +23,10 @@ compares with theirs. Graphs without collectives are not checked.
 `CompileConfig.check_rank_consistency=False` skips only the comparison of schedules; the configs are still
 exchanged, so a rank that turned it off is named on every rank instead of leaving the others waiting.
 
+Keys carry the token the group's ranks drew when `shard` made the group (`process_groups.attempt_token`), so a
+job restarted in place by torchrun's agent, whose store keeps the records of the attempt that died, never reads
+them.
+
 Graphs are paired across ranks by their Dynamo frame (numbered per group in the order the backend first meets it)
 and kind; the groups are read off the graph as captured, so a rank whose pass pipeline raises publishes its failure
 under the keys its peers wait on. A recompile of a frame whose record the ranks already agreed on (e.g. for a new
@@ -54,6 +58,7 @@ from fsdp2_compile._torch_private import current_compile_id, default_store, grou
 from fsdp2_compile.compiler.report import collectives
 from fsdp2_compile.core.group_caches import dropped_with_groups
 from fsdp2_compile.core.ir import schema_args
+from fsdp2_compile.runtime.process_groups import attempt_token
 
 __all__ = ["check_same_schedule", "graph_groups", "rank_check", "schedule_signature"]
 
@@ -252,7 +257,8 @@ def _channel(name: str, ranks: list[int], kind: str) -> _Channel:
         frame = f"f{frames.setdefault(compile_id[0], len(frames))}"
     else:  # outside Dynamo (a direct `check_same_schedule`): numbered per group, as the group's ranks call it
         frame = f"n{next(_UNNAMED.setdefault(scope, itertools.count()))}"
-    key = f"fsdp2_compile/check/{scope}/{frame}/{kind}"
+    token = attempt_token(name)  # the group's ranks drew it in this attempt: no record of an earlier one is read
+    key = f"fsdp2_compile/check/{token + '/' if token else ''}{scope}/{frame}/{kind}"
     agreed = _AGREED.setdefault(key, [])
     return _Channel(ranks, f"{key}/{len(agreed)}", agreed)
 

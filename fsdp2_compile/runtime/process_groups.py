@@ -13,19 +13,34 @@ The twin has the same ranks and timeout as the mesh group; it is created once pe
 synchronization: only its members take part, in the order `shard` is called, which every rank shares) and used
 only by the fsdp2 ops. DTensor's own collectives (`full_tensor`, `clip_grad_norm_`) keep the mesh group. Other
 backends (NCCL) use the mesh group as it is.
+
+Each twin publishes its gloo addresses in the store under a token its ranks draw afresh when they make it (one
+broadcast over the mesh group, `attempt_token`). Gloo's keys are otherwise a function of the group's name alone,
+which a restarted attempt reuses: under torchrun's `--max-restarts`, whose agent keeps the store of the attempt
+that died, a rank would read its dead peer's address (a refused connection, or a hang). The rank-consistency
+check keys its records with the same token.
 """
 
 from __future__ import annotations
 
+import os
+import secrets
 import warnings
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
-from fsdp2_compile._torch_private import group_ranks, group_timeout, one_thread_gloo_backend, resolve_group
+from fsdp2_compile._torch_private import (
+    group_ranks,
+    group_timeout,
+    one_thread_gloo_backend,
+    resolve_group,
+    store_keys_under,
+)
 from fsdp2_compile.core.group_caches import dropped_with_groups
 
-__all__ = ["fsdp_group", "resolve_reshard"]
+__all__ = ["attempt_token", "fsdp_group", "resolve_reshard"]
 
 _TWINS: dict[str, str] = dropped_with_groups({})
 """Mesh group name -> the name of its one-thread gloo twin."""
@@ -36,15 +51,63 @@ def fsdp_group(group_name: str) -> str:
     if not group_name or dist.get_backend(resolve_group(group_name)) != "gloo":
         return group_name
     if group_name not in _TWINS:
-        twin = dist.new_group(
-            ranks=group_ranks(group_name),
-            backend=one_thread_gloo_backend(),
-            timeout=timedelta(seconds=group_timeout(group_name)),
-            use_local_synchronization=True,
-            group_desc=f"fsdp2_compile serial twin of {group_name}",
-        )
+        _warn_if_restarts_share_the_store()
+        token = _draw_token(group_name)
+        with store_keys_under(f"fsdp2_compile/{token}/"):
+            twin = dist.new_group(
+                ranks=group_ranks(group_name),
+                backend=one_thread_gloo_backend(),
+                timeout=timedelta(seconds=group_timeout(group_name)),
+                use_local_synchronization=True,
+                group_desc=f"fsdp2_compile serial twin of {group_name}",
+            )
         _TWINS[group_name] = twin.group_name
+        _TOKENS[twin.group_name] = token
     return _TWINS[group_name]
+
+
+ELASTIC_RESTART_SETTINGS = (
+    "for in-place restarts launch with `--rdzv-backend c10d` and the environment variable "
+    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (each attempt gets a fresh store), or with --max-restarts 0 and let the "
+    "scheduler relaunch the job (resuming from its checkpoint)"
+)
+
+
+def _warn_if_restarts_share_the_store() -> None:
+    """Warn when torchrun may restart this gloo job in place (`--max-restarts` > 0) on the store of its agent, which
+    outlives a failed attempt with its keys: gloo's `init_process_group` in the next attempt can read a dead rank's
+    address and fail ("Connection refused") or hang until its timeout, before any code of ours runs."""
+    if (
+        os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) > 0
+        and dist.get_backend() == "gloo"
+    ):
+        warnings.warn(
+            "fsdp2_compile: torchrun restarts this job in place (--max-restarts "
+            f"{os.environ['TORCHELASTIC_MAX_RESTARTS']}) on its agent's store, which keeps the keys of an attempt "
+            "that dies: the next attempt's init_process_group (gloo) may read a dead rank's address and fail with "
+            "'Connection refused' or hang until its timeout, with fully_shard as with shard; "
+            + ELASTIC_RESTART_SETTINGS,
+            stacklevel=6,  # fc.shard's caller
+        )
+
+
+_TOKENS: dict[str, str] = dropped_with_groups({})
+"""Name of a group made here -> the token its ranks drew when it was made."""
+
+
+def _draw_token(group_name: str) -> str:
+    """A random token, the same on every rank of the group `group_name` (a broadcast from its first rank): different
+    in each attempt of a restarted job, so keys under it never meet an earlier attempt's."""
+    token = torch.tensor([secrets.randbits(62)], dtype=torch.int64)
+    dist.broadcast(token, src=group_ranks(group_name)[0], group=resolve_group(group_name))
+    return f"{token.item():x}"
+
+
+def attempt_token(group_name: str) -> str:
+    """The token the ranks of `group_name` (a twin or a post-forward group) drew when it was made, "" for other
+    groups: store keys scoped by it are this attempt's alone."""
+    return _TOKENS.get(group_name, "")
 
 
 _GROUPS: dict[tuple[str, int], str] = dropped_with_groups({})
@@ -88,12 +151,16 @@ def _post_forward_group(shard_group_name: str, size: int) -> str:
         ranks = group_ranks(shard_group_name)
         start = ranks.index(dist.get_rank()) // size * size
         gloo = dist.get_backend(dist.group.WORLD) == "gloo"
-        group = dist.new_group(
-            ranks=ranks[start : start + size],
-            backend=one_thread_gloo_backend() if gloo else None,
-            timeout=timedelta(seconds=group_timeout(shard_group_name)),
-            use_local_synchronization=True,
-            group_desc=f"fsdp2_compile post-forward group of {size} in {shard_group_name}",
-        )
+        token = _draw_token(shard_group_name) if gloo else ""
+        with store_keys_under(f"fsdp2_compile/{token}/" if token else ""):
+            group = dist.new_group(
+                ranks=ranks[start : start + size],
+                backend=one_thread_gloo_backend() if gloo else None,
+                timeout=timedelta(seconds=group_timeout(shard_group_name)),
+                use_local_synchronization=True,
+                group_desc=f"fsdp2_compile post-forward group of {size} in {shard_group_name}",
+            )
         _GROUPS[key] = group.group_name
+        if token:
+            _TOKENS[group.group_name] = token
     return _GROUPS[key]
