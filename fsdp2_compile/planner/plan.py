@@ -790,6 +790,15 @@ def _compile_and_trace_copies(
     step: Callable,
 ) -> _Copies:
     """Compile each copy through the pipeline (its collectives) and play one step of it on meta (its ops)."""
+    copies = _compile_copies(factory, layout, call, meshes, full, hardware, step)
+    _trace_copies(copies, factory, layout, call, full, ac_used, step)
+    return copies
+
+
+def _compile_copies(
+    factory: Callable, layout: Layout, call: Callable, meshes: tuple, full: _FullModel, hardware: str, step: Callable
+) -> _Copies:
+    """The copies' compiled graphs' figures (`_Copies` without traces)."""
     mesh, tp_mesh = meshes
     compile_kwargs = {
         "reshard_after_forward": layout.reshard_after_forward,
@@ -798,31 +807,40 @@ def _compile_and_trace_copies(
     }
     reduce = full.has_blocks and full.layers > 2
     copies = _Copies(full.layers, reduce, [], [], [], [], [])
-    param_dtype = layout.mp_policy.param_dtype
     for n in (1, 2) if reduce else (None,):
         what = f"a {n}-block copy" if n else "the model"
         step(f"compiling {what} through the pipeline")
         model, args, loss_fn, how = reduced_copy(factory, n, call) if n else (*call(factory), "")
         args = _microbatch(args, layout, full)
         copies.figures.append(_compile_and_measure(model, args, loss_fn, mesh, compile_kwargs, tp_mesh, full.tp_plan))
-        local = " (one TP rank's share)" if tp_mesh is not None else ""
+        copies.hows.append(how)
+    return copies
+
+
+def _trace_copies(
+    copies: _Copies, factory: Callable, layout: Layout, call: Callable, full: _FullModel, ac_used: str, step: Callable
+) -> None:
+    """Play one step of each copy on the meta device (its ops), into `copies.traces` (and, under TP, the unsplit
+    copies into `copies.full_traces`)."""
+    param_dtype = layout.mp_policy.param_dtype
+    for n in (1, 2) if copies.reduce else (None,):
+        what = f"a {n}-block copy" if n else "the model"
+        local = " (one TP rank's share)" if layout.tp > 1 else ""
         local += " for one micro-batch" if layout.pp > 1 else ""
         step(f"playing one step of {what}{local} on the meta device ({layout.attention} attention, AC {ac_used})")
-        model, args, loss_fn, how = reduced_copy(factory, n, call) if n else (*call(factory), "")
+        model, args, loss_fn, _ = reduced_copy(factory, n, call) if n else (*call(factory), "")
         args = _microbatch(args, layout, full)
-        if tp_mesh is not None:
+        if layout.tp > 1:
             copies.tp_left = tp_local_copy(model, full.tp_plan, layout.tp)
         copies.traces.append(
             trace_step(model, args, loss_fn, attention=layout.attention, ac=ac_used, param_dtype=param_dtype)
         )
-        if tp_mesh is not None:  # the unsplit model's FLOPs, for MFU
+        if layout.tp > 1:  # the unsplit model's FLOPs, for MFU
             model, args, loss_fn, _ = reduced_copy(factory, n, call) if n else (*call(factory), "")
             args = _microbatch(args, layout, full)
             copies.full_traces.append(
                 trace_step(model, args, loss_fn, attention=layout.attention, ac=ac_used, param_dtype=param_dtype)
             )
-        copies.hows.append(how)
-    return copies
 
 
 def _microbatch(args: tuple, layout: Layout, full: _FullModel) -> tuple:
@@ -1302,10 +1320,16 @@ def make_plan(
     meshes = plan_meshes(layout.world_size, layout.replicate, layout.tp, layout.pp)
 
     full = _shard_full_model(factory, layout, call, meshes, step)
-    kept = _kept_decision(layout, full)
     ac_used = "as given" if full.given_ac else layout.ac
     copies = _compile_and_trace_copies(factory, layout, call, meshes, full, ac_used, profiles[0], step)
+    return _assemble(layout, full, copies, profiles)
 
+
+def _assemble(layout: Layout, full: _FullModel, copies: _Copies, profiles: list[str]) -> Plan:
+    """The plan's figures from the full model's shard and the copies' graphs and traces: arithmetic only (the
+    search evaluates it for every knob combination on stages it shares between layouts)."""
+    ac_used = "as given" if full.given_ac else layout.ac
+    kept = _kept_decision(layout, full)
     kept_bytes = _kept_for_backward(kept, copies, full.numel)
     comm = _communication(copies, layout.shard_size, kept_bytes)
     model_flops = 3 * copies.extrapolate([t.forward_flops() for t in (copies.full_traces or copies.traces)]) / layout.tp
