@@ -9,7 +9,7 @@ all of the resharded bytes) and float8 where the device has it. The local batch 
 
 The stages of `make_plan` are shared between candidates by what each depends on (`plan.py`): the full model is
 sharded once per tp and its figures at another dp split derived from its parameters' shapes; each copy is compiled
-once per (tp, rows per micro-batch under tp, shard size class) with FSDP's collectives derived for the candidate's
+once per (tp, rows per micro-batch under tp, shard size 1 or more) with FSDP's collectives derived for the candidate's
 shard size, replicas and resharding; each copy is traced once per (tp, activation checkpointing, rows). A
 derivation is checked against the stage it comes from, and a stage whose check fails is built for each candidate.
 """
@@ -49,7 +49,16 @@ from fsdp2_compile.planner.plan import (
 from fsdp2_compile.planner.reduced_depth import block_list, reduced_copy
 from fsdp2_compile.planner.tensor_parallel import plan_meshes
 
-__all__ = ["DEVICE_MEMORY", "Candidate", "Scored", "SearchResult", "enumerate_candidates", "search"]
+__all__ = [
+    "DEVICE_MEMORY",
+    "Candidate",
+    "Scored",
+    "SearchResult",
+    "enumerate_candidates",
+    "format_search",
+    "plan_candidates",
+    "search",
+]
 
 DEVICE_MEMORY = {"h100-nvlink": 80 * 2**30, "h100-infiniband": 80 * 2**30}
 """Device memory by profile (H100 SXM, 80 GB); a CPU profile needs the budget given (`device_memory`)."""
@@ -177,6 +186,14 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def _replicas(dp: int, tp: int, node: int, world_size: int) -> list[int]:
+    """HSDP replica counts: every divisor of dp within one node; beyond one node, 1 and the count that shards
+    each parameter over one node's GPUs (shard x tp = node), HSDP's usual layout."""
+    if world_size <= node:
+        return _divisors(dp)
+    return [r for r in _divisors(dp) if r == 1 or dp // r * tp == node]
+
+
 HEAD_ATTRS = ("n_heads", "n_kv_heads", "num_heads", "num_attention_heads", "num_key_value_heads", "n_head")
 """Attributes naming a head count, on a module or its `cfg` / `config`: tensor parallelism splits heads whole."""
 
@@ -212,13 +229,16 @@ def enumerate_candidates(
         pruned[rule] = pruned.get(rule, 0) + n
 
     node = NODE_GPUS.get(profile, world_size)
-    float8 = [False, True] if device_for(profile).float8_flops and base.mp_policy.param_dtype == torch.bfloat16 else [False]
-    pipeline_knobs = [(s, f8, ac) for s in ("1F1B", "Interleaved1F1B") for f8 in float8 for ac in ("none", "selective", "full")]
+    float8 = (
+        [False, True] if device_for(profile).float8_flops and base.mp_policy.param_dtype == torch.bfloat16 else [False]
+    )
+    pipeline_knobs = [
+        (s, f8, ac) for s in ("1F1B", "Interleaved1F1B") for f8 in float8 for ac in ("none", "selective", "full")
+    ]
     flat_knobs = [
         (r, pre, keep, f8, ac)
-        for r in (None, False)
+        for r, keep in ((None, None), (None, 0.5), (None, 1.0), (False, None))  # nothing to keep without resharding
         for pre in (1, 2)
-        for keep in (None, 0.5, 1.0)
         for f8 in float8
         for ac in ("none", "selective", "full")
     ]
@@ -226,7 +246,7 @@ def enumerate_candidates(
     for tp in [degrees["tp"]] if degrees["tp"] else _divisors(world_size):
         for pp in [degrees["pp"]] if degrees["pp"] else _divisors(world_size // tp):
             dp = world_size // (tp * pp)
-            reps = [degrees["replicate"]] if degrees["replicate"] else _divisors(dp)
+            reps = [degrees["replicate"]] if degrees["replicate"] else _replicas(dp, tp, node, world_size)
             n_knobs = len(pipeline_knobs) if pp > 1 else len(flat_knobs)
             enumerated += len(reps) * n_knobs
             rule = None
@@ -246,8 +266,15 @@ def enumerate_candidates(
                 if pp == 1:
                     for reshard, pre, keep, f8, ac in flat_knobs:
                         lay = dataclasses.replace(
-                            base, world_size=world_size, replicate=rep, tp=tp, reshard_after_forward=reshard,
-                            prefetch=pre, keep_gathered=keep, float8=f8, ac=ac,
+                            base,
+                            world_size=world_size,
+                            replicate=rep,
+                            tp=tp,
+                            reshard_after_forward=reshard,
+                            prefetch=pre,
+                            keep_gathered=keep,
+                            float8=f8,
+                            ac=ac,
                         )
                         out.append(Candidate(lay, local))
                     continue
@@ -260,9 +287,18 @@ def enumerate_candidates(
                         prune("micro-batches (one sample each) fewer than pp, or not a multiple of pp (interleaved)")
                         continue
                     lay = dataclasses.replace(
-                        base, world_size=world_size, replicate=rep, tp=tp, pp=pp, pp_schedule=schedule,
-                        microbatches=local, reshard_after_forward=None, float8=f8, ac=ac,
-                        keep_gathered=None, memory_budget_bytes=None,
+                        base,
+                        world_size=world_size,
+                        replicate=rep,
+                        tp=tp,
+                        pp=pp,
+                        pp_schedule=schedule,
+                        microbatches=local,
+                        reshard_after_forward=None,
+                        float8=f8,
+                        ac=ac,
+                        keep_gathered=None,
+                        memory_budget_bytes=None,
                     )
                     out.append(Candidate(lay, local))
     return out, pruned, enumerated
@@ -293,16 +329,28 @@ class _Stages:
 
     def full(self, cand: Candidate) -> _FullModel:
         lay = cand.layout
-        key = (lay.tp, lay.world_size // (lay.pp * lay.tp), lay.replicate, lay.pp, lay.v, lay.microbatches,
-               lay.float8, lay.reshard_after_forward, cand.local_batch)
+        key = (
+            lay.tp,
+            lay.world_size // (lay.pp * lay.tp),
+            lay.replicate,
+            lay.pp,
+            lay.v,
+            lay.microbatches,
+            lay.float8,
+            lay.reshard_after_forward,
+            cand.local_batch,
+        )
         if key in self.fulls:
             return self.fulls[key]
         if lay.tp not in self.refs:
             ref_layout = Layout(lay.world_size, tp=lay.tp, mp_policy=lay.mp_policy)
             self.built["full model shards"] += 1
             ref = _shard_full_model(
-                self.factory, ref_layout, self.call_for(cand.local_batch),
-                plan_meshes(lay.world_size, 1, lay.tp, 1), self.step,
+                self.factory,
+                ref_layout,
+                self.call_for(cand.local_batch),
+                plan_meshes(lay.world_size, 1, lay.tp, 1),
+                self.step,
             )
             self.refs[lay.tp] = ref
             if _comparable(self.derive_full(ref, ref_layout, cand.local_batch)) != _comparable(ref):
@@ -310,8 +358,11 @@ class _Stages:
         if lay.tp in self.exact_full:
             self.built["full model shards"] += 1
             full = _shard_full_model(
-                self.factory, lay, self.call_for(cand.local_batch),
-                plan_meshes(lay.world_size, lay.replicate, lay.tp, lay.pp), self.step,
+                self.factory,
+                lay,
+                self.call_for(cand.local_batch),
+                plan_meshes(lay.world_size, lay.replicate, lay.tp, lay.pp),
+                self.step,
             )
         else:
             full = self.derive_full(self.refs[lay.tp], lay, cand.local_batch)
@@ -396,7 +447,7 @@ class _Stages:
         lay = cand.layout
         rows = cand.local_batch // (lay.microbatches or cand.local_batch) if lay.pp > 1 else cand.local_batch
         s = lay.shard_size
-        key = (lay.tp, rows if lay.tp > 1 else None, min(s, 3))
+        key = (lay.tp, rows if lay.tp > 1 else None, s == 1)
         if key in self.exact_compile:
             exact = (key, lay.world_size, lay.replicate, lay.pp, s, lay.reshard_after_forward)
             if exact not in self.compiled:
@@ -440,8 +491,16 @@ class _Stages:
 
 def _comparable(full: _FullModel) -> tuple:
     return (
-        full.analytical, full.measured, full.numel, full.buckets, full.resharded, full.rows, full.tokens,
-        full.local_batch, full.param_dtype, full.reduce_dtype,
+        full.analytical,
+        full.measured,
+        full.numel,
+        full.buckets,
+        full.resharded,
+        full.rows,
+        full.tokens,
+        full.local_batch,
+        full.param_dtype,
+        full.reduce_dtype,
     )
 
 
@@ -504,8 +563,10 @@ def search(
         device_memory = DEVICE_MEMORY[profile]
     name = getattr(factory, "__name__", repr(factory))
     if "batch" not in inspect.signature(factory).parameters:
-        raise ValueError(f"factory {name}() takes no batch=: the search builds each layout's local batch (global "
-                         "batch / dp) through it; give the factory a batch= argument (dim 0 of its inputs)")
+        raise ValueError(
+            f"factory {name}() takes no batch=: the search builds each layout's local batch (global "
+            "batch / dp) through it; give the factory a batch= argument (dim 0 of its inputs)"
+        )
     step("building a 1-block copy for the model's blocks and heads")
     model = reduced_copy(factory, 1, lambda f, **kw: call(f, batch=1, **kw))[0]
     heads = _heads(model)
@@ -515,15 +576,8 @@ def search(
     )
     if not cands:
         raise ValueError(_nothing_left(world_size, global_batch, pruned, degrees))
-    stages = _Stages(factory, call, profile, step)
     step(f"planning {len(cands):,} candidates ({enumerated:,} enumerated)")
-    scored = []
-    for cand in cands:
-        full = stages.full(cand)
-        ac_used = "as given" if full.given_ac else cand.layout.ac
-        copies = stages.copies(cand, full, ac_used)
-        plan = _assemble(cand.layout, full, copies, [profile])
-        scored.append(Scored(cand, plan, profile, device_memory))
+    scored, built = plan_candidates(factory, cands, profile, device_memory, call=call, progress=step)
     fitting = [s for s in scored if s.fits]
     if not fitting:
         best = min(scored, key=lambda s: s.reserved)
@@ -535,9 +589,40 @@ def search(
         )
     fitting.sort(key=lambda s: -s.tokens_per_s)
     return SearchResult(
-        world_size, global_batch, profile, device_memory, enumerated, pruned, len(scored), len(fitting),
-        fitting[:top], time.perf_counter() - start, stages.built,
+        world_size,
+        global_batch,
+        profile,
+        device_memory,
+        enumerated,
+        pruned,
+        len(scored),
+        len(fitting),
+        fitting[:top],
+        time.perf_counter() - start,
+        built,
     )
+
+
+def plan_candidates(
+    factory: Callable,
+    cands: list[Candidate],
+    profile: str,
+    device_memory: int,
+    *,
+    call: Callable = lambda f, **kw: f(**kw),
+    progress: Callable[[str], object] | None = None,
+) -> tuple[list[Scored], dict[str, int]]:
+    """Each candidate's plan on `profile` (as `make_plan(factory, layout, call=<call with batch=local_batch>)`'s),
+    the stages shared between them; and how many times each stage was built."""
+    stages = _Stages(factory, call, profile, progress or (lambda msg: None))
+    scored = []
+    for cand in cands:
+        full = stages.full(cand)
+        ac_used = "as given" if full.given_ac else cand.layout.ac
+        copies = stages.copies(cand, full, ac_used)
+        plan = _assemble(cand.layout, full, copies, [profile])
+        scored.append(Scored(cand, plan, profile, device_memory))
+    return scored, stages.built
 
 
 def _block_count(factory: Callable, call: Callable) -> int:
@@ -580,6 +665,10 @@ def describe(cand: Candidate) -> str:
     return ", ".join(words)
 
 
+def _secs(seconds: float) -> str:
+    return f"{seconds:.2f} s" if seconds >= 1 else f"{seconds * 1e3:.1f} ms"
+
+
 def format_search(result: SearchResult) -> str:
     pruned = ", ".join(f"{rule} {n:,}" for rule, n in result.pruned.items()) or "none"
     out = [
@@ -590,13 +679,13 @@ def format_search(result: SearchResult) -> str:
         + ", ".join(f"{n} {what}" for what, n in result.stages.items())
         + f"; {result.wall_s:.1f} s",
         "",
-        f"  {'#':<3}{'tokens/s/GPU':>13}{'step':>9}{'compute':>9}{'exp.comm':>9}{'bubble':>8}"
-        f"{'reserved / device':>22}{'MFU':>7}  {'binds':<8} layout",
+        f"  {'#':<3}{'tokens/s/GPU':>13}{'step':>10}{'compute':>10}{'exp. comm':>10}{'bubble':>10}"
+        f"{'reserved / device':>24}{'MFU':>7}  {'binds':<8} layout",
     ]
     for i, s in enumerate(result.top, 1):
         out.append(
-            f"  {i:<3}{s.tokens_per_s:>13,.0f}{s.step_s:>8.2f}s{s.compute_s:>8.2f}s{s.exposed_s:>8.2f}s"
-            f"{s.bubble_s:>7.2f}s{size_text(s.reserved) + ' / ' + size_text(s.device_memory):>22}"
+            f"  {i:<3}{s.tokens_per_s:>13,.0f}{_secs(s.step_s):>10}{_secs(s.compute_s):>10}{_secs(s.exposed_s):>10}"
+            f"{_secs(s.bubble_s):>10}{size_text(s.reserved) + ' / ' + size_text(s.device_memory):>24}"
             f"{s.plan.mfu[s.profile] * 100:>6.1f}%  {s.binds:<8} {describe(s.candidate)}"
         )
     return "\n".join(out) + "\n"
