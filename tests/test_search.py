@@ -111,7 +111,19 @@ def test_emitted_recipe_builds_and_trains(tmp_path):
             "not a multiple of --replicate 1 x --tp 3",
         ),
         (
-            ["--world-size", "8", "--search", "--global-batch", "6", "--hardware", "h100-nvlink", "--tp", "2"],
+            [
+                "--world-size",
+                "8",
+                "--search",
+                "--global-batch",
+                "6",
+                "--hardware",
+                "h100-nvlink",
+                "--tp",
+                "2",
+                "--pp",
+                "1",
+            ],
             "--global-batch 6 is not a multiple of the data-parallel size 4",
         ),
         (

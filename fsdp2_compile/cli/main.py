@@ -248,9 +248,7 @@ def _check_search_args(ns: argparse.Namespace) -> None:
     ]
     if given:
         raise UsageError(f"{given[0]} with --search: the search enumerates it; leave it out")
-    if ns.global_batch % (ns.world_size // (ns.pp * ns.replicate * ns.tp) * ns.replicate) and (
-        ns.tp > 1 or ns.pp > 1 or ns.replicate > 1
-    ):
+    if ns.global_batch % (ns.world_size // (ns.pp * ns.tp)) and "tp" in ns.pinned and "pp" in ns.pinned:
         dp = ns.world_size // (ns.pp * ns.tp)
         raise UsageError(
             f"--global-batch {ns.global_batch} is not a multiple of the data-parallel size {dp} (--world-size "
@@ -408,8 +406,7 @@ def cmd_search(ns: argparse.Namespace) -> int:
 
         factory = load_target(ns.target)
         base = Layout(ns.world_size, mp_policy=_mp_policy(ns.mp), attention=ns.attention, compiler=ns.compiler)
-        degrees = {"tp": ns.tp if ns.tp > 1 else None, "pp": ns.pp if ns.pp > 1 else None}
-        degrees["replicate"] = ns.replicate if ns.replicate > 1 else None
+        degrees = {k: ns.pinned.get(k) for k in ("tp", "pp", "replicate")}
         with fake_group(ns.world_size):
             try:
                 result = search(
@@ -457,8 +454,8 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     """What both subcommands take: the model, the ranks and the mixed precision."""
     parser.add_argument("target", metavar="TARGET", help=TARGET_HELP)
     parser.add_argument("--world-size", type=int, required=True, help="number of ranks (N)")
-    parser.add_argument("--replicate", type=int, default=1, metavar="R", help=REPLICATE_HELP)
-    parser.add_argument("--tp", type=int, default=1, metavar="T", help=TP_HELP)
+    parser.add_argument("--replicate", type=int, metavar="R", help=REPLICATE_HELP)
+    parser.add_argument("--tp", type=int, metavar="T", help=TP_HELP)
     parser.add_argument("--mp", choices=["bf16"], help="mixed precision: bf16 parameters, fp32 gradient reduction")
 
 
@@ -581,7 +578,6 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--pp",
         type=int,
-        default=1,
         metavar="P",
         help="pipeline parallelism of degree P: mesh P x N/P (pp x dp), with --replicate / --tp inside; the blocks "
         "split into P x V stages as torchtitan splits them (default 1: no PP)",
@@ -616,7 +612,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="enumerate layouts and knobs (tp, pp, replicate, AC, resharding, prefetch, keep_gathered, float8) at "
         "--world-size and --global-batch on --hardware, and print the five that fit memory with the most tokens/s "
-        "per GPU; --tp / --pp / --replicate above 1 pin that degree",
+        "per GPU; --tp / --pp / --replicate, when given, pin that degree",
     )
     plan.add_argument("--global-batch", type=int, metavar="B", help="with --search: samples per step, all ranks")
     plan.add_argument(
@@ -641,6 +637,11 @@ def main(argv: list[str] | None = None) -> int:
         if ns.command is None:
             parser.print_help()
             return 2
+        # degrees given on the command line (--search keeps them), then their default 1
+        ns.pinned = {k: getattr(ns, k, None) for k in ("tp", "pp", "replicate") if getattr(ns, k, None) is not None}
+        for k in ("tp", "pp", "replicate"):
+            if hasattr(ns, k) and getattr(ns, k) is None:
+                setattr(ns, k, 1)
         check_args(ns)
         return ns.run(ns)
     except UsageError as e:

@@ -1302,10 +1302,13 @@ def _pipeline_memory(layout: Layout, full: _FullModel, copies: _Copies, ranks: l
     fused = _FUSED[layout.compiler]
     m, n_stages = layout.microbatches or full.local_batch, layout.pp * layout.v
     saved = _part_figures(
-        copies, [{p: t.saved_bytes(fused, p) for p in ("block", "first", "last")} for t in copies.traces]
+        copies,
+        [{p: _memo(t, StepTrace.saved_bytes, fused, p) for p in ("block", "first", "last")} for t in copies.traces],
     )
     one = copies.traces[0]
-    transient = max((b for _, b in one.liveness(fused)), default=0) - one.saved_bytes(fused)
+    transient = max((b for _, b in _memo(one, StepTrace.liveness, fused)), default=0) - _memo(
+        one, StepTrace.saved_bytes, fused
+    )
     # a block's figure holds its input (the previous block's output); the first stage's first input is the
     # embedding's, so its last block's output, which only crosses to the next stage, is not held there
     boundary = one.boundary_bytes if n_stages > 1 else 0

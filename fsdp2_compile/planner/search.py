@@ -188,10 +188,10 @@ def _divisors(n: int) -> list[int]:
 
 def _replicas(dp: int, tp: int, node: int, world_size: int) -> list[int]:
     """HSDP replica counts: every divisor of dp within one node; beyond one node, 1 and the count that shards
-    each parameter over one node's GPUs (shard x tp = node), HSDP's usual layout."""
+    each parameter over one node's GPUs (shard x tp = node, shard > 1: not DDP), HSDP's usual layout."""
     if world_size <= node:
         return _divisors(dp)
-    return [r for r in _divisors(dp) if r == 1 or dp // r * tp == node]
+    return [r for r in _divisors(dp) if r == 1 or (dp // r * tp == node and dp // r > 1)]
 
 
 HEAD_ATTRS = ("n_heads", "n_kv_heads", "num_heads", "num_attention_heads", "num_key_value_heads", "n_head")
@@ -587,7 +587,7 @@ def search(
             f"{size_text(device_memory)} ({profile}, {len(scored):,} layouts planned); use more ranks, a smaller "
             "global batch, or a larger --device-memory"
         )
-    fitting.sort(key=lambda s: -s.tokens_per_s)
+    fitting.sort(key=lambda s: (-s.tokens_per_s, s.reserved))
     return SearchResult(
         world_size,
         global_batch,
