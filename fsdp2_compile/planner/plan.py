@@ -902,10 +902,17 @@ def _compile_copies(
 
 
 def _trace_copies(
-    copies: _Copies, factory: Callable, layout: Layout, call: Callable, full: _FullModel, ac_used: str, step: Callable
+    copies: _Copies,
+    factory: Callable,
+    layout: Layout,
+    call: Callable,
+    full: _FullModel,
+    ac_used: str,
+    step: Callable,
+    unsplit: list[StepTrace] | None = None,
 ) -> None:
     """Play one step of each copy on the meta device (its ops), into `copies.traces` (and, under TP, the unsplit
-    copies into `copies.full_traces`)."""
+    copies into `copies.full_traces`, or `unsplit` when given: the same copies traced without TP)."""
     param_dtype = layout.mp_policy.param_dtype
     for n in (1, 2) if copies.reduce else (None,):
         what = f"a {n}-block copy" if n else "the model"
@@ -919,7 +926,9 @@ def _trace_copies(
         copies.traces.append(
             trace_step(model, args, loss_fn, attention=layout.attention, ac=ac_used, param_dtype=param_dtype)
         )
-        if layout.tp > 1:  # the unsplit model's FLOPs, for MFU
+        if layout.tp > 1 and unsplit is not None:
+            copies.full_traces = list(unsplit)
+        elif layout.tp > 1:  # the unsplit model's FLOPs, for MFU
             model, args, loss_fn, _ = reduced_copy(factory, n, call) if n else (*call(factory), "")
             args = _microbatch(args, layout, full)
             copies.full_traces.append(

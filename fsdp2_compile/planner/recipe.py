@@ -137,7 +137,8 @@ def build_from_recipe(model: nn.Module, recipe: dict, factory: Callable | None =
     the TP plan (`factory.tp_plan` or the default) on the mesh's "tp" dimension, `shard` of each block then
     `shard_compile` of the root over the data-parallel dimensions. Needs the default process group of the
     recipe's world size. A pipeline recipe (pp > 1) is refused: split the model into its stages first
-    (`recipe["pp"]`, torch.distributed.pipelining), then build each stage's module with a pp = 1 recipe."""
+    (`recipe["pp"]`, torch.distributed.pipelining), then build each stage's module with a pp = 1 recipe. A float8
+    recipe expects the model already converted with torchao (docs/parallelisms.md)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 

@@ -470,7 +470,17 @@ class _Stages:
         if tkey not in self.traces:
             traced = _Copies(full.layers, figures_copies.reduce, [], [], [], [], [])
             self.built["copy traces"] += 1
-            _trace_copies(traced, self.factory, lay, self.call_for(cand.local_batch), full, ac_used, self.step)
+            unsplit = self.traces.get((1, ac_used, rows))  # the same copies without TP
+            _trace_copies(
+                traced,
+                self.factory,
+                lay,
+                self.call_for(cand.local_batch),
+                full,
+                ac_used,
+                self.step,
+                unsplit=unsplit.traces if unsplit is not None else None,
+            )
             self.traces[tkey] = traced
         traced = self.traces[tkey]
         return _Copies(
