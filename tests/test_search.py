@@ -84,6 +84,8 @@ def test_emitted_recipe_builds_and_trains(tmp_path):
             "1",
             "--pp",
             "1",
+            "--replicate",
+            "1",
             "--emit-config",
             str(path),
             "-q",
