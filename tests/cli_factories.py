@@ -158,3 +158,16 @@ def _sequence_parallel_plan(block):
 
 
 tp_mlp_sequence_parallel.tp_plan = _sequence_parallel_plan
+
+
+def llama_small(layers: int | None = None, batch: int = 1, seq: int = 32, device: str = "meta"):
+    """A 4-block Llama (d 96, 4 query / 2 key-value heads, vocab 1000), on the meta device unless `device` says
+    otherwise: the search's test model (`layers=` and `batch=`; a vocabulary that pads at 3 or 6 ranks)."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+    from llama import LlamaConfig, build
+
+    cfg = LlamaConfig(vocab_size=1000, n_layers=4, d_model=96, n_heads=4, n_kv_heads=2, ffn_dim=200)
+    return build(cfg, layers, batch, seq, device)

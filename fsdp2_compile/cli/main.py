@@ -170,7 +170,7 @@ def check_args(ns: argparse.Namespace) -> None:
             f"{ns.tp}: the mesh is pp x replicate x dp x tp; pass a --world-size that is a multiple of "
             f"{pp * ns.replicate * ns.tp}"
         )
-    if pp == 1 and ns.command == "plan":
+    if pp == 1 and ns.command == "plan" and not ns.search:
         for flag, value in (("--microbatches", ns.microbatches), ("--stages-per-rank", ns.stages_per_rank)):
             if value is not None:
                 raise UsageError(f"{flag} needs --pp P with P > 1 (pipeline parallelism)")
@@ -197,6 +197,8 @@ def check_args(ns: argparse.Namespace) -> None:
             raise UsageError(f"--hardware {ns.hardware!r} is not one of: {', '.join(PROFILES)}")
     if ns.command == "dump":
         check_out_folder(ns.out)
+    if ns.command == "plan":
+        _check_search_args(ns)
     if ns.world_size > LARGE_WORLD:
         from fsdp2_compile.debug.sizes import size_text
 
@@ -208,6 +210,50 @@ def check_args(ns: argparse.Namespace) -> None:
             f"model) and about {seconds:.0f} s more run time",
             file=sys.stderr,
             flush=True,
+        )
+
+
+def _check_search_args(ns: argparse.Namespace) -> None:
+    """--search's own flags: --global-batch and --hardware needed, the single-layout knobs refused."""
+    search_only = [
+        f
+        for f, v in (
+            ("--global-batch", ns.global_batch),
+            ("--emit-config", ns.emit_config),
+            ("--device-memory", ns.device_memory),
+        )
+        if v is not None
+    ]
+    if not ns.search:
+        if search_only:
+            raise UsageError(f"{search_only[0]} needs --search")
+        return
+    if ns.global_batch is None or ns.global_batch < 1:
+        raise UsageError("--search needs --global-batch B (samples per step over all ranks, >= 1)")
+    if ns.hardware is None:
+        raise UsageError("--search needs --hardware PROFILE (the device the layouts are ranked on)")
+    given = [
+        f
+        for f, v in (
+            ("--ac", ns.ac != "none"),
+            ("--no-reshard", ns.no_reshard),
+            ("--float8", ns.float8),
+            ("--keep-gathered", ns.keep_gathered is not None),
+            ("--memory-budget", ns.memory_budget is not None),
+            ("--microbatches", ns.microbatches is not None),
+            ("--stages-per-rank", ns.stages_per_rank is not None),
+            ("--pp-schedule", ns.pp_schedule != "1F1B"),
+        )
+        if v
+    ]
+    if given:
+        raise UsageError(f"{given[0]} with --search: the search enumerates it; leave it out")
+    if ns.global_batch % (ns.world_size // (ns.pp * ns.tp)) and "tp" in ns.pinned and "pp" in ns.pinned:
+        dp = ns.world_size // (ns.pp * ns.tp)
+        raise UsageError(
+            f"--global-batch {ns.global_batch} is not a multiple of the data-parallel size {dp} (--world-size "
+            f"{ns.world_size} / (--pp {ns.pp} x --tp {ns.tp})): each dp rank takes global batch / dp samples; pass "
+            f"a multiple of {dp}"
         )
 
 
@@ -288,6 +334,8 @@ def cmd_dump(ns: argparse.Namespace) -> int:
 
 
 def cmd_plan(ns: argparse.Namespace) -> int:
+    if ns.search:
+        return cmd_search(ns)
     start = time.perf_counter()
     with Progress(None, ns.quiet) as progress:
         progress.step(f"importing torch, the compiler and {ns.target}")
@@ -346,6 +394,53 @@ def cmd_plan(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_search(ns: argparse.Namespace) -> int:
+    with Progress(None, ns.quiet) as progress:
+        progress.step(f"importing torch, the compiler and {ns.target}")
+        import json
+
+        from fsdp2_compile.cli.model_loading import call_factory, fake_group, load_target
+        from fsdp2_compile.planner.plan import Layout
+        from fsdp2_compile.planner.recipe import recipe_of, write_recipe
+        from fsdp2_compile.planner.search import format_search, search
+
+        factory = load_target(ns.target)
+        base = Layout(ns.world_size, mp_policy=_mp_policy(ns.mp), attention=ns.attention, compiler=ns.compiler)
+        degrees = {k: ns.pinned.get(k) for k in ("tp", "pp", "replicate")}
+        with fake_group(ns.world_size):
+            try:
+                result = search(
+                    factory,
+                    ns.world_size,
+                    ns.global_batch,
+                    ns.hardware,
+                    base=base,
+                    call=call_factory,
+                    device_memory=ns.device_memory,
+                    degrees=degrees,
+                    progress=progress.step,
+                )
+            except (RunError, UsageError):
+                raise
+            except ValueError as e:
+                raise UsageError(str(e)) from e
+    if ns.emit_config:
+        best = result.top[0]
+        write_recipe(
+            ns.emit_config,
+            recipe_of(
+                best.candidate.layout, best.candidate.local_batch, ns.hardware, best.to_json(), best.plan.tp_plan
+            ),
+        )
+    if ns.json:
+        print(json.dumps(result.to_json(), indent=2))
+    else:
+        print(format_search(result), end="")
+        if ns.emit_config:
+            print(f"recipe of #1 written to {ns.emit_config}")
+    return 0
+
+
 # ---------------------------------------------------------------------------------------------- parser
 
 
@@ -359,8 +454,8 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     """What both subcommands take: the model, the ranks and the mixed precision."""
     parser.add_argument("target", metavar="TARGET", help=TARGET_HELP)
     parser.add_argument("--world-size", type=int, required=True, help="number of ranks (N)")
-    parser.add_argument("--replicate", type=int, default=1, metavar="R", help=REPLICATE_HELP)
-    parser.add_argument("--tp", type=int, default=1, metavar="T", help=TP_HELP)
+    parser.add_argument("--replicate", type=int, metavar="R", help=REPLICATE_HELP)
+    parser.add_argument("--tp", type=int, metavar="T", help=TP_HELP)
     parser.add_argument("--mp", choices=["bf16"], help="mixed precision: bf16 parameters, fp32 gradient reduction")
 
 
@@ -483,7 +578,6 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--pp",
         type=int,
-        default=1,
         metavar="P",
         help="pipeline parallelism of degree P: mesh P x N/P (pp x dp), with --replicate / --tp inside; the blocks "
         "split into P x V stages as torchtitan splits them (default 1: no PP)",
@@ -513,6 +607,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="torchao float8 training with float8 all-gather of the blocks' Linear weights; needs --mp bf16 and "
         "a profile with float8 matmuls (default: those profiles only)",
     )
+    plan.add_argument(
+        "--search",
+        action="store_true",
+        help="enumerate layouts and knobs (tp, pp, replicate, AC, resharding, prefetch, keep_gathered, float8) at "
+        "--world-size and --global-batch on --hardware, and print the five that fit memory with the most tokens/s "
+        "per GPU; --tp / --pp / --replicate, when given, pin that degree",
+    )
+    plan.add_argument("--global-batch", type=int, metavar="B", help="with --search: samples per step, all ranks")
+    plan.add_argument(
+        "--device-memory",
+        type=_positive_bytes,
+        metavar="BYTES",
+        help="with --search: the device's memory (default: the profile's, 80 GiB on the H100 ones)",
+    )
+    plan.add_argument(
+        "--emit-config", metavar="PATH", help="with --search: write the best layout's recipe (JSON) to PATH"
+    )
     plan.add_argument("--json", action="store_true", help="print one JSON object")
     plan.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
     plan.set_defaults(run=cmd_plan)
@@ -526,6 +637,11 @@ def main(argv: list[str] | None = None) -> int:
         if ns.command is None:
             parser.print_help()
             return 2
+        # degrees given on the command line (--search keeps them), then their default 1
+        ns.pinned = {k: getattr(ns, k, None) for k in ("tp", "pp", "replicate") if getattr(ns, k, None) is not None}
+        for k in ("tp", "pp", "replicate"):
+            if hasattr(ns, k) and getattr(ns, k) is None:
+                setattr(ns, k, 1)
         check_args(ns)
         return ns.run(ns)
     except UsageError as e:

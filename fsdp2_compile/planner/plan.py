@@ -286,6 +286,11 @@ class _GraphFigures:
     """TP's collectives: (graph kind, collective kind, full buffer bytes, group size)."""
     backward_gathers: dict[str, int] = field(default_factory=dict)
     """Full buffer bytes backward all-gathers again, by bucket."""
+    fsdp_collectives: list[tuple[str, Role, str, tuple[str, ...], int, int]] = field(default_factory=list)
+    """FSDP's collectives in graph order: (graph kind, collective kind, bucket, parameter names, full buffer bytes,
+    element size); with `param_rows`, what the search derives them from at another dp split."""
+    param_rows: dict[str, tuple[int, int]] = field(default_factory=dict)
+    """Each managed parameter's (rows FSDP shards, elements per row of its shard)."""
 
     def tp_counts(self, graph: str, kind: str) -> int:
         return sum(1 for g, k, _, _ in self.tp_collectives if g == graph and k == kind)
@@ -296,6 +301,7 @@ def _compile_and_measure(model, args, loss_fn, mesh, compile_kwargs, tp_mesh=Non
     apart when `tp_mesh` is given and `tp_plan` is applied to the blocks first)."""
     from fsdp2_compile._torch_private import group_size
     from fsdp2_compile.api import make_backend
+    from fsdp2_compile.runtime.sharding import managed_params
 
     unwrap_checkpointing(model)  # checkpointing changes no collective
     if tp_mesh is not None:
@@ -306,6 +312,9 @@ def _compile_and_measure(model, args, loss_fn, mesh, compile_kwargs, tp_mesh=Non
         reshard_after_forward=compile_kwargs["reshard_after_forward"],
         mp_policy=compile_kwargs["mp_policy"],
     )
+    figures = _GraphFigures(0.0, {})
+    for name, p, info in managed_params(model):
+        figures.param_rows[name] = (info.dim0, math.prod((p.to_local() if isinstance(p, DTensor) else p).shape[1:]))
     clear_compiled_graphs()
     torch.compiler.reset()  # the copies are throwaway; without it a process that plans often hits recompile_limit
     # torch.compile on the sharded meta model directly: shard_compile's call wrapper refuses meta parameters
@@ -313,7 +322,6 @@ def _compile_and_measure(model, args, loss_fn, mesh, compile_kwargs, tp_mesh=Non
     compiled = torch.compile(model, backend=make_backend(compile_kwargs["compile_config"]))
     loss_fn(compiled(*args)).backward()
     records = [r for r in compiled_graphs() if r.kind in ("forward", "backward")]
-    figures = _GraphFigures(0.0, {})
     for r in records:
         for tp, buffers in ((False, figures.buffers), (True, figures.tp_buffers)):
             graph_wire, graph_buffers = wire_bytes(r.gm, tp=tp)
@@ -325,6 +333,10 @@ def _compile_and_measure(model, args, loss_fn, mesh, compile_kwargs, tp_mesh=Non
                 buffers[kind] = buffers.get(kind, 0) + size
         for node in r.gm.graph.nodes:
             c = collective(node)
+            if c is not None and not is_tp(node):
+                figures.fsdp_collectives.append(
+                    (r.kind, c.kind, node.meta.get(BUCKET, ""), c.params, c.nbytes, c.dtype.itemsize)
+                )
             if c is not None and is_tp(node):
                 figures.tp_collectives.append(
                     (r.kind, str(c.kind), c.nbytes, group_size(CollectiveArgs.of(node).group_name))
@@ -541,6 +553,40 @@ class _FullModel:
     """Each managed parameter: its pipeline part, bucket and bytes."""
     local_batch: int = 1
     """Dim 0 of the factory's tensor inputs (what micro-batches split)."""
+    facts: _ShardFacts | None = None
+    """The parameters' shapes the figures above come from, for the same model at another dp split (the search)."""
+
+
+@dataclass
+class _ShardFacts:
+    """The full model's parameters as the figures of `_FullModel` read them, independent of the dp split: each
+    unique parameter (nbytes, tensor-parallel sharded, requires_grad, numel) before sharding, the same by name, and
+    each managed parameter after it (`_ManagedFact`)."""
+
+    unique: list[tuple[int, bool, bool, int]]
+    named: list[tuple[str, int, bool, bool, int]]
+    managed: list[_ManagedFact]
+    float_dtype: torch.dtype
+    """The first floating-point parameter's dtype (the compute dtype without a param_dtype)."""
+
+
+@dataclass(frozen=True)
+class _ManagedFact:
+    name: str
+    bucket: str
+    dim0: int
+    """The rows FSDP shards (TP-local under tensor parallelism)."""
+    trailing: int
+    """Elements per row of this rank's shard."""
+    itemsize: int
+    requires_grad: bool
+    block: int | None
+    """Index in the block list, None outside it."""
+    linear: bool
+    """A Linear's weight."""
+    global_numel: int
+    resharded: bool
+    """Resharded after forward, as sharded for the facts."""
 
 
 @dataclass
@@ -701,6 +747,12 @@ def _shard_full_model(factory: Callable, layout: Layout, call: Callable, meshes:
         apply_tp(model, tp_mesh, tp_plan)
     analytical = analytical_bytes(model, layout.shard_size, layout.tp)
     by_name = _analytical_by_name(model, layout.shard_size, layout.tp)
+    facts = _ShardFacts(
+        [(nbytes(p), _tp_sharded(p), p.requires_grad, p.numel()) for p in _unique_params(model)],
+        [(n, nbytes(p), _tp_sharded(p), p.requires_grad, p.numel()) for n, p in model.named_parameters()],
+        [],
+        next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32),
+    )
     local_batch = _check_pipeline_fits(layout, full_args, path, blocks)
     outside = _outside_parts(factory, call) if layout.pp > 1 else {}
     mp_policy = layout.mp_policy
@@ -720,6 +772,7 @@ def _shard_full_model(factory: Callable, layout: Layout, call: Callable, meshes:
     buckets: dict[str, int] = {}
     for row in rows:
         buckets[row.bucket] = buckets.get(row.bucket, 0) + row.gathered_bytes
+    facts.managed = _managed_facts(model, path if blocks is not None else "")
     return _FullModel(
         params=n_params,
         tokens=tokens_of(full_args),
@@ -738,7 +791,38 @@ def _shard_full_model(factory: Callable, layout: Layout, call: Callable, meshes:
         reduce_dtype=mp_policy.reduce_dtype or param_dtype,
         rows=rows,
         local_batch=local_batch,
+        facts=facts,
     )
+
+
+def _tp_sharded(p) -> bool:
+    return isinstance(p, DTensor) and any(pl.is_shard() for pl in p.placements)
+
+
+def _managed_facts(model: nn.Module, path: str) -> list[_ManagedFact]:
+    """`_ManagedFact` of each managed parameter of the sharded `model` (block list at `path`)."""
+    from fsdp2_compile.runtime.sharding import managed_params
+
+    facts = []
+    for name, p, info in managed_params(model):
+        local = p.to_local() if isinstance(p, DTensor) else p
+        owner, _, attr = name.rpartition(".")
+        in_block = bool(path) and name.startswith(f"{path}.")
+        facts.append(
+            _ManagedFact(
+                name,
+                info.bucket,
+                info.dim0,
+                math.prod(local.shape[1:]),
+                local.element_size(),
+                p.requires_grad,
+                int(name[len(path) + 1 :].split(".")[0]) if in_block else None,
+                attr == "weight" and isinstance(model.get_submodule(owner), nn.Linear),
+                math.prod(p.shape),
+                bool(info.reshard_after_forward),
+            )
+        )
+    return facts
 
 
 def _check_pipeline_fits(layout: Layout, args: tuple, path: str, blocks) -> int:
@@ -790,6 +874,15 @@ def _compile_and_trace_copies(
     step: Callable,
 ) -> _Copies:
     """Compile each copy through the pipeline (its collectives) and play one step of it on meta (its ops)."""
+    copies = _compile_copies(factory, layout, call, meshes, full, hardware, step)
+    _trace_copies(copies, factory, layout, call, full, ac_used, step)
+    return copies
+
+
+def _compile_copies(
+    factory: Callable, layout: Layout, call: Callable, meshes: tuple, full: _FullModel, hardware: str, step: Callable
+) -> _Copies:
+    """The copies' compiled graphs' figures (`_Copies` without traces)."""
     mesh, tp_mesh = meshes
     compile_kwargs = {
         "reshard_after_forward": layout.reshard_after_forward,
@@ -798,31 +891,49 @@ def _compile_and_trace_copies(
     }
     reduce = full.has_blocks and full.layers > 2
     copies = _Copies(full.layers, reduce, [], [], [], [], [])
-    param_dtype = layout.mp_policy.param_dtype
     for n in (1, 2) if reduce else (None,):
         what = f"a {n}-block copy" if n else "the model"
         step(f"compiling {what} through the pipeline")
         model, args, loss_fn, how = reduced_copy(factory, n, call) if n else (*call(factory), "")
         args = _microbatch(args, layout, full)
         copies.figures.append(_compile_and_measure(model, args, loss_fn, mesh, compile_kwargs, tp_mesh, full.tp_plan))
-        local = " (one TP rank's share)" if tp_mesh is not None else ""
+        copies.hows.append(how)
+    return copies
+
+
+def _trace_copies(
+    copies: _Copies,
+    factory: Callable,
+    layout: Layout,
+    call: Callable,
+    full: _FullModel,
+    ac_used: str,
+    step: Callable,
+    unsplit: list[StepTrace] | None = None,
+) -> None:
+    """Play one step of each copy on the meta device (its ops), into `copies.traces` (and, under TP, the unsplit
+    copies into `copies.full_traces`, or `unsplit` when given: the same copies traced without TP)."""
+    param_dtype = layout.mp_policy.param_dtype
+    for n in (1, 2) if copies.reduce else (None,):
+        what = f"a {n}-block copy" if n else "the model"
+        local = " (one TP rank's share)" if layout.tp > 1 else ""
         local += " for one micro-batch" if layout.pp > 1 else ""
         step(f"playing one step of {what}{local} on the meta device ({layout.attention} attention, AC {ac_used})")
-        model, args, loss_fn, how = reduced_copy(factory, n, call) if n else (*call(factory), "")
+        model, args, loss_fn, _ = reduced_copy(factory, n, call) if n else (*call(factory), "")
         args = _microbatch(args, layout, full)
-        if tp_mesh is not None:
+        if layout.tp > 1:
             copies.tp_left = tp_local_copy(model, full.tp_plan, layout.tp)
         copies.traces.append(
             trace_step(model, args, loss_fn, attention=layout.attention, ac=ac_used, param_dtype=param_dtype)
         )
-        if tp_mesh is not None:  # the unsplit model's FLOPs, for MFU
+        if layout.tp > 1 and unsplit is not None:
+            copies.full_traces = list(unsplit)
+        elif layout.tp > 1:  # the unsplit model's FLOPs, for MFU
             model, args, loss_fn, _ = reduced_copy(factory, n, call) if n else (*call(factory), "")
             args = _microbatch(args, layout, full)
             copies.full_traces.append(
                 trace_step(model, args, loss_fn, attention=layout.attention, ac=ac_used, param_dtype=param_dtype)
             )
-        copies.hows.append(how)
-    return copies
 
 
 def _microbatch(args: tuple, layout: Layout, full: _FullModel) -> tuple:
@@ -873,7 +984,7 @@ def _memory(full: _FullModel, copies: _Copies, fused: bool | str, kept_bytes: in
     root = full.buckets.get("", 0)
     others = sorted((b for name, b in full.buckets.items() if name), reverse=True)
     gathered_peak = root + sum(others[:2])
-    activations = copies.extrapolate([t.saved_bytes(fused) for t in copies.traces]) + kept_bytes
+    activations = copies.extrapolate([_memo(t, StepTrace.saved_bytes, fused) for t in copies.traces]) + kept_bytes
     grad_buffers = (
         2
         * max((numel[b] for b in numel if b), default=0)
@@ -882,8 +993,9 @@ def _memory(full: _FullModel, copies: _Copies, fused: bool | str, kept_bytes: in
     static = measured["params"] + measured["optimizer"]
     peak_alloc = kept_bytes + copies.extrapolate(
         [
-            memory_peak(
+            _memo(
                 t,
+                memory_peak,
                 fused,
                 static=static,
                 grads=measured["grads"],
@@ -905,6 +1017,16 @@ def _memory(full: _FullModel, copies: _Copies, fused: bool | str, kept_bytes: in
     per_rank["total"] = sum(per_rank.values())
     per_rank["peak"] = int(max(peak_alloc, optimizer_point))
     return per_rank
+
+
+def _memo(trace: StepTrace, fn: Callable, *args, **kwargs):
+    """`fn(trace, *args, **kwargs)`, kept on the trace by its arguments (a trace does not change once played; the
+    search evaluates many layouts on one). Devices are module constants, keyed by identity."""
+    memo = trace.__dict__.setdefault("_figures_memo", {})
+    key = (fn, *(id(a) if hasattr(a, "efficiency") else a for a in args), *sorted(kwargs.items()))
+    if key not in memo:
+        memo[key] = fn(trace, *args, **kwargs)
+    return memo[key]
 
 
 def _tp_phase_seconds(
@@ -982,7 +1104,7 @@ def _profile_figures(
     """Step time, exposed communication, tokens/s, MFU, reserved peak and compute seconds on one profile."""
     dev = device_for(name)
     fused = _FUSED[layout.compiler]
-    phases = [phase_times(t, dev, fused, layout.float8) for t in copies.traces]
+    phases = [_memo(t, phase_times, dev, fused, layout.float8) for t in copies.traces]
     fw_block, fw_rest = copies.split([p.forward for p in phases])
     bw_block, bw_rest = copies.split([p.backward for p in phases])
     # TP's collectives, on the critical path (the next op needs their result): added to the phase they run in
@@ -1124,7 +1246,7 @@ def _pipeline_figures(
     prof, dev = PROFILES[name], device_for(name)
     fused = _FUSED[layout.compiler]
     m, n_stages = layout.microbatches or full.local_batch, layout.pp * layout.v
-    times = [part_times(t, dev, fused, layout.float8) for t in copies.traces]
+    times = [_memo(t, part_times, dev, fused, layout.float8) for t in copies.traces]
     fw = _part_figures(copies, [{p: t.get(("forward", p), 0.0) for p in ("block", "first", "last")} for t in times])
     bw = _part_figures(copies, [{p: t.get(("backward", p), 0.0) for p in ("block", "first", "last")} for t in times])
     tp_fw, tp_bw = _tp_phase_seconds(copies.figures, dev, ac_used, layout.float8)
@@ -1198,10 +1320,13 @@ def _pipeline_memory(layout: Layout, full: _FullModel, copies: _Copies, ranks: l
     fused = _FUSED[layout.compiler]
     m, n_stages = layout.microbatches or full.local_batch, layout.pp * layout.v
     saved = _part_figures(
-        copies, [{p: t.saved_bytes(fused, p) for p in ("block", "first", "last")} for t in copies.traces]
+        copies,
+        [{p: _memo(t, StepTrace.saved_bytes, fused, p) for p in ("block", "first", "last")} for t in copies.traces],
     )
     one = copies.traces[0]
-    transient = max((b for _, b in one.liveness(fused)), default=0) - one.saved_bytes(fused)
+    transient = max((b for _, b in _memo(one, StepTrace.liveness, fused)), default=0) - _memo(
+        one, StepTrace.saved_bytes, fused
+    )
     # a block's figure holds its input (the previous block's output); the first stage's first input is the
     # embedding's, so its last block's output, which only crosses to the next stage, is not held there
     boundary = one.boundary_bytes if n_stages > 1 else 0
@@ -1313,10 +1438,16 @@ def make_plan(
     meshes = plan_meshes(layout.world_size, layout.replicate, layout.tp, layout.pp)
 
     full = _shard_full_model(factory, layout, call, meshes, step)
-    kept = _kept_decision(layout, full)
     ac_used = "as given" if full.given_ac else layout.ac
     copies = _compile_and_trace_copies(factory, layout, call, meshes, full, ac_used, profiles[0], step)
+    return _assemble(layout, full, copies, profiles)
 
+
+def _assemble(layout: Layout, full: _FullModel, copies: _Copies, profiles: list[str]) -> Plan:
+    """The plan's figures from the full model's shard and the copies' graphs and traces: arithmetic only (the
+    search evaluates it for every knob combination on stages it shares between layouts)."""
+    ac_used = "as given" if full.given_ac else layout.ac
+    kept = _kept_decision(layout, full)
     kept_bytes = _kept_for_backward(kept, copies, full.numel)
     comm = _communication(copies, layout.shard_size, kept_bytes)
     model_flops = 3 * copies.extrapolate([t.forward_flops() for t in (copies.full_traces or copies.traces)]) / layout.tp
