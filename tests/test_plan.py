@@ -324,6 +324,16 @@ def test_selective_unsharding_plans_what_the_pipeline_compiles():
     assert plain.kept_gathered == {} and "selective unsharding" in kept.method
 
 
+def test_no_resharding_holds_every_block_gathered_as_keeping_them_all_does():
+    """`reshard_after_forward=False`: each block stays gathered from its forward to its backward, so the plan holds
+    the 4 blocks' gathered bytes beyond the default's activations, as keep_gathered=1.0 does."""
+    plain, no_reshard = _plan(tiny_layers), _plan(tiny_layers, reshard_after_forward=False)
+    blocks = 4 * (64 * 64 + 64 + 2 * 64) * 4  # each block: a 64 x 64 Linear, its bias and a LayerNorm, fp32
+    assert no_reshard.per_rank_bytes["activations"] - plain.per_rank_bytes["activations"] == blocks
+    assert no_reshard.per_rank_bytes["peak"] > plain.per_rank_bytes["peak"]
+    assert no_reshard.comm_bytes_per_step < plain.comm_bytes_per_step  # no backward all-gathers
+
+
 @pytest.mark.parametrize("bad", [dict(keep_gathered=1.5), dict(keep_gathered=-1), dict(prefetch=-1)])
 def test_layout_refuses_what_the_compiler_refuses(bad):
     """`Layout` checks keep_gathered and prefetch as CompileConfig does, before anything is built."""

@@ -955,6 +955,12 @@ def _kept_for_backward(kept, copies: _Copies, numel: dict[str, int]) -> int:
     return sum(regathered.get(b, first_block) for b in kept.buckets)
 
 
+def _held_unsharded(layout: Layout, full: _FullModel) -> int:
+    """Gathered bytes of the blocks that `reshard_after_forward=False` holds from their forward to their backward
+    (as keeping every block gathered does); the copies' traces see one block's at a time."""
+    return sum(b for name, b in full.buckets.items() if name) if layout.reshard_after_forward is False else 0
+
+
 def _communication(copies: _Copies, shard_size: int, kept_bytes: int) -> _Communication:
     """Bytes on the wire per step (less the kept buckets' backward all-gathers) and TP's collectives per block
     (2 blocks minus 1) and per step, by graph and kind."""
@@ -1475,7 +1481,7 @@ def _assemble(layout: Layout, full: _FullModel, copies: _Copies, profiles: list[
         comm.wire -= (layout.shard_size - 1) / layout.shard_size * saving
         if saving:
             comm.buffers["all_gather"] -= saving
-        per_rank = _memory(full, copies, _FUSED[layout.compiler], kept_bytes)
+        per_rank = _memory(full, copies, _FUSED[layout.compiler], kept_bytes + _held_unsharded(layout, full))
         times = {
             name: _profile_figures(name, layout, full, copies, kept, ac_used, model_flops, per_rank["peak"])
             for name in profiles
