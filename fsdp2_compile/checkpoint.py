@@ -46,8 +46,10 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
+from fsdp2_compile._torch_private import resolve_group
 from fsdp2_compile.core.group_caches import dropped_with_groups, forget_destroyed_groups
 from fsdp2_compile.runtime.param_state import sharded_parameters
+from fsdp2_compile.runtime.process_groups import serial_gloo_group
 
 __all__ = ["AsyncSave", "CheckpointError", "load_checkpoint", "save_checkpoint", "wait_for_saves"]
 
@@ -203,7 +205,11 @@ def _save_group() -> dist.ProcessGroup | None:
     forget_destroyed_groups()
     world = dist.group.WORLD.group_name
     if world not in _SAVE_GROUPS:
-        _SAVE_GROUPS[world] = dist.new_group(backend="gloo", group_desc="fsdp2_compile background checkpoint saves")
+        desc = "fsdp2_compile background checkpoint saves"
+        if dist.get_backend() == "gloo":  # its gloo keys drawn afresh, as the groups `shard` makes
+            _SAVE_GROUPS[world] = resolve_group(serial_gloo_group(world, list(range(dist.get_world_size())), desc))
+        else:
+            _SAVE_GROUPS[world] = dist.new_group(backend="gloo", group_desc=desc)
     return _SAVE_GROUPS[world]
 
 

@@ -18,6 +18,7 @@ import fsdp2_compile as fc
 from fsdp2_compile import checkpoint
 from fsdp2_compile.checkpoint import load_checkpoint, save_checkpoint
 from fsdp2_compile.runtime.param_state import ParamInfo
+from fsdp2_compile.runtime.process_groups import attempt_token
 
 
 def _gpt():
@@ -142,7 +143,9 @@ def async_saves(rank: int, world_size: int, root: str) -> dict:
     writer.write_data = write_data
     fresh, fresh_opt = _gpt()
     load_checkpoint(async_path, fresh, fresh_opt)
+    save_group = checkpoint._save_group()
     return dict(
+        save_group=(save_group.size(), attempt_token(save_group.group_name)),
         gathers=gathers[0],
         at_call=at_call,
         later=later,

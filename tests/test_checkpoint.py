@@ -132,6 +132,10 @@ def test_async_save_writes_the_state_at_the_call_and_its_failures_reach_every_ra
             assert "on rank 1: OSError: [Errno 28] No space left on device" in error, (how, error)
         assert _same_state(r["after_failures"], r["later"]), "the failed saves changed what is committed"
     assert results[0]["errors"] == results[1]["errors"]
+    # the background saves' group: every rank, its gloo keys under a token the ranks drew together (a restarted
+    # attempt on the store of the one that died never reads them)
+    assert results[0]["save_group"] == results[1]["save_group"] and results[0]["save_group"][0] == 2
+    assert results[0]["save_group"][1]
 
 
 @pytest.fixture(scope="module")

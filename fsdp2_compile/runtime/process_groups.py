@@ -40,7 +40,7 @@ from fsdp2_compile._torch_private import (
 )
 from fsdp2_compile.core.group_caches import dropped_with_groups
 
-__all__ = ["attempt_token", "fsdp_group", "resolve_reshard"]
+__all__ = ["attempt_token", "fsdp_group", "resolve_reshard", "serial_gloo_group"]
 
 _TWINS: dict[str, str] = dropped_with_groups({})
 """Mesh group name -> the name of its one-thread gloo twin."""
@@ -52,17 +52,9 @@ def fsdp_group(group_name: str) -> str:
         return group_name
     if group_name not in _TWINS:
         _warn_if_restarts_share_the_store()
-        token = _draw_token(group_name)
-        with store_keys_under(f"fsdp2_compile/{token}/"):
-            twin = dist.new_group(
-                ranks=group_ranks(group_name),
-                backend=one_thread_gloo_backend(),
-                timeout=timedelta(seconds=group_timeout(group_name)),
-                use_local_synchronization=True,
-                group_desc=f"fsdp2_compile serial twin of {group_name}",
-            )
-        _TWINS[group_name] = twin.group_name
-        _TOKENS[twin.group_name] = token
+        _TWINS[group_name] = serial_gloo_group(
+            group_name, group_ranks(group_name), f"fsdp2_compile serial twin of {group_name}"
+        )
     return _TWINS[group_name]
 
 
@@ -102,6 +94,22 @@ def _draw_token(group_name: str) -> str:
     token = torch.tensor([secrets.randbits(62)], dtype=torch.int64)
     dist.broadcast(token, src=group_ranks(group_name)[0], group=resolve_group(group_name))
     return f"{token.item():x}"
+
+
+def serial_gloo_group(parent_name: str, ranks: list[int], desc: str) -> str:
+    """The name of a new group of `ranks` on gloo with one worker thread, with the parent group's timeout; every rank
+    of the group `parent_name` calls it (the token its gloo keys go under is drawn over that group)."""
+    token = _draw_token(parent_name)
+    with store_keys_under(f"fsdp2_compile/{token}/"):
+        group = dist.new_group(
+            ranks=ranks,
+            backend=one_thread_gloo_backend(),
+            timeout=timedelta(seconds=group_timeout(parent_name)),
+            use_local_synchronization=True,
+            group_desc=desc,
+        )
+    _TOKENS[group.group_name] = token
+    return group.group_name
 
 
 def attempt_token(group_name: str) -> str:
@@ -150,17 +158,11 @@ def _post_forward_group(shard_group_name: str, size: int) -> str:
     if key not in _GROUPS:
         ranks = group_ranks(shard_group_name)
         start = ranks.index(dist.get_rank()) // size * size
-        gloo = dist.get_backend(dist.group.WORLD) == "gloo"
-        token = _draw_token(shard_group_name) if gloo else ""
-        with store_keys_under(f"fsdp2_compile/{token}/" if token else ""):
-            group = dist.new_group(
-                ranks=ranks[start : start + size],
-                backend=one_thread_gloo_backend() if gloo else None,
-                timeout=timedelta(seconds=group_timeout(shard_group_name)),
-                use_local_synchronization=True,
-                group_desc=f"fsdp2_compile post-forward group of {size} in {shard_group_name}",
-            )
-        _GROUPS[key] = group.group_name
-        if token:
-            _TOKENS[group.group_name] = token
+        members, desc = ranks[start : start + size], f"fsdp2_compile post-forward group of {size} in {shard_group_name}"
+        if dist.get_backend(dist.group.WORLD) == "gloo":
+            _GROUPS[key] = serial_gloo_group(shard_group_name, members, desc)
+        else:
+            timeout = timedelta(seconds=group_timeout(shard_group_name))
+            group = dist.new_group(members, timeout=timeout, use_local_synchronization=True, group_desc=desc)
+            _GROUPS[key] = group.group_name
     return _GROUPS[key]
