@@ -32,6 +32,9 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+from test_preemption import children  # noqa: E402  (torchrun's workers, found as the test finds them)
+
 EXAMPLE = os.path.join(ROOT, "examples", "train_gpt.py")
 EVERY, STOP_AFTER = 5, 7
 
@@ -66,18 +69,7 @@ class Launch:
 
     def workers(self) -> dict[int, int]:
         """LOCAL_RANK -> pid of torchrun's worker processes."""
-        found = {}
-        for entry in os.listdir("/proc"):
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) != self.proc.pid:
-                        continue
-                with open(f"/proc/{entry}/environ", "rb") as f:
-                    env = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
-                found[int(env[b"LOCAL_RANK"])] = int(entry)
-            except (OSError, ValueError, IndexError, KeyError):
-                continue
-        return found
+        return children(self.proc.pid)
 
     def end(self, timeout: float = 300) -> int | None:
         try:
