@@ -9,9 +9,8 @@ from collections.abc import Sequence
 
 import torch
 
-from fsdp2_compile._torch_private import all_gather_single
+from fsdp2_compile._torch_private import all_gather_single, resolve_group
 from fsdp2_compile._torch_private import functional_collectives as _funcol
-from fsdp2_compile._torch_private import resolve_group
 from fsdp2_compile.core.group_caches import dropped_with_groups
 from fsdp2_compile.core.hardware import HardwareProfile
 
