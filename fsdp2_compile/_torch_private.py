@@ -158,12 +158,12 @@ _TORCH_RELEASE = tuple(int(n) for n in re.match(r"(\d+)\.(\d+)", torch.__version
 """(major, minor) of the installed torch: where an older torch (FSDP2_COMPILE_ALLOW_UNSUPPORTED_TORCH=1) needs
 another path, the branch for it is gated on this; the supported path is unchanged."""
 
-# Resolved at import (their modules are loaded by these imports, or by `import torch`).
 nested_regions_take_blocks = _TORCH_RELEASE >= (2, 13)
 """Whether `shard` may make identical blocks one nested compile region (`runtime/traced_blocks.py`). Before torch
 2.13 Dynamo cannot trace a nested region inside a graph with DTensor inputs (`_collect_fake_inputs`: "Expected
 FakeTensor, got DTensor"): each block is traced inline instead, as blocks with tensor parallelism are."""
 
+# Resolved at import (their modules are loaded by these imports, or by `import torch`).
 _functorch_config = _resolve("torch._functorch.config")
 aot_module_simplified = _resolve("torch._functorch.aot_autograd:aot_module_simplified")
 _min_cut_rematerialization_partition = _resolve("torch._functorch.partitioners:min_cut_rematerialization_partition")
