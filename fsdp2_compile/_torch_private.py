@@ -40,6 +40,7 @@ __all__ = [
     "SUPPORTED_TORCH_SPEC",
     "TorchDispatchMode",
     "UnsupportedTorchError",
+    "all_gather_single",
     "aot_module_simplified",
     "boxed_call",
     "check_torch_version",
@@ -71,6 +72,7 @@ __all__ = [
     "log_softmax_backward",
     "min_cut_partition",
     "module_call_impl",
+    "nested_regions_take_blocks",
     "one_thread_gloo_backend",
     "op_name",
     "op_schema",
@@ -152,6 +154,14 @@ def _attribute(obj: Any, name: str) -> Any:
 
 
 check_torch_version(torch.__version__)
+_TORCH_RELEASE = tuple(int(n) for n in re.match(r"(\d+)\.(\d+)", torch.__version__).groups())
+"""(major, minor) of the installed torch: where an older torch (FSDP2_COMPILE_ALLOW_UNSUPPORTED_TORCH=1) needs
+another path, the branch for it is gated on this; the supported path is unchanged."""
+
+nested_regions_take_blocks = _TORCH_RELEASE >= (2, 13)
+"""Whether `shard` may make identical blocks one nested compile region (`runtime/traced_blocks.py`). Before torch
+2.13 Dynamo cannot trace a nested region inside a graph with DTensor inputs (`_collect_fake_inputs`: "Expected
+FakeTensor, got DTensor"): each block is traced inline instead, as blocks with tensor parallelism are."""
 
 # Resolved at import (their modules are loaded by these imports, or by `import torch`).
 _functorch_config = _resolve("torch._functorch.config")
@@ -195,6 +205,11 @@ flash_attention = _resolve("torch.ops:aten._scaled_dot_product_flash_attention")
 """The flash kernel of `scaled_dot_product_attention`."""
 log_softmax_backward = _resolve("torch.ops:aten._log_softmax_backward_data")
 """The backward of `log_softmax`."""
+all_gather_single = (
+    torch.distributed.all_gather_single if _TORCH_RELEASE >= (2, 13) else torch.distributed.all_gather_into_tensor
+)
+"""`torch.distributed.all_gather_single(output, input, group=)`: public, but new in torch 2.13, which deprecates its
+former name `all_gather_into_tensor` (what an older torch gets)."""
 compile_times = _resolve("torch._dynamo.utils:compile_times")
 """Dynamo's and AOTAutograd's compile-time breakdown so far (`compile_times(repr="str")`: a table)."""
 
@@ -325,8 +340,25 @@ def register_value_type(cls: type) -> type:
     in `torch/_library/opaque_object.py`)."""
     from torch._library.opaque_object import register_opaque_type
 
+    if _TORCH_RELEASE < (2, 13):
+        # Before 2.13 every opaque type, value types too, needs `OpaqueBaseMeta`, and Dynamo reads only the members
+        # registered (a dataclass's fields: read from the real object, a constant, as 2.13 reads them)
+        from torch._library.opaque_object import MemberType
+
+        cls = _with_opaque_metaclass(cls)
+        members = dict.fromkeys(getattr(cls, "__dataclass_fields__", ()), MemberType.USE_REAL)
+        register_opaque_type(cls, typ="value", members=members)
+        return cls
     register_opaque_type(cls, typ="value")
     return cls
+
+
+def _with_opaque_metaclass(cls: type) -> type:
+    """A subclass of `cls` under the same name, made by torch's `OpaqueBaseMeta` (its `isinstance` also accepts a
+    `FakeScriptObject` wrapping an instance), and nothing else added: what torch before 2.13 registers as opaque."""
+    meta = _resolve("torch._opaque_base:OpaqueBaseMeta")
+    names = {key: getattr(cls, key) for key in ("__module__", "__qualname__", "__doc__")}
+    return meta(cls.__name__, (cls,), names)
 
 
 def has_post_accumulate_grad_hooks(tensor: torch.Tensor) -> bool:
@@ -445,7 +477,12 @@ def inductor_compile(gm, example_inputs, *, is_backward: bool, is_inference: boo
 def _pin_communication_order(gm: fx.GraphModule) -> fx.GraphModule:
     """A copy of `gm` whose collective starts and waits are each chained to the one before (Inductor's
     `control_deps`), so that fusion cannot move a collective past a wait the scheduler put after it (e.g. a
-    reduce-scatter whose input kernel fuses with a later one). `gm` itself stays as the report shows it."""
+    reduce-scatter whose input kernel fuses with a later one). `gm` itself stays as the report shows it. Before
+    torch 2.13 `control_deps` has no autograd kernel, which Inductor's fake-tensor propagation dispatches to ("could
+    not find kernel for HigherOrderOperator control_deps at dispatch key AutogradCPU"): `gm` is returned unpinned,
+    and fusion may then move a collective (the same way on every rank: one graph, one deterministic compiler)."""
+    if _TORCH_RELEASE < (2, 13):
+        return gm
     preserve_node_ordering = _resolve("torch._inductor.fx_passes.control_dependencies:preserve_node_ordering")
     OrderedSet = _resolve("torch.utils._ordered_set:OrderedSet")
     graph = fx.Graph()

@@ -8,10 +8,9 @@ import time
 from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
 
+from fsdp2_compile._torch_private import all_gather_single, resolve_group
 from fsdp2_compile._torch_private import functional_collectives as _funcol
-from fsdp2_compile._torch_private import resolve_group
 from fsdp2_compile.core.group_caches import dropped_with_groups
 from fsdp2_compile.core.hardware import HardwareProfile
 
@@ -54,7 +53,7 @@ def measure_profile(
         """Seconds for an all-gather of `per_rank` floats from each rank, into one output allocated once."""
         inp = torch.zeros(per_rank, device=device_type)
         out = torch.empty(per_rank * world_size, device=device_type)
-        return seconds(lambda: dist.all_gather_single(out, inp, group=group))
+        return seconds(lambda: all_gather_single(out, inp, group=group))
 
     small, large = 256, min(1 << 20, (16 << 20) // world_size)  # 1 KiB; 4 MiB per rank, 64 MiB gathered at most
     t_small, t_large = link(small), link(large)

@@ -34,6 +34,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from fsdp2_compile._torch_private import (
     concatenate_meshes,
+    nested_regions_take_blocks,
     own_buffers,
     own_parameters,
     root_mesh_groups,
@@ -375,7 +376,10 @@ def _trace_blocks_once(members: list[nn.Module]) -> None:
     """The outermost modules sharded before, under `members`, are blocks of a larger model: Dynamo traces each
     distinct kind of them once (`block_gathers.py`). Not with tensor parallelism (TP's collectives must stay in
     the graph the passes see), nor with a parameter sharded on a dim other than 0 (`shard_placement_fn`: its
-    gather moves that dim, which the rewrite does not carry out of the block)."""
+    gather moves that dim, which the rewrite does not carry out of the block), nor on a torch that cannot
+    (`nested_regions_take_blocks`)."""
+    if not nested_regions_take_blocks:
+        return
     for member in members:
         for name, mod in member.named_modules():
             if not name or not is_sharded(mod) or any(is_sharded(a) for a in _ancestors(member, name)[:-1]):
