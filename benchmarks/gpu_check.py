@@ -9,7 +9,9 @@ reference itself reproducible on this device?), and ours (`fc.shard` blocks, `fc
 `CompileConfig(compiler=...)`. Every rank's loss at every step is compared bitwise with `fully_shard`'s; the step time
 is the median after warm-up (the slowest rank's), memory is the peak `max_memory_allocated` per rank on CUDA, counted
 from the sharded model and optimizer on (on CPU: peak RSS sampled after forward, backward and step; it only grows
-within the process, so it depends on the order of the runs).
+within the process, so it depends on the order of the runs). "Host issues the step in" is the time until the step's
+Python returns, before waiting for the device: near the step time, the host bounds the step (or a call in it waits).
+`--sdpa math` keeps attention on the math kernel, whose backward is deterministic on CUDA.
 
 Checks (exit code 1 when one fails, after printing the table):
 - aot_eager: losses bitwise equal to `fully_shard` at every step on every rank (both dtypes).
@@ -190,12 +192,13 @@ def run_one(
         dev.sample()
         return loss.detach()
 
-    losses, times = [], []
+    losses, times, host = [], [], []
     for i in range(args.warmup + args.steps):
         dev.sync()
         dist.barrier()
         start = time.perf_counter()
         losses.append(step(i))
+        host.append(time.perf_counter() - start)  # until the host has issued the whole step
         dev.sync()
         times.append(time.perf_counter() - start)
     peak = dev.peak_bytes()
@@ -211,11 +214,18 @@ def run_one(
     every = torch.zeros(world * mine.numel(), dtype=torch.float64, device=dev.device)
     dist.all_gather_into_tensor(every, mine)
     figures = torch.tensor(
-        [statistics.median(times[args.warmup :]), times[0], float(peak)], dtype=torch.float64, device=dev.device
+        [
+            statistics.median(times[args.warmup :]),
+            times[0],
+            float(peak),
+            statistics.median(host[args.warmup :]),
+        ],
+        dtype=torch.float64,
+        device=dev.device,
     )
-    all_figures = torch.zeros(world * 3, dtype=torch.float64, device=dev.device)
+    all_figures = torch.zeros(world * 4, dtype=torch.float64, device=dev.device)
     dist.all_gather_into_tensor(all_figures, figures)
-    all_figures = all_figures.view(world, 3).cpu()
+    all_figures = all_figures.view(world, 4).cpu()
     result = dict(
         system=system,
         dtype=dtype_name,
@@ -223,6 +233,7 @@ def run_one(
         median_s=all_figures[:, 0].max().item(),
         first_step_s=all_figures[:, 1].max().item(),
         peak_bytes=int(all_figures[:, 2].max().item()),
+        host_s=all_figures[:, 3].max().item(),
         runtime_collectives=runtime,
         graph_coverage=coverage,
         params_bitwise=params_equal,
@@ -290,7 +301,7 @@ def report(results: list[dict], args, dev: Device, world: int, backend: str, ski
         rows.append(
             f"| {r['dtype']} | {r['system']} | {parity} | {r['median_s'] * 1e3:,.1f} ms | "
             f"{r['median_s'] / ref['median_s']:.2f}x | {_mib(r['peak_bytes'])} | {r['peak_bytes'] / ref['peak_bytes']:.2f}x | "
-            f"{r['first_step_s']:.1f} s | {rt['all_gather']} / {rt['reduce_scatter']} |"
+            f"{r['first_step_s']:.1f} s | {rt['all_gather']} / {rt['reduce_scatter']} | {r['host_s'] * 1e3:,.1f} ms |"
         )
     ok = not failures
     name = torch.cuda.get_device_name(dev.device) if dev.device.type == "cuda" else dev.device.type
@@ -298,14 +309,15 @@ def report(results: list[dict], args, dev: Device, world: int, backend: str, ski
     print(
         f"\nGPT {args.layers} layers, d {args.d_model}, {args.heads} heads, vocab {args.vocab}, seq {args.seq}, "
         f"batch {args.batch} per rank; {first['params'] / 1e6:.1f} M parameters; AdamW; {world} rank(s) on {name}, "
-        f"{backend}; torch {torch.__version__}; {args.warmup} warm-up + {args.steps} timed steps "
+        f"{backend}; torch {torch.__version__}; attention {args.sdpa}; {args.warmup} warm-up + {args.steps} timed steps "
         f"(losses compared at all {args.warmup + args.steps} steps on every rank)\n"
     )
     print(
         f"| param dtype | system | losses / final parameters vs fully_shard | step (median) | vs fully_shard | {dev.memory_label} | "
-        "vs fully_shard | first step | all-gathers / reduce-scatters per step (run time) |"
+        "vs fully_shard | first step | all-gathers / reduce-scatters per step (run time) | host issues the step in "
+        "(median) |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
     print()
     for line in notes + [f"FAIL: {failure}" for failure in failures]:
@@ -341,6 +353,13 @@ def main() -> int:
     p.add_argument("--inductor-rtol", type=float, default=5e-2, help="largest relative loss difference of Inductor")
     p.add_argument("--budget-s", type=float, default=400, help="start no new run after this many seconds")
     p.add_argument("--no-deterministic", action="store_true", help="do not call torch.use_deterministic_algorithms")
+    p.add_argument(
+        "--sdpa",
+        choices=["default", "math"],
+        default="default",
+        help="attention kernels on CUDA: torch's choice (flash / memory-efficient, whose backward may be "
+        "nondeterministic) or the math kernel alone",
+    )
     args = p.parse_args()
     preset = SIZES[args.size or ("gpu" if args.device == "cuda" else "tiny")]
     for key, value in preset.items():
@@ -352,6 +371,10 @@ def main() -> int:
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
         backend = "nccl"
+        if args.sdpa == "math":
+            torch.backends.cuda.enable_flash_sdp(False)
+            torch.backends.cuda.enable_mem_efficient_sdp(False)
+            torch.backends.cuda.enable_cudnn_sdp(False)
     else:
         device = torch.device("cpu")
         backend = "gloo"

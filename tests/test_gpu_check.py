@@ -69,6 +69,7 @@ def _fake_result(system: str, losses, params_bitwise=True, diff=0.0) -> dict:
         losses=losses,
         median_s=0.1,
         first_step_s=1.0,
+        host_s=0.05,
         peak_bytes=2**20,
         params=10,
         runtime_collectives={"all_gather": 6, "reduce_scatter": 3},
@@ -82,7 +83,17 @@ def _fake_result(system: str, losses, params_bitwise=True, diff=0.0) -> dict:
 
 def test_report_fails_on_a_one_ulp_loss_difference_or_different_parameters(capsys):
     args = SimpleNamespace(
-        inductor_rtol=5e-2, budget_s=400, layers=2, d_model=64, heads=4, vocab=256, seq=32, batch=2, warmup=1, steps=1
+        inductor_rtol=5e-2,
+        budget_s=400,
+        layers=2,
+        d_model=64,
+        heads=4,
+        vocab=256,
+        seq=32,
+        batch=2,
+        warmup=1,
+        steps=1,
+        sdpa="default",
     )
     dev = gpu_check.Device(torch.device("cpu"))
     ref = _fake_result("fully_shard", [[5.0, 4.0]])
