@@ -156,6 +156,8 @@ def check_args(ns: argparse.Namespace) -> None:
         raise UsageError(f"--replicate must be >= 1, got {ns.replicate}")
     if ns.tp < 1:
         raise UsageError(f"--tp must be >= 1, got {ns.tp}")
+    if ns.seq_len is not None and ns.seq_len < 1:
+        raise UsageError(f"--seq-len must be >= 1, got {ns.seq_len}")
     if ns.tp > 1 and ns.world_size % (ns.replicate * ns.tp):
         raise UsageError(
             f"--world-size {ns.world_size} is not a multiple of --replicate {ns.replicate} x --tp {ns.tp}: the mesh "
@@ -264,7 +266,7 @@ def cmd_dump(ns: argparse.Namespace) -> int:
     with Progress(4, ns.quiet) as progress:
         progress.step(f"importing torch, the compiler and {ns.target}")
         from fsdp2_compile.api import shard_compile
-        from fsdp2_compile.cli.model_loading import call_factory, fake_group, load_target
+        from fsdp2_compile.cli.model_loading import fake_group, load_target, seq_len_call
         from fsdp2_compile.compiler.report import clear_compiled_graphs, compiled_graphs
         from fsdp2_compile.config import CompileConfig
         from fsdp2_compile.core.hardware import PROFILES
@@ -274,6 +276,7 @@ def cmd_dump(ns: argparse.Namespace) -> int:
         from fsdp2_compile.planner.tensor_parallel import apply_tp, plan_meshes, plan_text, tp_plan_for
 
         factory = load_target(ns.target)
+        call = seq_len_call(factory, ns.seq_len)
         hardware = ns.hardware or "cpu-gloo-loopback"
         mp = _mp_policy(ns.mp)
         reshard = False if ns.no_reshard else None  # None: FSDP2's default (the root keeps its parameters)
@@ -282,7 +285,7 @@ def cmd_dump(ns: argparse.Namespace) -> int:
         with fake_group(ns.world_size):
             mesh, tp_mesh = plan_meshes(ns.world_size, ns.replicate, ns.tp)
             progress.step(f"building {ns.target}")
-            model, args, loss_fn = call_factory(factory)
+            model, args, loss_fn = call(factory)
             if tp_mesh is not None:
                 _, blocks = block_list(model)
                 if blocks is None:
@@ -341,12 +344,13 @@ def cmd_plan(ns: argparse.Namespace) -> int:
         progress.step(f"importing torch, the compiler and {ns.target}")
         import json
 
-        from fsdp2_compile.cli.model_loading import call_factory, fake_group, load_target
+        from fsdp2_compile.cli.model_loading import fake_group, load_target, seq_len_call
         from fsdp2_compile.core.hardware import PROFILES
         from fsdp2_compile.planner.devices import device_for
         from fsdp2_compile.planner.plan import Layout, format_plan, make_plan
 
         factory = load_target(ns.target)
+        call = seq_len_call(factory, ns.seq_len)
         # --float8 without --hardware: the profiles that have float8 matmuls
         profiles = (
             [ns.hardware] if ns.hardware else [n for n in PROFILES if not ns.float8 or device_for(n).float8_flops]
@@ -373,7 +377,7 @@ def cmd_plan(ns: argparse.Namespace) -> int:
             raise UsageError(str(e)) from e
         with fake_group(ns.world_size):
             try:
-                plan = make_plan(factory, layout, call=call_factory, profiles=profiles, progress=progress.step)
+                plan = make_plan(factory, layout, call=call, profiles=profiles, progress=progress.step)
             except (RunError, UsageError):
                 raise
             except ValueError as e:
@@ -399,12 +403,13 @@ def cmd_search(ns: argparse.Namespace) -> int:
         progress.step(f"importing torch, the compiler and {ns.target}")
         import json
 
-        from fsdp2_compile.cli.model_loading import call_factory, fake_group, load_target
+        from fsdp2_compile.cli.model_loading import fake_group, load_target, seq_len_call
         from fsdp2_compile.planner.plan import Layout
         from fsdp2_compile.planner.recipe import recipe_of, write_recipe
         from fsdp2_compile.planner.search import format_search, search
 
         factory = load_target(ns.target)
+        call = seq_len_call(factory, ns.seq_len)
         base = Layout(ns.world_size, mp_policy=_mp_policy(ns.mp), attention=ns.attention, compiler=ns.compiler)
         degrees = {k: ns.pinned.get(k) for k in ("tp", "pp", "replicate")}
         with fake_group(ns.world_size):
@@ -415,7 +420,7 @@ def cmd_search(ns: argparse.Namespace) -> int:
                     ns.global_batch,
                     ns.hardware,
                     base=base,
-                    call=call_factory,
+                    call=call,
                     device_memory=ns.device_memory,
                     degrees=degrees,
                     progress=progress.step,
@@ -457,6 +462,13 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replicate", type=int, metavar="R", help=REPLICATE_HELP)
     parser.add_argument("--tp", type=int, metavar="T", help=TP_HELP)
     parser.add_argument("--mp", choices=["bf16"], help="mixed precision: bf16 parameters, fp32 gradient reduction")
+    parser.add_argument(
+        "--seq-len",
+        type=int,
+        metavar="S",
+        help="sequence length: passed to the factory as its seq_len=, max_seq_len= or seq= argument (default: the "
+        "factory's own)",
+    )
 
 
 def keep_gathered_arg(text: str) -> int | float:

@@ -3,8 +3,10 @@ checked factory call, and the fake process group both subcommands run under."""
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
+import inspect
 import os
 import sys
 from collections.abc import Callable
@@ -15,7 +17,16 @@ if TYPE_CHECKING:  # torch is imported on use: `fsdp2-compile --help` does not n
     import torch
     from torch import nn
 
-__all__ = ["RunError", "UsageError", "call_factory", "default_loss", "fake_group", "load_target"]
+__all__ = [
+    "SEQ_LEN_NAMES",
+    "RunError",
+    "UsageError",
+    "call_factory",
+    "default_loss",
+    "fake_group",
+    "load_target",
+    "seq_len_call",
+]
 
 
 class UsageError(Exception):
@@ -96,6 +107,33 @@ def call_factory(factory: Callable, **kwargs) -> tuple[nn.Module, tuple, Callabl
     if not callable(loss_fn):
         raise RunError(f"factory {name}() returned a non-callable loss_fn ({type(loss_fn).__name__})")
     return model, tuple(args), loss_fn
+
+
+SEQ_LEN_NAMES = ("seq_len", "max_seq_len", "seq")
+"""The factory arguments `--seq-len` sets, the first one the factory takes."""
+
+
+def seq_len_call(factory: Callable, seq_len: int | None) -> Callable:
+    """`call_factory`, with `--seq-len` passed as the sequence-length argument `factory` takes (SEQ_LEN_NAMES);
+    UsageError when it takes none of them."""
+    if seq_len is None:
+        return call_factory
+    name = getattr(factory, "__name__", repr(factory))
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        params = {}
+    arg = next((n for n in SEQ_LEN_NAMES if n in params), None)
+    if arg is None:
+        raise UsageError(
+            f"--seq-len {seq_len}: factory {name}() takes none of {', '.join(n + '=' for n in SEQ_LEN_NAMES)}; give "
+            "it one of those arguments (the sequence length of the inputs it builds) or leave --seq-len out"
+        )
+    return functools.partial(_call_with, arg, seq_len)
+
+
+def _call_with(arg: str, value: int, factory: Callable, **kwargs) -> tuple[nn.Module, tuple, Callable]:
+    return call_factory(factory, **{arg: value}, **kwargs)
 
 
 @contextmanager
