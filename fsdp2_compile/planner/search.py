@@ -9,9 +9,11 @@ all of the resharded bytes) and float8 where the device has it. The local batch 
 
 The stages of `make_plan` are shared between candidates by what each depends on (`plan.py`): the full model is
 sharded once per tp and its figures at another dp split derived from its parameters' shapes; each copy is compiled
-once per (tp, rows per micro-batch under tp, shard size 1 or more) with FSDP's collectives derived for the candidate's
-shard size, replicas and resharding; each copy is traced once per (tp, activation checkpointing, rows). A
-derivation is checked against the stage it comes from, and a stage whose check fails is built for each candidate.
+once per (tp, shard size 1 or more) with FSDP's collectives derived for the candidate's shard size, replicas and
+resharding, and TP's for its rows per micro-batch (those that carry the activations scale with the rows, the rest
+keep their bytes: learned from the first tp compiled at two row counts); each copy is traced once per (tp,
+activation checkpointing, rows). A derivation is checked against the stage it comes from, and a stage whose check
+fails is built for each candidate.
 """
 
 from __future__ import annotations
@@ -318,7 +320,7 @@ class _Stages:
         self.exact_full: set = set()
         self.exact_compile: set = set()
         self.row_refs: dict = {}
-        self.row_rule: list[list[bool]] | None | bool = None
+        self.row_rule: list | None | bool = None
         self.built = {"full model shards": 0, "copy compiles": 0, "copy traces": 0}
 
     def call_for(self, batch: int) -> Callable:
@@ -503,7 +505,7 @@ class _Stages:
         """The copies' compile at `rows` per micro-batch from this tp's compile at other rows (`_rows_at` with the
         learned rule), or None where it has to be compiled."""
         ref = self.row_refs.get((tp, single))
-        if ref is None or not self.row_rule or ref[0] == rows:
+        if ref is None or not self.row_rule or ref[0] == rows or len(ref[1][0].figures) != len(self.row_rule):
             return None
         (r0, (copies, shard, replicate)) = ref
         figures = [_rows_at(g, rule, r0, rows) for g, rule in zip(copies.figures, self.row_rule, strict=True)]
@@ -555,28 +557,28 @@ def _fig_key(g: _GraphFigures) -> tuple:
     return g.comm_wire, g.buffers, g.backward_gathers
 
 
-def _rows_rule(g0: _GraphFigures, g1: _GraphFigures, r0: int, r1: int) -> list[bool] | None:
-    """Which of TP's collectives scale with the rows per micro-batch (True: bytes x r1 / r0 from r0 to r1) and which
-    keep their bytes (False), from one copy compiled at r0 and r1 rows; None where one does neither or the graphs
-    differ otherwise."""
+def _rows_rule(g0: _GraphFigures, g1: _GraphFigures, r0: int, r1: int) -> list[tuple[str, str, bool]] | None:
+    """(graph, kind, scales) of each of TP's collectives: whether its bytes scale with the rows per micro-batch (x r1
+    / r0 from r0 to r1) or stay as they are, from one copy compiled at r0 and at r1 rows; None where one does
+    neither or the graphs differ otherwise."""
     if g0.tp_graphs != g1.tp_graphs or len(g0.tp_collectives) != len(g1.tp_collectives):
         return None
     rule = []
     for (gk0, k0, b0, n0), (gk1, k1, b1, n1) in zip(g0.tp_collectives, g1.tp_collectives, strict=True):
         if (gk0, k0, n0) != (gk1, k1, n1) or (b0 * r1 != b1 * r0 and b0 != b1):
             return None
-        rule.append(b0 != b1)
+        rule.append((gk0, k0, b0 != b1))
     return rule
 
 
-def _rows_at(g: _GraphFigures, rule: list[bool], r0: int, rows: int) -> _GraphFigures | None:
+def _rows_at(g: _GraphFigures, rule: list[tuple[str, str, bool]], r0: int, rows: int) -> _GraphFigures | None:
     """`g` (a copy compiled at r0 rows per micro-batch) at `rows`: TP's collectives that `rule` says scale with the
     rows times rows / r0, the others and FSDP's as compiled; TP's wire and buffers summed again as
-    `_compile_and_measure` sums them. None where the rule does not fit `g`'s collectives or a size is no whole byte."""
-    if len(rule) != len(g.tp_collectives):
+    `_compile_and_measure` sums them. None where the rule's collectives are not `g`'s or a size is no whole byte."""
+    if [(graph, kind) for graph, kind, _ in rule] != [(graph, kind) for graph, kind, _, _ in g.tp_collectives]:
         return None
     collectives = []
-    for (graph, kind, nbytes, group), scales in zip(g.tp_collectives, rule, strict=True):
+    for (graph, kind, nbytes, group), (_, _, scales) in zip(g.tp_collectives, rule, strict=True):
         if scales and nbytes * rows % r0:
             return None
         collectives.append((graph, kind, nbytes * rows // r0 if scales else nbytes, group))
