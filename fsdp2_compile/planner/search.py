@@ -521,9 +521,11 @@ class _Stages:
         if self.row_rule is not None or ref[0] == rows:
             return
         (r0, (copies0, _, _)), (copies1, shard1, replicate1) = ref, compiled
-        rule = [_rows_rule(g0, g1, r0, rows) for g0, g1 in zip(copies0.figures, copies1.figures, strict=True)]
         self.row_rule = False
-        if any(r is None for r in rule) or copies0.hows != copies1.hows or copies0.reduce != copies1.reduce:
+        if copies0.hows != copies1.hows or copies0.reduce != copies1.reduce:
+            return
+        rule = [_rows_rule(g0, g1, r0, rows) for g0, g1 in zip(copies0.figures, copies1.figures, strict=True)]
+        if any(r is None for r in rule):
             return
         derived = [_rows_at(g, r, r0, rows) for g, r in zip(copies0.figures, rule, strict=True)]
         if all(
