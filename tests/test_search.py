@@ -21,7 +21,7 @@ from fsdp2_compile.cli.main import main  # noqa: E402
 from fsdp2_compile.cli.model_loading import call_factory, fake_group  # noqa: E402
 from fsdp2_compile.config import MixedPrecisionPolicy  # noqa: E402
 from fsdp2_compile.planner.plan import Layout, make_plan  # noqa: E402
-from fsdp2_compile.planner.search import enumerate_candidates, plan_candidates, search  # noqa: E402
+from fsdp2_compile.planner.search import Candidate, enumerate_candidates, plan_candidates, search  # noqa: E402
 
 BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 TARGET = "tests/cli_factories.py:llama_small"
@@ -59,6 +59,32 @@ def test_search_figures_are_make_plans():
                 profiles=["h100-nvlink"],
             )
             assert s.plan.to_json() == plan.to_json(), s.candidate
+
+
+def test_search_derives_tp_compiles_for_other_rows():
+    """Under TP the search compiles each tp at one row count per micro-batch (and, once, at a second: which of TP's
+    collectives scale with the rows); its figures at other row counts equal make_plan's, which compiles each.
+    torchtitan's sequence-parallel plan: the norms' replicated weights all-reduce their gradients, bytes the rows
+    do not scale."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+    import llama
+
+    f = functools.partial(cli_factories.llama_small, layers=2)
+    f.tp_plan, f.tp_root_plan = llama.tp_plan, llama.TP_ROOT_PLAN
+    n = 4
+    with fake_group(n):
+        lay = Layout(n, tp=2, mp_policy=BF16)
+        cands = [Candidate(lay, rows) for rows in (1, 2, 3, 4)]
+        scored, built = plan_candidates(f, cands, "h100-nvlink", 2**40, call=call_factory)
+        assert built["copy compiles"] == 2  # rows 1 and 2; 3 and 4 derived
+        wire = {s.candidate.local_batch: s.plan.tp_comm_bytes_per_step for s in scored}
+        assert wire[3] != 3 * wire[1] and wire[3] > wire[1]  # a collective the rows do not scale
+        for s in scored[2:]:
+            lb = s.candidate.local_batch
+            plan = make_plan(
+                f, lay, call=lambda g, lb=lb, **kw: call_factory(g, batch=lb, **kw), profiles=["h100-nvlink"]
+            )
+            assert s.plan.to_json() == plan.to_json(), lb
 
 
 def test_emitted_recipe_builds_and_trains(tmp_path):

@@ -291,6 +291,8 @@ class _GraphFigures:
     element size); with `param_rows`, what the search derives them from at another dp split."""
     param_rows: dict[str, tuple[int, int]] = field(default_factory=dict)
     """Each managed parameter's (rows FSDP shards, elements per row of its shard)."""
+    tp_graphs: list[int] = field(default_factory=list)
+    """How many of `tp_collectives` each compiled graph holds, in order (`tp_wire` is summed graph by graph)."""
 
     def tp_counts(self, graph: str, kind: str) -> int:
         return sum(1 for g, k, _, _ in self.tp_collectives if g == graph and k == kind)
@@ -323,6 +325,7 @@ def _compile_and_measure(model, args, loss_fn, mesh, compile_kwargs, tp_mesh=Non
     loss_fn(compiled(*args)).backward()
     records = [r for r in compiled_graphs() if r.kind in ("forward", "backward")]
     for r in records:
+        figures.tp_graphs.append(len(figures.tp_collectives))
         for tp, buffers in ((False, figures.buffers), (True, figures.tp_buffers)):
             graph_wire, graph_buffers = wire_bytes(r.gm, tp=tp)
             if tp:
@@ -344,6 +347,7 @@ def _compile_and_measure(model, args, loss_fn, mesh, compile_kwargs, tp_mesh=Non
             elif c is not None and r.kind == "backward" and c.kind == Role.ALL_GATHER:
                 bucket = node.meta.get(BUCKET, "")
                 figures.backward_gathers[bucket] = figures.backward_gathers.get(bucket, 0) + c.nbytes
+        figures.tp_graphs[-1] = len(figures.tp_collectives) - figures.tp_graphs[-1]
     clear_compiled_graphs()
     return figures
 

@@ -9,9 +9,11 @@ all of the resharded bytes) and float8 where the device has it. The local batch 
 
 The stages of `make_plan` are shared between candidates by what each depends on (`plan.py`): the full model is
 sharded once per tp and its figures at another dp split derived from its parameters' shapes; each copy is compiled
-once per (tp, rows per micro-batch under tp, shard size 1 or more) with FSDP's collectives derived for the candidate's
-shard size, replicas and resharding; each copy is traced once per (tp, activation checkpointing, rows). A
-derivation is checked against the stage it comes from, and a stage whose check fails is built for each candidate.
+once per (tp, shard size 1 or more) with FSDP's collectives derived for the candidate's shard size, replicas and
+resharding, and TP's for its rows per micro-batch (those that carry the activations scale with the rows, the rest
+keep their bytes: learned from the first tp compiled at two row counts); each copy is traced once per (tp,
+activation checkpointing, rows). A derivation is checked against the stage it comes from, and a stage whose check
+fails is built for each candidate.
 """
 
 from __future__ import annotations
@@ -317,6 +319,8 @@ class _Stages:
         self.outside: dict | None = None
         self.exact_full: set = set()
         self.exact_compile: set = set()
+        self.row_refs: dict = {}
+        self.row_rule: list | None | bool = None
         self.built = {"full model shards": 0, "copy compiles": 0, "copy traces": 0}
 
     def call_for(self, batch: int) -> Callable:
@@ -455,7 +459,9 @@ class _Stages:
             figures_copies = self.compiled[exact]
             figures = figures_copies.figures
         else:
-            if key not in self.compiled:
+            if key not in self.compiled and lay.tp > 1:
+                self.compiled[key] = self._rows_derived(lay.tp, s == 1, rows)
+            if self.compiled.get(key) is None:
                 ref_layout = dataclasses.replace(lay, reshard_after_forward=None, keep_gathered=None)
                 ref = self._compile(ref_layout, full, cand.local_batch)
                 self.compiled[key] = (ref, ref_layout.shard_size, ref_layout.replicate)
@@ -463,6 +469,8 @@ class _Stages:
                 if any(_fig_key(a) != _fig_key(g) for a, g in zip(again, ref.figures, strict=True)):
                     self.exact_compile.add(key)
                     return self.copies(cand, full, ac_used)
+                if lay.tp > 1:
+                    self._learn_rows(lay.tp, s == 1, rows, self.compiled[key])
             figures_copies = self.compiled[key][0]
             no_reshard = lay.reshard_after_forward is False
             figures = [_figures_at(g, s, lay.replicate, no_reshard) for g in figures_copies.figures]
@@ -493,6 +501,39 @@ class _Stages:
             traced.tp_left,
         )
 
+    def _rows_derived(self, tp: int, single: bool, rows: int) -> tuple | None:
+        """The copies' compile at `rows` per micro-batch from this tp's compile at other rows (`_rows_at` with the
+        learned rule), or None where it has to be compiled."""
+        ref = self.row_refs.get((tp, single))
+        if ref is None or not self.row_rule or ref[0] == rows or len(ref[1][0].figures) != len(self.row_rule):
+            return None
+        (r0, (copies, shard, replicate)) = ref
+        figures = [_rows_at(g, rule, r0, rows) for g, rule in zip(copies.figures, self.row_rule, strict=True)]
+        if any(f is None for f in figures):
+            return None
+        return _Copies(copies.layers, copies.reduce, figures, [], [], copies.hows, []), shard, replicate
+
+    def _learn_rows(self, tp: int, single: bool, rows: int, compiled: tuple) -> None:
+        """Keep the first compile of each tp as the one other rows are derived from; at the first tp compiled at two
+        rows, learn which of TP's collectives scale with the rows (the activations') and which do not (a replicated
+        parameter's gradient), and keep the rule only if it gives the second compile's figures exactly."""
+        ref = self.row_refs.setdefault((tp, single), (rows, compiled))
+        if self.row_rule is not None or ref[0] == rows:
+            return
+        (r0, (copies0, _, _)), (copies1, shard1, replicate1) = ref, compiled
+        self.row_rule = False
+        if copies0.hows != copies1.hows or copies0.reduce != copies1.reduce:
+            return
+        rule = [_rows_rule(g0, g1, r0, rows) for g0, g1 in zip(copies0.figures, copies1.figures, strict=True)]
+        if any(r is None for r in rule):
+            return
+        derived = [_rows_at(g, r, r0, rows) for g, r in zip(copies0.figures, rule, strict=True)]
+        if all(
+            d is not None and _figures_at(d, shard1, replicate1, False) == _figures_at(g, shard1, replicate1, False)
+            for d, g in zip(derived, copies1.figures, strict=True)
+        ):
+            self.row_rule = rule
+
     def _compile(self, lay: Layout, full: _FullModel, batch: int) -> _Copies:
         self.built["copy compiles"] += 1
         meshes = plan_meshes(lay.world_size, lay.replicate, lay.tp, lay.pp)
@@ -518,11 +559,47 @@ def _fig_key(g: _GraphFigures) -> tuple:
     return g.comm_wire, g.buffers, g.backward_gathers
 
 
+def _rows_rule(g0: _GraphFigures, g1: _GraphFigures, r0: int, r1: int) -> list[tuple[str, str, bool]] | None:
+    """(graph, kind, scales) of each of TP's collectives: whether its bytes scale with the rows per micro-batch (x r1
+    / r0 from r0 to r1) or stay as they are, from one copy compiled at r0 and at r1 rows; None where one does
+    neither or the graphs differ otherwise."""
+    if g0.tp_graphs != g1.tp_graphs or len(g0.tp_collectives) != len(g1.tp_collectives):
+        return None
+    rule = []
+    for (gk0, k0, b0, n0), (gk1, k1, b1, n1) in zip(g0.tp_collectives, g1.tp_collectives, strict=True):
+        if (gk0, k0, n0) != (gk1, k1, n1) or (b0 * r1 != b1 * r0 and b0 != b1):
+            return None
+        rule.append((gk0, k0, b0 != b1))
+    return rule
+
+
+def _rows_at(g: _GraphFigures, rule: list[tuple[str, str, bool]], r0: int, rows: int) -> _GraphFigures | None:
+    """`g` (a copy compiled at r0 rows per micro-batch) at `rows`: TP's collectives that `rule` says scale with the
+    rows times rows / r0, the others and FSDP's as compiled; TP's wire and buffers summed again as
+    `_compile_and_measure` sums them. None where the rule's collectives are not `g`'s or a size is no whole byte."""
+    if [(graph, kind) for graph, kind, _ in rule] != [(graph, kind) for graph, kind, _, _ in g.tp_collectives]:
+        return None
+    collectives = []
+    for (graph, kind, nbytes, group), (_, _, scales) in zip(g.tp_collectives, rule, strict=True):
+        if scales and nbytes * rows % r0:
+            return None
+        collectives.append((graph, kind, nbytes * rows // r0 if scales else nbytes, group))
+    wire, buffers, i = 0.0, {}, 0
+    for count in g.tp_graphs:
+        graph_wire = 0.0
+        for _, kind, nbytes, group in collectives[i : i + count]:
+            buffers[Role(kind)] = buffers.get(Role(kind), 0) + nbytes
+            graph_wire += (group - 1) / group * nbytes * (2 if kind == Role.ALL_REDUCE else 1)
+        wire += graph_wire
+        i += count
+    return dataclasses.replace(g, tp_wire=wire, tp_buffers=buffers, tp_collectives=collectives)
+
+
 def _figures_at(g: _GraphFigures, shard_size: int, replicate: int, no_reshard: bool) -> _GraphFigures:
     """The graph figures of a copy compiled at another dp split: FSDP's collectives' buffers at `shard_size` (each
     parameter padded to a multiple of it), an all-reduce over the replicas after each gradient reduction when
     `replicate` > 1, no backward all-gather with `no_reshard`; TP's as compiled."""
-    out = _GraphFigures(0.0, {}, g.tp_wire, g.tp_buffers, g.tp_collectives, {}, [], g.param_rows)
+    out = _GraphFigures(0.0, {}, g.tp_wire, g.tp_buffers, g.tp_collectives, {}, [], g.param_rows, g.tp_graphs)
     graph_wire: dict[str, float] = {}
     for graph, kind, bucket, params, _, itemsize in g.fsdp_collectives:
         if kind == Role.ALL_REDUCE or (no_reshard and graph == "backward" and kind == Role.ALL_GATHER):
