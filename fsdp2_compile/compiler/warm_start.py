@@ -20,11 +20,13 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import importlib.metadata
+import itertools
 import logging
 import marshal
 import os
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -33,9 +35,16 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from fsdp2_compile._torch_private import aot_compile_function, aot_function_from_bytes, aot_function_to_bytes
+from fsdp2_compile._torch_private import (
+    aot_compile_function,
+    aot_function_from_bytes,
+    aot_function_to_bytes,
+    default_store,
+    group_timeout,
+)
 from fsdp2_compile.config import CompileConfig
 from fsdp2_compile.runtime.param_state import ParamInfo
+from fsdp2_compile.runtime.process_groups import attempt_token
 from fsdp2_compile.runtime.traced_blocks import compiling_ahead_of_time
 
 __all__ = ["WarmStart", "cache_events", "input_guards_only"]
@@ -172,12 +181,33 @@ def _write(path: str, payload: bytes) -> None:
         raise
 
 
-def _every_rank(hit: bool) -> bool:
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+_STARTS = itertools.count()
+
+
+def _every_rank(hit: bool, places: Places) -> bool:
+    """Whether every rank loaded its file, agreed through the default group's store (not a collective: a rank
+    compiling without `cache_dir` publishes nothing, and is named here instead of left waiting in one). Keys carry
+    the shard group's attempt token, so a job restarted in place never reads a dead attempt's."""
+    if not dist.is_initialized() or dist.get_world_size() == 1 or dist.get_backend() == "fake":
         return hit
-    hits: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(hits, hit)
-    return all(hits)
+    store, rank, world = default_store(), dist.get_rank(), dist.get_world_size()
+    token = attempt_token(places[0][2].group_name) if places else ""
+    key = f"fsdp2_compile/warm/{token + '/' if token else ''}{next(_STARTS)}"
+    store.set(f"{key}/{rank}", "1" if hit else "0")
+    timeout = group_timeout()
+    wait_s = max(min(0.9 * timeout, timeout - 5), timeout / 2)
+    deadline, pause, keys = time.monotonic() + wait_s, 0.005, [f"{key}/{r}" for r in range(world)]
+    while not store.check(keys):
+        if time.monotonic() > deadline:
+            missing = [r for r, k in enumerate(keys) if not store.check([k])]
+            raise RuntimeError(
+                f"fsdp2_compile: rank(s) {missing} did not say within {wait_s:.0f} s whether they load a saved "
+                "compile (CompileConfig.cache_dir): set cache_dir on every rank or on none; else they raised or "
+                "crashed before their first call (look at their errors) or are late"
+            )
+        time.sleep(pause)
+        pause = min(2 * pause, 0.2)
+    return all(store.get(k) == b"1" for k in keys)
 
 
 class WarmStart:
@@ -217,7 +247,7 @@ class WarmStart:
         path = os.path.join(os.path.abspath(self.config.cache_dir), f"{key[:40]}.rank{rank}.bin")
         loaded = _read(path)
         specs = _specs(places)
-        if _every_rank(loaded is not None):
+        if _every_rank(loaded is not None, places):
             _EVENTS.append(("hit", path))
             log.info("fsdp2_compile: loaded the compiled module from %s", path)
             self.compiled, self.specs = loaded, specs
