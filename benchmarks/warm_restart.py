@@ -5,8 +5,9 @@ launch again (warm, the cache filled by the cold one), at each depth, alternated
 
 Each launch is `benchmarks/step_time.py --mode full --cache-dir DIR --losses` under torchrun (one thread per rank),
 whose first step is, cold, Dynamo's tracing, AOTAutograd, the partition, the passes and one training step (and the
-compile saved), warm, the saved compile loaded and one training step. Also printed: a later (second) step of the
-warm launch, and whether every warm launch's losses equal its cold launch's bitwise. On a 2-core machine shared
+compile saved), warm, the saved compile loaded and one training step. Also printed: each launch's second step, the
+first step's excess over it (what compiling, or loading, adds), and whether every warm launch's losses equal its
+cold launch's bitwise. On a 2-core machine shared
 with other work, runs move by a third: compare the ratio within a run.
 """
 
@@ -80,15 +81,21 @@ def main() -> None:
                 flush=True,
             )
         rows.append((layers, cold, warm))
-    print("| layers | cold first step | warm first step | warm / cold | warm second step | warm hits | losses equal |")
-    print("|---|---|---|---|---|---|---|")
+    print(
+        "| layers | cold first step | warm first step | warm / cold | second step cold / warm "
+        "| first minus second step, warm / cold | warm hits | losses equal |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     for layers, cold, warm in rows:
         med = lambda rs, k: statistics.median(r[k] for r in rs)  # noqa: E731
         spread = lambda rs: f"{min(r['first_step_s'] for r in rs):.1f}-{max(r['first_step_s'] for r in rs):.1f}"  # noqa: E731
+        extra = lambda rs: statistics.median(r["first_step_s"] - r["median_s"] for r in rs)  # noqa: E731
         print(
             f"| {layers} | {med(cold, 'first_step_s'):.1f} s ({spread(cold)}) | {med(warm, 'first_step_s'):.1f} s "
             f"({spread(warm)}) | {med(warm, 'first_step_s') / med(cold, 'first_step_s'):.2f}x | "
-            f"{med(warm, 'median_s'):.1f} s | {sum(r['cache'] == ['hit'] for r in warm)} of {len(warm)} | "
+            f"{med(cold, 'median_s'):.1f} s / {med(warm, 'median_s'):.1f} s | "
+            f"{extra(warm):.1f} s / {extra(cold):.1f} s = {extra(warm) / extra(cold):.2f}x | "
+            f"{sum(r['cache'] == ['hit'] for r in warm)} of {len(warm)} | "
             f"{'yes' if all(c['losses'] == w['losses'] for c, w in zip(cold, warm)) else 'NO'} |"
         )
 

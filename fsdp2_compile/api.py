@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -86,7 +87,8 @@ def shard_compile(
     )
     if compile_config.memory_budget_fraction is not None:
         compile_config = resolve_memory_budget(compile_config, resolve_mesh(mesh))
-    compile_in_place(module, make_backend(compile_config), dynamic=dynamic, config=compile_config)
+    backend = make_backend(dataclasses.replace(compile_config, cache_dir=None))  # WarmStart reads cache_dir
+    compile_in_place(module, backend, dynamic=dynamic, config=compile_config)
     return module
 
 

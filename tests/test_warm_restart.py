@@ -8,6 +8,7 @@ import hashlib
 import logging
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 from harness import run_ranks
@@ -31,10 +32,11 @@ def test_a_relaunch_loads_and_trains_bitwise_equal_and_a_garbled_file_is_compile
     for [c] in cold:
         assert _whats(c) == ["miss", "stored"]
     assert len(list(tmp_path.glob("*.bin"))) == 2  # one file per rank
-    warm = run_ranks(train_cached, 2, cache, [{}])
+    warm = run_ranks(train_cached, 2, cache, [{}], "mlp", 2, True)
     for rank, [hit] in enumerate(warm):
         assert _whats(hit) == ["hit"] and _same(hit, cold[rank][0])  # nothing traced or compiled
         assert hit["events"][0][1] == cold[rank][0]["events"][0][1]
+        assert "changed between a forward and its backward" in hit["flip_error"]
 
     garbled = Path(cold[1][0]["events"][0][1])  # rank 1's file of the first launch, 8 bytes in its middle flipped
     data = bytearray(garbled.read_bytes())
@@ -82,3 +84,19 @@ def test_files_of_another_world_size_config_or_model_are_not_loaded(tmp_path, ca
         assert _first_call(tmp_path, 2, out_features=16) == ["miss", "stored"]
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING and r.name == "fsdp2_compile"]
     assert len(list(tmp_path.glob("*.bin"))) == 4
+
+
+def test_cache_dir_through_torch_compile_is_refused_by_name(tmp_path):
+    import fsdp2_compile as fc
+    from fsdp2_compile._torch_private import clear_dtensor_caches, fake_process_group
+    from fsdp2_compile.api import make_backend
+
+    fake_process_group(rank=0, world_size=2)
+    try:
+        model = fc.shard(nn.Linear(8, 8))
+        compiled = torch.compile(model, backend=make_backend(fc.CompileConfig(cache_dir=str(tmp_path))))
+        with pytest.raises(Exception, match=r"CompileConfig.cache_dir is read by fsdp2_compile.shard_compile"):
+            compiled(torch.randn(2, 8))
+    finally:
+        dist.destroy_process_group()
+        clear_dtensor_caches()

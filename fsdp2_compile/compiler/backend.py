@@ -300,6 +300,11 @@ def compile_sharded(
     """What the fsdp2 backend does (`api.fsdp2_backend`): lowers the fsdp2 ops of a captured graph of a sharded
     module into collectives. `on_record` is called with each compiled graph's record (the debug dump)."""
     config = config or CompileConfig()
+    if config.cache_dir is not None:
+        raise ValueError(
+            "CompileConfig.cache_dir is read by fsdp2_compile.shard_compile, which saves and loads the module's "
+            "compile; with torch.compile(model, backend=...) use shard_compile(model, compile_config=...) instead"
+        )
     if config.memory_budget_fraction is not None:
         raise ValueError(
             "CompileConfig.memory_budget_fraction is measured and agreed over the ranks by "

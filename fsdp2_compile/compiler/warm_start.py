@@ -6,7 +6,8 @@ The key is a digest of what the saved graphs depend on: this package's, torch's 
 size and rank, the `CompileConfig` (less `cache_dir`), the module's structure, parameters and buffers (names,
 shapes, dtypes, meshes, placements), the code of its classes, every managed parameter's `ParamSpec` (process-group
 names, mixed precision, resharding, gradient sync, ...) and the call's inputs. A hit needs every rank to hit;
-otherwise every rank compiles and replaces its file. A file that cannot be used (cut short, altered, from an
+otherwise every rank compiles and replaces its file (so does every rank when one keeps snapshots for a dump:
+a hit compiles nothing to record). A file that cannot be used (cut short, altered, from an
 incompatible torch) is named in a warning and compiled again.
 
 What torch saves is guarded on the inputs and global state only (guards on the module would pickle its generated
@@ -22,11 +23,11 @@ import hashlib
 import importlib.metadata
 import itertools
 import logging
-import marshal
 import os
 import sys
 import tempfile
 import time
+import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -42,6 +43,7 @@ from fsdp2_compile._torch_private import (
     default_store,
     group_timeout,
 )
+from fsdp2_compile.compiler.report import dump_requested
 from fsdp2_compile.config import CompileConfig
 from fsdp2_compile.runtime.param_state import ParamInfo
 from fsdp2_compile.runtime.process_groups import attempt_token
@@ -100,6 +102,19 @@ def _tensor_text(t: torch.Tensor) -> str:
     return f"{tuple(t.shape)} {t.stride()} {t.dtype} {t.device} {t.requires_grad}"
 
 
+def _code_digest(code: types.CodeType) -> str:
+    """A digest of what `code` does: its bytecode, names and constants (nested code by digest), not where it is
+    (file, lines) nor how `marshal` would write it (which depends on reference counts)."""
+    consts = [
+        _code_digest(c)
+        if isinstance(c, types.CodeType)
+        else repr(sorted(map(repr, c)) if isinstance(c, frozenset) else c)
+        for c in code.co_consts
+    ]
+    text = repr((code.co_code, code.co_names, code.co_varnames, code.co_freevars, code.co_cellvars, consts))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
 def _code_text(module: nn.Module) -> list[str]:
     """A digest of the code of every class of `module`'s submodules (their own functions), torch's left out
     (its version is in the key)."""
@@ -112,7 +127,7 @@ def _code_text(module: nn.Module) -> list[str]:
         for name, value in sorted(vars(cls).items()):
             code = getattr(getattr(value, "fget", value), "__code__", None)
             if code is not None:
-                h.update(name.encode() + marshal.dumps(code))
+                h.update(f"{name} {_code_digest(code)}".encode())
         out.append(f"class {cls.__module__}.{cls.__qualname__} {h.hexdigest()}")
     return out
 
@@ -245,7 +260,8 @@ class WarmStart:
         rank = dist.get_rank() if dist.is_initialized() else 0
         key = cache_key(self.module, places, args, kwargs, self.config)
         path = os.path.join(os.path.abspath(self.config.cache_dir), f"{key[:40]}.rank{rank}.bin")
-        loaded = _read(path)
+        dumping = self.config.keep_snapshots or dump_requested()  # a hit compiles nothing to dump: all compile
+        loaded = None if dumping else _read(path)
         specs = _specs(places)
         if _every_rank(loaded is not None, places):
             _EVENTS.append(("hit", path))
