@@ -55,8 +55,15 @@ def test_a_relaunch_loads_and_trains_bitwise_equal_and_a_garbled_file_is_compile
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary file left
 
 
-def _first_call(cache_dir, world: int, out_features: int = 8, **config) -> list[str]:
-    """The cache events of the first call of a sharded Linear on a fake process group of `world` ranks."""
+class _Branchy(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        return y * 2 if y.sum() > 0 else y  # data-dependent: a graph break
+
+
+def _first_call(cache_dir, world: int, out_features: int = 8, cls: type = nn.Linear, **config) -> list[str]:
+    """The cache events of the first call of a sharded `cls(8, out_features)` on a fake process group of `world`
+    ranks."""
     import fsdp2_compile as fc
     from fsdp2_compile._torch_private import clear_dtensor_caches, fake_process_group
     from fsdp2_compile.compiler.warm_start import cache_events
@@ -75,7 +82,9 @@ def _first_call(cache_dir, world: int, out_features: int = 8, **config) -> list[
         clear_dtensor_caches()
 
 
-def test_files_of_another_world_size_config_or_model_are_not_loaded(tmp_path, caplog):
+def test_files_of_another_world_size_config_or_model_are_not_loaded_and_a_graph_break_compiles_as_usual(
+    tmp_path, caplog
+):
     with caplog.at_level(logging.WARNING, logger="fsdp2_compile"):
         assert _first_call(tmp_path, 2) == ["miss", "stored"]
         assert _first_call(tmp_path, 4) == ["miss", "stored"]
@@ -83,6 +92,11 @@ def test_files_of_another_world_size_config_or_model_are_not_loaded(tmp_path, ca
         assert _first_call(tmp_path, 2, schedule=False) == ["miss", "stored"]
         assert _first_call(tmp_path, 2, out_features=16) == ["miss", "stored"]
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING and r.name == "fsdp2_compile"]
+    assert len(list(tmp_path.glob("*.bin"))) == 4
+    with caplog.at_level(logging.WARNING, logger="fsdp2_compile"):  # one graph is needed: compiled as usual
+        assert _first_call(tmp_path, 2, cls=_Branchy) == ["miss", "uncompiled"]
+    [warning] = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and r.name == "fsdp2_compile"]
+    assert "cannot be compiled ahead of time" in warning and "nothing is saved" in warning
     assert len(list(tmp_path.glob("*.bin"))) == 4
 
 

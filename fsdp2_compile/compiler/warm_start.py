@@ -7,8 +7,9 @@ size and rank, the `CompileConfig` (less `cache_dir`), the module's structure, p
 shapes, dtypes, meshes, placements), the code of its classes, every managed parameter's `ParamSpec` (process-group
 names, mixed precision, resharding, gradient sync, ...) and the call's inputs. A hit needs every rank to hit;
 otherwise every rank compiles and replaces its file (so does every rank when one keeps snapshots for a dump:
-a hit compiles nothing to record). A file that cannot be used (cut short, altered, from an
-incompatible torch) is named in a warning and compiled again.
+a hit compiles nothing to record). A file that cannot be used (cut short, altered, from an incompatible torch)
+is named in a warning and compiled again; a module that cannot be compiled ahead of time (a graph break) is
+compiled as usual, with a warning, and nothing is saved.
 
 What torch saves is guarded on the inputs and global state only (guards on the module would pickle its generated
 classes); the module is in the key instead, and each call checks that the managed parameters' specs are still
@@ -59,7 +60,8 @@ _EVENTS: list[tuple[str, str]] = []
 
 def cache_events() -> list[tuple[str, str]]:
     """(what, file) for each cache file this process looked for: "hit" (loaded, every rank loaded its own),
-    "miss" (compiled), "stored", "unreadable" (warned, compiled again), "unstored" (warned)."""
+    "miss" (compiled), "stored", "unreadable" (warned, compiled again), "unstored" (warned), "uncompiled" (the
+    ahead-of-time compile raised: warned, the module's ordinary compile runs)."""
     return list(_EVENTS)
 
 
@@ -269,10 +271,20 @@ class WarmStart:
             self.compiled, self.specs = loaded, specs
             return
         _EVENTS.append(("miss", path))
-        with compiling_ahead_of_time():
-            compiled = aot_compile_function(
-                self.fn, (self.module, *args), kwargs, self.backend, input_guards_only, self.dynamic
+        try:
+            with compiling_ahead_of_time():
+                compiled = aot_compile_function(
+                    self.fn, (self.module, *args), kwargs, self.backend, input_guards_only, self.dynamic
+                )
+        except Exception as e:  # a graph break (one graph is needed), ...: the ordinary compile, nothing saved
+            _EVENTS.append(("uncompiled", path))
+            log.warning(
+                "fsdp2_compile: CompileConfig.cache_dir: the module cannot be compiled ahead of time (%s: %s); it is "
+                "compiled as usual and nothing is saved",
+                type(e).__name__,
+                (str(e).splitlines() or [""])[0],
             )
+            return
         self.compiled, self.specs = compiled, specs
         try:
             _write(path, aot_function_to_bytes(compiled))
