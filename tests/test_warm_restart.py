@@ -72,7 +72,7 @@ def _first_call(cache_dir, world: int, out_features: int = 8, cls: type = nn.Lin
     try:
         torch.manual_seed(0)
         model = fc.shard_compile(
-            nn.Linear(8, out_features), compile_config=fc.CompileConfig(cache_dir=str(cache_dir), **config)
+            cls(8, out_features), compile_config=fc.CompileConfig(cache_dir=str(cache_dir), **config)
         )
         before = len(cache_events())
         model(torch.randn(2, 8)).sum().backward()

@@ -46,7 +46,7 @@ from fsdp2_compile._torch_private import (
 )
 from fsdp2_compile.compiler.report import dump_requested
 from fsdp2_compile.config import CompileConfig
-from fsdp2_compile.runtime.param_state import ParamInfo
+from fsdp2_compile.runtime.param_state import ParamInfo, own_parameters
 from fsdp2_compile.runtime.process_groups import attempt_token
 from fsdp2_compile.runtime.traced_blocks import compiling_ahead_of_time
 
@@ -87,7 +87,8 @@ Places = Sequence[tuple[nn.Module, str, ParamInfo]]
 
 
 def _specs(places: Places) -> tuple:
-    return tuple(info.spec() for _, _, info in places)
+    """What the traced graph baked in of each managed parameter: its `ParamSpec` and whether it requires grad."""
+    return tuple((info.spec(), own_parameters(mod)[name].requires_grad) for mod, name, info in places)
 
 
 def _sync_flags(places: Places) -> tuple:
