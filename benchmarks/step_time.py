@@ -35,6 +35,7 @@ from gpt import GPT, GPTConfig, gpt_loss, make_batch  # noqa: E402
 import fsdp2_compile as fc  # noqa: E402
 from fsdp2_compile.api import make_backend  # noqa: E402
 from fsdp2_compile.compiler.report import collectives, compiled_graphs  # noqa: E402
+from fsdp2_compile.compiler.warm_start import cache_events  # noqa: E402
 
 CONFIGS = {
     "plain": fc.CompileConfig(buckets="none", prefetch=False, schedule=False),
@@ -67,6 +68,8 @@ def build(args) -> torch.nn.Module:
             config = dataclasses.replace(config, prefetch_depth=args.prefetch_depth)
         if args.budget_mib is not None:
             config = dataclasses.replace(config, memory_budget_bytes=int(args.budget_mib * 2**20))
+        if args.cache_dir is not None:
+            config = dataclasses.replace(config, cache_dir=args.cache_dir)
         if args.mode == "backend-route":
             fc.shard(model)
             return torch.compile(model, backend=make_backend(config))
@@ -105,6 +108,8 @@ def argument_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--prefetch-depth", type=int, help="override CompileConfig.prefetch_depth")
     p.add_argument("--budget-mib", type=float, help="override CompileConfig.memory_budget_bytes (MiB)")
+    p.add_argument("--cache-dir", help="CompileConfig.cache_dir (warm restarts)")
+    p.add_argument("--losses", action="store_true", help="also print every step's loss (exact, as hex)")
     p.add_argument("--optimizer-in-backward", action="store_true", help="an AdamW per parameter, stepped by its hook")
     return p
 
@@ -131,7 +136,7 @@ def main() -> None:
     step_optimizer = optimizer_step(model, args.optimizer_in_backward)
     cfg = model.cfg
     local = args.batch // world
-    times = []
+    times, losses = [], []
     for step in range(args.warmup + args.steps):
         x, y = make_batch(cfg, args.batch, args.seq, seed=step)
         x, y = x[rank * local : (rank + 1) * local], y[rank * local : (rank + 1) * local]
@@ -141,6 +146,7 @@ def main() -> None:
         loss.backward()
         step_optimizer()
         times.append(time.perf_counter() - start)
+        losses.append(loss.item())
     rss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024], dtype=torch.int64)
     every = torch.zeros(world, dtype=torch.int64)
     dist.all_gather_into_tensor(every, rss)
@@ -161,10 +167,12 @@ def main() -> None:
                     median_s=statistics.median(timed),
                     mean_s=statistics.mean(timed),
                     first_step_s=times[0],
+                    cache=[what for what, _ in cache_events()],
                     compile_s=compiling.item(),
                     peak_rss_mib=[int(b) / 2**20 for b in every.tolist()],
                     collectives_per_step=len(colls) or None,
                     bytes_per_step=sum(c.nbytes for c in colls) or None,
+                    **(dict(losses=[float.hex(v) for v in losses]) if args.losses else {}),
                     exposed_comm_estimate_s=sum(r.timeline.exposed_comm_s for r in graphs if r.timeline)
                     if graphs
                     else None,

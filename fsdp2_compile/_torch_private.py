@@ -32,6 +32,9 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 __all__ = [
     "ALLOW_UNSUPPORTED_TORCH",
+    "aot_compile_function",
+    "aot_function_from_bytes",
+    "aot_function_to_bytes",
     "CheckpointPolicy",
     "CheckpointWrapper",
     "FakeScriptObject",
@@ -63,6 +66,7 @@ __all__ = [
     "flash_attention",
     "functional_collectives",
     "group_ranks",
+    "serializable_graph",
     "group_size",
     "group_timeout",
     "has_post_accumulate_grad_hooks",
@@ -662,3 +666,44 @@ def subgraph_schemas_reused() -> Iterator[None]:
         yield
     finally:
         _InvokeSubgraphHOP.gen_schema = derive
+
+
+def _no_node_meta(key: str) -> bool:
+    """No node metadata is stored with a saved graph: running it needs none, and some (module stacks naming the
+    generated sharded classes) cannot be pickled."""
+    return False
+
+
+def serializable_graph(gm: fx.GraphModule) -> Callable:
+    """`gm` (its code already boxed, `boxed_call`) as an Inductor output code that AOTAutograd's bundled cache entry
+    can hold, so torch's ahead-of-time compile can save and load it: `RegionalOutputCode`, pickled by
+    `GraphPickler` with every op allowed (ours included) and no node metadata."""
+    output_code = _resolve("torch._inductor.output_code:RegionalOutputCode")
+    return output_code(gm, ops_filter=None, node_metadata_key_filter=_no_node_meta)
+
+
+def aot_compile_function(
+    fn: Callable, args: tuple, kwargs: dict, backend: Callable, guard_filter_fn: Callable, dynamic: bool | None
+) -> Any:
+    """torch's ahead-of-time compile of `fn(*args, **kwargs)` (`aot_compile_fullgraph`: one graph, no break):
+    Dynamo traces it now and `backend` compiles it, forward and backward; the result is called as `fn`, checks the
+    guards `guard_filter_fn` keeps (raising if they fail: call `.guard_check(*args, **kwargs)` first) and can be
+    saved (`aot_function_to_bytes`)."""
+    compile_fullgraph = _resolve("torch._dynamo.aot_compile:aot_compile_fullgraph")
+    hooks = _resolve("torch._dynamo.hooks:Hooks")(guard_filter_fn=guard_filter_fn)
+    return compile_fullgraph(fn, (args, kwargs), hooks=hooks, backend=backend, dynamic=dynamic)
+
+
+def aot_function_to_bytes(compiled: Any) -> bytes:
+    """What `aot_compile_function` returned, serialised (Dynamo's bytecode and guards, the backend's graphs)."""
+    return _resolve("torch._dynamo.aot_compile:AOTCompiledFunction").serialize(compiled).serialized_data
+
+
+def aot_function_from_bytes(data: bytes) -> Any:
+    """What `aot_function_to_bytes` wrote, ready to call: nothing traced or compiled again."""
+    compiled_function = _resolve("torch._dynamo.aot_compile:AOTCompiledFunction")
+    convert_frame = _resolve("torch._dynamo.convert_frame")
+    get_metrics_context = _resolve("torch._dynamo.utils:get_metrics_context")
+    guards = _resolve("torch._guards")
+    with guards.compile_context(guards.CompileContext(convert_frame.get_compile_id({}))), get_metrics_context():
+        return compiled_function.deserialize(data)

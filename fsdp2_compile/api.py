@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -16,6 +17,7 @@ from fsdp2_compile._torch_private import module_call_impl, set_compiled_call_imp
 from fsdp2_compile.compiler.backend import check_input_devices, compile_sharded
 from fsdp2_compile.compiler.compile_gc import full_collections_deferred
 from fsdp2_compile.compiler.report import GraphRecord, dump_requested
+from fsdp2_compile.compiler.warm_start import WarmStart
 from fsdp2_compile.config import CompileConfig, MixedPrecisionPolicy
 from fsdp2_compile.runtime.free_memory import resolve_memory_budget
 from fsdp2_compile.runtime.param_state import GradDeliveryRefresh
@@ -85,13 +87,24 @@ def shard_compile(
     )
     if compile_config.memory_budget_fraction is not None:
         compile_config = resolve_memory_budget(compile_config, resolve_mesh(mesh))
-    compile_in_place(module, make_backend(compile_config), dynamic=dynamic, defer_full_gc=compile_config.defer_full_gc)
+    backend = make_backend(dataclasses.replace(compile_config, cache_dir=None))  # WarmStart reads cache_dir
+    compile_in_place(module, backend, dynamic=dynamic, config=compile_config)
     return module
 
 
-def compile_in_place(module: nn.Module, backend, dynamic: bool | None = None, defer_full_gc: bool = False) -> None:
+def _call_ahead_of_time(module: nn.Module, *args, **kwargs):
+    """What a module compiled with `CompileConfig.cache_dir` compiles ahead of time: a function of the module, so
+    that the saved compile holds no module (`compiler/warm_start.py`)."""
+    _check_call_inputs(module, args, kwargs)
+    return module_call_impl(module)(*args, **kwargs)
+
+
+def compile_in_place(
+    module: nn.Module, backend, dynamic: bool | None = None, config: CompileConfig = CompileConfig()
+) -> None:
     """Like `module.compile(...)`, but traced from a frame outside torch.nn so Dynamo does not skip it. With
-    `defer_full_gc`, Python's full collections wait during each call (`compile_gc.py`: Dynamo's tracing included).
+    `config.defer_full_gc`, Python's full collections wait during each call (`compile_gc.py`: Dynamo's tracing
+    included); with `config.cache_dir`, the first call loads or compiles ahead of time (`compiler/warm_start.py`).
 
     (`nn.Module.compile` compiles `_call_impl`, a frame Dynamo skips for built-in containers such as
     `nn.Sequential`; `torch.compile(module)` would add an `_orig_mod.` prefix to every parameter name.)
@@ -106,10 +119,15 @@ def compile_in_place(module: nn.Module, backend, dynamic: bool | None = None, de
     call.__code__ = call.__code__.replace()
     compiled = torch.compile(call, backend=backend, dynamic=dynamic)
     refresh = GradDeliveryRefresh(module)
+    warm = None
+    if config.cache_dir is not None:
+        warm = WarmStart(module, _call_ahead_of_time, backend, config, dynamic, compiled)
 
     def refreshed_call(*args, **kwargs):
         refresh()  # eager: which parameters have post-accumulate-grad hooks now
-        with full_collections_deferred(defer_full_gc):
+        with full_collections_deferred(config.defer_full_gc):
+            if warm is not None:
+                return warm(refresh.places, *args, **kwargs)
             return compiled(*args, **kwargs)
 
     set_compiled_call_impl(module, refreshed_call)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -92,8 +93,15 @@ class CompileConfig:
     """While the fsdp2 backend compiles (for a `shard_compile`d module: its whole call, Dynamo's tracing included),
     Python's full garbage collections wait, young ones still run; the thresholds are restored afterwards, raising or
     not (`compile_gc.py`). Other compiles in the process are untouched. It changes no decision: ranks may differ."""
+    cache_dir: str | None = field(default=None, metadata={"rank_local": True})
+    """Warm restarts: a directory (created if absent) where a `shard_compile`d module's first call is saved, traced
+    and compiled ahead of time, one file per rank; a relaunch whose every rank finds its file of the same key
+    loads it instead of compiling (the key: versions, world, config, the module's structure, code, parameters and
+    specs, the inputs). An unusable file is named in a warning and compiled again. On a disk per node or shared."""
 
     def __post_init__(self) -> None:
+        if self.cache_dir is not None and not isinstance(self.cache_dir, (str, os.PathLike)):
+            raise TypeError(f"CompileConfig.cache_dir={self.cache_dir!r}: use a directory path (str) or None")
         if self.compiler not in ("aot_eager", "inductor"):
             raise ValueError(f"CompileConfig.compiler={self.compiler!r} is not one of: 'aot_eager', 'inductor'")
         ok = (

@@ -52,6 +52,7 @@ PRELOAD = [
     "float8_workers",
     "moe_workers",
     "search_workers",
+    "warm_workers",
 ]
 """What each rank's server imports before forking ranks: every module of fsdp2_compile (so a rank never mixes
 what the server imported with files edited since) and the worker modules. One that fails to import there is

@@ -30,6 +30,7 @@ from fsdp2_compile._torch_private import (
     inductor_compile,
     inductor_decompositions,
     min_cut_partition,
+    serializable_graph,
     subgraph_schemas_reused,
 )
 from fsdp2_compile.compiler.block_gathers import gather_again_in_backward, gather_outside_blocks
@@ -50,6 +51,7 @@ from fsdp2_compile.runtime.grad_delivery import one_unshard_per_delivered_param
 from fsdp2_compile.runtime.link_profile import measured_profile
 from fsdp2_compile.runtime.param_state import ParamInfo, infos_of_values
 from fsdp2_compile.runtime.sharding import is_known_param
+from fsdp2_compile.runtime.traced_blocks import ahead_of_time
 
 __all__ = ["check_input_devices", "compile_sharded"]
 
@@ -244,7 +246,7 @@ def _compiler(
             with full_collections_deferred(config.defer_full_gc):  # a backward's is compiled at its first run
                 return _boxed(_compile_graph(graph, example_inputs))
 
-        if kind == "backward" and infos:
+        if kind == "backward" and infos and not ahead_of_time():  # saved: the traced flags only (warm_start.py)
             return BackwardBySync(gm, compile_one, infos)
         return compile_one(gm)
 
@@ -268,6 +270,9 @@ def _compiler(
             compiled = inductor_compile(
                 gm, example_inputs, is_backward=kind == "backward", is_inference=kind == "inference"
             )
+        elif ahead_of_time():
+            boxed_call(gm)
+            compiled = serializable_graph(gm)
         else:
             compiled = boxed_call(gm)
         counts = Counter(c.kind for c in collectives(gm))
@@ -295,6 +300,11 @@ def compile_sharded(
     """What the fsdp2 backend does (`api.fsdp2_backend`): lowers the fsdp2 ops of a captured graph of a sharded
     module into collectives. `on_record` is called with each compiled graph's record (the debug dump)."""
     config = config or CompileConfig()
+    if config.cache_dir is not None:
+        raise ValueError(
+            "CompileConfig.cache_dir is read by fsdp2_compile.shard_compile, which saves and loads the module's "
+            "compile; with torch.compile(model, backend=...) use shard_compile(model, compile_config=...) instead"
+        )
     if config.memory_budget_fraction is not None:
         raise ValueError(
             "CompileConfig.memory_budget_fraction is measured and agreed over the ranks by "

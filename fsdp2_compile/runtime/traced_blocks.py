@@ -5,14 +5,15 @@ compiler then gathers their parameters outside the calls (`compiler/block_gather
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-__all__ = ["MAX_TRACES", "TRACES_BLOCKS_ONCE", "traced_once"]
+__all__ = ["MAX_TRACES", "TRACES_BLOCKS_ONCE", "ahead_of_time", "compiling_ahead_of_time", "traced_once"]
 
 MAX_TRACES = 1024
 """Distinct traces of one block class Dynamo may keep before it raises: blocks that differ in shapes or settings,
@@ -35,6 +36,28 @@ def traced_once(forward: Callable) -> Callable:
     return forward_traced_once
 
 
+class _AheadOfTime:
+    active = False
+
+
+_AHEAD_OF_TIME = _AheadOfTime()
+
+
+@contextlib.contextmanager
+def compiling_ahead_of_time() -> Iterator[None]:
+    """Inside, Dynamo traces for the fsdp2 backend through torch's ahead-of-time compile (`CompileConfig.cache_dir`),
+    whose capture names no backend, and that backend returns graphs torch can save (`ahead_of_time()`)."""
+    _AHEAD_OF_TIME.active = True
+    try:
+        yield
+    finally:
+        _AHEAD_OF_TIME.active = False
+
+
+def ahead_of_time() -> bool:
+    return _AHEAD_OF_TIME.active
+
+
 TRACES_BLOCKS_ONCE = "fsdp2_traces_blocks_once"
 """The attribute that marks the fsdp2 backend function (`api.fsdp2_backend`)."""
 _WARNED: set[str] = set()
@@ -46,6 +69,8 @@ def _fsdp2_backend_tracing() -> bool:
     sharded module compiled with another backend gets a warning, once per backend."""
     from fsdp2_compile._torch_private import tracing_backend  # AOTAutograd's imports wait for a compile
 
+    if _AHEAD_OF_TIME.active:
+        return True
     backend = tracing_backend()
     if backend is None:
         return False

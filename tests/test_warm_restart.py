@@ -1,0 +1,116 @@
+"""Warm restarts (`CompileConfig.cache_dir`): a relaunch loads the compile a launch saved (torch's ahead-of-time
+compile) and trains bitwise equal; a file that cannot be used is named in a warning, compiled again on every rank
+and replaced; a file of another world size, config or model is never loaded."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from harness import run_ranks
+from torch import nn
+from warm_workers import train_cached
+
+from fsdp2_compile.compiler.warm_start import MAGIC
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a["losses"] == b["losses"] and all(torch.equal(a["shards"][k], b["shards"][k]) for k in a["shards"])
+
+
+def _whats(result: dict) -> list[str]:
+    return [what for what, _ in result["events"]]
+
+
+def test_a_relaunch_loads_and_trains_bitwise_equal_and_a_garbled_file_is_compiled_again(tmp_path):
+    cache = str(tmp_path)
+    cold = run_ranks(train_cached, 2, cache, [{}])
+    for [c] in cold:
+        assert _whats(c) == ["miss", "stored"]
+    assert len(list(tmp_path.glob("*.bin"))) == 2  # one file per rank
+    warm = run_ranks(train_cached, 2, cache, [{}], "mlp", 2, True)
+    for rank, [hit] in enumerate(warm):
+        assert _whats(hit) == ["hit"] and _same(hit, cold[rank][0])  # nothing traced or compiled
+        assert hit["events"][0][1] == cold[rank][0]["events"][0][1]
+        assert "changed between a forward and its backward" in hit["flip_error"]
+
+    garbled = Path(cold[1][0]["events"][0][1])  # rank 1's file of the first launch, 8 bytes in its middle flipped
+    data = bytearray(garbled.read_bytes())
+    data[len(data) // 2 : len(data) // 2 + 8] = bytes(b ^ 0xFF for b in data[len(data) // 2 :][:8])
+    garbled.write_bytes(bytes(data))
+    again = run_ranks(train_cached, 2, cache, [{}])
+    # rank 1 warns; both ranks compile again (one decision everywhere) and train as the first launch did
+    assert _whats(again[0][0]) == ["miss", "stored"] and not again[0][0]["warnings"]
+    assert _whats(again[1][0]) == ["unreadable", "miss", "stored"]
+    [warning] = again[1][0]["warnings"]
+    assert str(garbled) in warning and "checksum" in warning and "compiling again" in warning
+    for rank in (0, 1):
+        assert _same(again[rank][0], cold[rank][0])
+    replaced = garbled.read_bytes()  # a whole file again, its checksum right
+    assert hashlib.sha256(replaced[len(MAGIC) + 65 :]).hexdigest().encode() == replaced[len(MAGIC) : len(MAGIC) + 64]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary file left
+
+
+class _Branchy(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        return y * 2 if y.sum() > 0 else y  # data-dependent: a graph break
+
+
+def _first_call(cache_dir, world: int, out_features: int = 8, cls: type = nn.Linear, **config) -> list[str]:
+    """The cache events of the first call of a sharded `cls(8, out_features)` on a fake process group of `world`
+    ranks."""
+    import fsdp2_compile as fc
+    from fsdp2_compile._torch_private import clear_dtensor_caches, fake_process_group
+    from fsdp2_compile.compiler.warm_start import cache_events
+
+    fake_process_group(rank=0, world_size=world)
+    try:
+        torch.manual_seed(0)
+        model = fc.shard_compile(
+            cls(8, out_features), compile_config=fc.CompileConfig(cache_dir=str(cache_dir), **config)
+        )
+        before = len(cache_events())
+        model(torch.randn(2, 8)).sum().backward()
+        return [what for what, _ in cache_events()[before:]]
+    finally:
+        dist.destroy_process_group()
+        clear_dtensor_caches()
+
+
+def test_files_of_another_world_size_config_or_model_are_not_loaded_and_a_graph_break_compiles_as_usual(
+    tmp_path, caplog
+):
+    with caplog.at_level(logging.WARNING, logger="fsdp2_compile"):
+        assert _first_call(tmp_path, 2) == ["miss", "stored"]
+        assert _first_call(tmp_path, 4) == ["miss", "stored"]
+        assert _first_call(tmp_path, 4) == ["hit"]
+        assert _first_call(tmp_path, 2, schedule=False) == ["miss", "stored"]
+        assert _first_call(tmp_path, 2, out_features=16) == ["miss", "stored"]
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING and r.name == "fsdp2_compile"]
+    assert len(list(tmp_path.glob("*.bin"))) == 4
+    with caplog.at_level(logging.WARNING, logger="fsdp2_compile"):  # one graph is needed: compiled as usual
+        assert _first_call(tmp_path, 2, cls=_Branchy) == ["miss", "uncompiled"]
+    [warning] = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and r.name == "fsdp2_compile"]
+    assert "cannot be compiled ahead of time" in warning and "nothing is saved" in warning
+    assert len(list(tmp_path.glob("*.bin"))) == 4
+
+
+def test_cache_dir_through_torch_compile_is_refused_by_name(tmp_path):
+    import fsdp2_compile as fc
+    from fsdp2_compile._torch_private import clear_dtensor_caches, fake_process_group
+    from fsdp2_compile.api import make_backend
+
+    fake_process_group(rank=0, world_size=2)
+    try:
+        model = fc.shard(nn.Linear(8, 8))
+        compiled = torch.compile(model, backend=make_backend(fc.CompileConfig(cache_dir=str(tmp_path))))
+        with pytest.raises(Exception, match=r"CompileConfig.cache_dir is read by fsdp2_compile.shard_compile"):
+            compiled(torch.randn(2, 8))
+    finally:
+        dist.destroy_process_group()
+        clear_dtensor_caches()

@@ -1,0 +1,68 @@
+"""What the warm-restart tests run on each rank: a model trained with `CompileConfig.cache_dir`, per variant."""
+
+from __future__ import annotations
+
+import logging
+
+from models import batch, local_slice, loss_fn, make_model, make_optimizer
+
+import fsdp2_compile as fc
+from fsdp2_compile.compiler.warm_start import cache_events
+
+
+class _Warnings(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def train_cached(
+    rank: int,
+    world_size: int,
+    cache_dir: str,
+    variants: list[dict],
+    name: str = "mlp",
+    steps: int = 2,
+    flip_sync: bool = False,
+) -> list[dict]:
+    """For each variant (CompileConfig fields) the test model `name` (`models.py`; a GPT's blocks sharded first)
+    trained `steps` steps; returns per variant the losses, the parameters' local shards, the cache events of its
+    first call and the warnings logged; with `flip_sync`, also the error of a backward run after gradient sync
+    was turned off following its forward (`flip_error`)."""
+    out = []
+    for variant in variants:
+        model = make_model(name)
+        for block in getattr(model, "blocks", []):
+            fc.shard(block)
+        fc.shard_compile(model, compile_config=fc.CompileConfig(cache_dir=cache_dir, **variant))
+        opt = make_optimizer(model)
+        warnings = _Warnings()
+        logging.getLogger("fsdp2_compile").addHandler(warnings)
+        before = len(cache_events())
+        losses = []
+        try:
+            for step in range(steps):
+                x, y = batch(name, step)
+                loss = loss_fn(name, model(local_slice(x, rank, world_size)), local_slice(y, rank, world_size))
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+        finally:
+            logging.getLogger("fsdp2_compile").removeHandler(warnings)
+        shards = {n: p.to_local().detach().clone() for n, p in model.named_parameters()}
+        events = cache_events()[before:]
+        out.append(dict(losses=losses, shards=shards, events=events, warnings=warnings.messages))
+        if flip_sync:  # gradient sync turned off between a forward and its backward: the saved backward refuses
+            x, y = batch(name, 0)
+            loss = loss_fn(name, model(local_slice(x, rank, world_size)), local_slice(y, rank, world_size))
+            model.set_requires_gradient_sync(False)
+            try:
+                loss.backward()
+            except RuntimeError as e:
+                out[-1]["flip_error"] = str(e)
+            model.set_requires_gradient_sync(True)
+    return out
