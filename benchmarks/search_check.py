@@ -79,8 +79,9 @@ def ranks(values: list[float]) -> list[float]:
     return out
 
 
-def spearman(xs: list[float], ys: list[float]) -> float:
-    """Spearman's rank correlation: Pearson's of the ranks (ties averaged), as scipy.stats.spearmanr."""
+def spearman(xs: list[float], ys: list[float]) -> float | None:
+    """Spearman's rank correlation: Pearson's of the ranks (ties averaged), as scipy.stats.spearmanr; None where
+    one list is constant (undefined)."""
     if len(xs) != len(ys) or len(xs) < 2:
         raise ValueError(f"spearman needs two lists of the same length >= 2, got {len(xs)} and {len(ys)}")
     rx, ry = ranks(xs), ranks(ys)
@@ -89,7 +90,7 @@ def spearman(xs: list[float], ys: list[float]) -> float:
     vx = sum((a - mx) ** 2 for a in rx)
     vy = sum((b - my) ** 2 for b in ry)
     if not vx or not vy:
-        raise ValueError("spearman is undefined when one list is constant")
+        return None  # undefined: one list is constant
     return cov / (vx * vy) ** 0.5
 
 
@@ -123,7 +124,7 @@ def table(rows: list[dict], anchor: int = 0) -> str:
         )
     lines += [
         "",
-        f"Spearman rho {got['rho']:.2f}; pick ({rows[got['pick']]['name']}) {got['gap_pct']:+.1f}% vs the fastest "
+        f"Spearman rho {'undefined (a constant list)' if got['rho'] is None else format(got['rho'], '.2f')}; pick ({rows[got['pick']]['name']}) {got['gap_pct']:+.1f}% vs the fastest "
         f"measured ({rows[got['fastest']]['name']}).",
     ]
     return "\n".join(lines)
