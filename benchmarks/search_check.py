@@ -318,11 +318,11 @@ def main() -> None:
             f"(ratios to the first row's step in the same job, median over jobs):\n"
         )
         print(table(res["rows"]), flush=True)
+        if args.json:  # after each link: a long run stopped half-way keeps what it measured
+            with open(args.json, "w") as f:
+                json.dump(dict(command=command, dims=dims, results=results), f, indent=1)
+                f.write("\n")
     print(f"\nMeasured with `{command}`.")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(command=command, dims=dims, results=results), f, indent=1)
-            f.write("\n")
 
 
 if __name__ == "__main__":
