@@ -241,7 +241,9 @@ def worker(spec: dict) -> None:
         model = GPT(cfg)
         for block in model.blocks:
             fc.shard(block, reshard_after_forward=c["reshard"])
-        config = fc.CompileConfig(prefetch_depth=c["prefetch"], keep_gathered=c["keep"], memory_budget_bytes=c["budget"])
+        config = fc.CompileConfig(
+            prefetch_depth=c["prefetch"], keep_gathered=c["keep"], memory_budget_bytes=c["budget"]
+        )
         fc.shard_compile(model, compile_config=config)
         models.append(model)
         opts.append(torch.optim.AdamW(model.parameters(), lr=1e-4))

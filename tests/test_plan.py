@@ -341,7 +341,12 @@ def test_a_model_planned_whole_times_its_backward_all_gathers():
     On loopback (no overlap) by exactly their alpha-beta time: 2 ranks, each block's fp32 bytes."""
     with fake_group(2):
         plans = [
-            make_plan(tiny_layers, Layout(2, **kw), call=lambda f, **k: f(**{"layers": 2, **k}), profiles=["cpu-gloo-loopback"])
+            make_plan(
+                tiny_layers,
+                Layout(2, **kw),
+                call=lambda f, **k: f(**{"layers": 2, **k}),
+                profiles=["cpu-gloo-loopback"],
+            )
             for kw in (dict(), dict(reshard_after_forward=False), dict(keep_gathered=1.0))
         ]
     plain, no_reshard, kept = (p.step_time_s["cpu-gloo-loopback"] for p in plans)
