@@ -16,6 +16,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import cli_factories  # noqa: E402
 
 from fsdp2_compile.cli.model_loading import call_factory, fake_group  # noqa: E402
+from fsdp2_compile.core.hardware import PROFILES  # noqa: E402
 from fsdp2_compile.debug.sizes import size_text  # noqa: E402
 from fsdp2_compile.planner.plan import Layout, make_plan  # noqa: E402
 from fsdp2_compile.planner.trace import trace_step  # noqa: E402
@@ -332,6 +333,28 @@ def test_no_resharding_holds_every_block_gathered_as_keeping_them_all_does():
     assert no_reshard.per_rank_bytes["activations"] - plain.per_rank_bytes["activations"] == blocks
     assert no_reshard.per_rank_bytes["peak"] > plain.per_rank_bytes["peak"]
     assert no_reshard.comm_bytes_per_step < plain.comm_bytes_per_step  # no backward all-gathers
+
+
+def test_a_model_planned_whole_times_its_backward_all_gathers():
+    """A model of 2 blocks is planned whole (no 1- and 2-block copies): its blocks' backward all-gathers are timed
+    on the link like the copies' are, so without resharding (or keeping every block) the step is shorter by them.
+    On loopback (no overlap) by exactly their alpha-beta time: 2 ranks, each block's fp32 bytes."""
+    with fake_group(2):
+        plans = [
+            make_plan(
+                tiny_layers,
+                Layout(2, **kw),
+                call=lambda f, **k: f(**{"layers": 2, **k}),
+                profiles=["cpu-gloo-loopback"],
+            )
+            for kw in (dict(), dict(reshard_after_forward=False), dict(keep_gathered=1.0))
+        ]
+    plain, no_reshard, kept = (p.step_time_s["cpu-gloo-loopback"] for p in plans)
+    prof = PROFILES["cpu-gloo-loopback"]
+    block = (64 * 64 + 64 + 2 * 64) * 4  # a 64 x 64 Linear, its bias and a LayerNorm, fp32, gathered whole
+    gathers = 2 * (prof.alpha_s + block / 2 * prof.beta_s_per_byte)
+    assert plans[0].method.count("the full model") and plain - no_reshard == pytest.approx(gathers, rel=1e-6)
+    assert kept == pytest.approx(no_reshard, rel=1e-9)
 
 
 @pytest.mark.parametrize("bad", [dict(keep_gathered=1.5), dict(keep_gathered=-1), dict(prefetch=-1)])

@@ -1091,12 +1091,15 @@ def _step_comm(name: str, layout: Layout, full: _FullModel, copies: _Copies, kep
     n_blocks = copies.layers if copies.reduce else 0  # unreduced: one forward and one backward beside all collectives
     per_block = block_names[:n_blocks]
     kept_blocks = {i for i, b in enumerate(per_block) if kept is not None and b in kept.buckets}
+    # unreduced, the blocks' buckets go with the root: those resharded and not kept are gathered again in backward
+    again = [b for b in block_names[n_blocks:] if b in full.resharded and not (kept is not None and b in kept.buckets)]
     comm = StepComm(
         root_gather_s=coll(buckets.get("", 0), shard_size)
         + sum(coll(buckets[b], shard_size) for b in block_names[n_blocks:]),
         root_reduce_s=(reduce_s("") if "" in numel else 0.0) + sum(reduce_s(b) for b in block_names[n_blocks:]),
         gather_s=[coll(buckets[b], shard_size) for b in per_block],
         reduce_s=[reduce_s(b) for b in per_block],
+        root_regather_s=sum(coll(buckets[b], shard_size) for b in again),
     )
     return comm, kept_blocks
 

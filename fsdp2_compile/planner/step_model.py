@@ -119,6 +119,8 @@ class StepComm:
     """Per block, in forward order."""
     reduce_s: list[float]
     """Per block: reduce-scatter (+ all-reduce over replicas)."""
+    root_regather_s: float = 0.0
+    """Backward's all-gathers of what goes with the root (the blocks of a model planned whole), at backward's start."""
 
 
 def forward_backward_time(
@@ -139,6 +141,7 @@ def forward_backward_time(
     regathered = {j for j in range(n) if reshard and j not in kept}
     comm_total = (
         comm.root_gather_s
+        + comm.root_regather_s
         + comm.root_reduce_s
         + sum(comm.gather_s)
         + sum(comm.gather_s[j] for j in regathered)
@@ -161,7 +164,10 @@ def forward_backward_time(
         if i + prefetch < n:
             done[i + prefetch] = issue(now, comm.gather_s[i + prefetch])
         now = max(now, done[i]) + fw_block
-    now += fw_rest + bw_rest
+    now += fw_rest
+    if comm.root_regather_s:
+        now = issue(now, comm.root_regather_s)  # backward's first op needs what it gathers
+    now += bw_rest
     order, done = list(range(n - 1, -1, -1)), {j: 0.0 for j in range(n)}
 
     def gather_again(j: int, at: float) -> None:
