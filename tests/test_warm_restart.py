@@ -114,3 +114,23 @@ def test_cache_dir_through_torch_compile_is_refused_by_name(tmp_path):
     finally:
         dist.destroy_process_group()
         clear_dtensor_caches()
+
+
+def test_a_module_switched_to_eval_after_its_first_call_does_not_run_the_saved_training_graph(tmp_path):
+    import fsdp2_compile as fc
+    from fsdp2_compile._torch_private import clear_dtensor_caches
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5))
+        reference = nn.Sequential(nn.Linear(8, 8))
+        reference.load_state_dict(model.state_dict(), strict=False)
+        fc.shard_compile(model, compile_config=fc.CompileConfig(cache_dir=str(tmp_path)))
+        x = torch.randn(4, 8)
+        model(x).sum().backward()  # traced and saved in training mode: dropout in the graph
+        model.eval()
+        torch.testing.assert_close(model(x).detach(), reference(x).detach())
+    finally:
+        dist.destroy_process_group()
+        clear_dtensor_caches()

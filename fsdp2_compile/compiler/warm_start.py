@@ -12,9 +12,11 @@ is named in a warning and compiled again; a module that cannot be compiled ahead
 compiled as usual, with a warning, and nothing is saved.
 
 What torch saves is guarded on the inputs and global state only (guards on the module would pickle its generated
-classes); the module is in the key instead, and each call checks that the managed parameters' specs are still
-the traced ones, else the module runs through its ordinary `torch.compile` (which compiles as usual). A saved
-backward reduces as the forward's gradient-sync flags said: a backward run after they changed raises.
+classes); the module is in the key instead, and each call checks that the managed parameters' specs and the
+submodules' training flags are still the traced ones, else the module runs through its ordinary `torch.compile`
+(which compiles as usual). Other changes to the module after its first call (hooks added, attributes its forward
+reads) are not seen. A saved backward reduces as the forward's gradient-sync flags said: a backward run after they
+changed raises.
 """
 
 from __future__ import annotations
@@ -91,6 +93,11 @@ def _specs(places: Places) -> tuple:
     return tuple((info.spec(), own_parameters(mod)[name].requires_grad) for mod, name, info in places)
 
 
+def _modes(module: nn.Module) -> tuple[bool, ...]:
+    """Each submodule's `training` flag, which the traced graph baked in (dropout, batch norm)."""
+    return tuple(m.training for m in module.modules())
+
+
 def _sync_flags(places: Places) -> tuple:
     return tuple((info.requires_gradient_sync, info.requires_all_reduce) for _, _, info in places)
 
@@ -152,7 +159,7 @@ def cache_key(module: nn.Module, places: Places, args: tuple, kwargs: dict, conf
         f"fsdp2_compile {importlib.metadata.version('fsdp2_compile')} torch {torch.__version__} python {sys.version}",
         f"world {world} rank {rank} grad {torch.is_grad_enabled()}",
         f"config {dataclasses.replace(config, cache_dir=None)!r}",
-        f"module {module!r}",
+        f"module {module!r} training {_modes(module)}",
         *(f"param {n} {_tensor_text(p)}" for n, p in module.named_parameters()),
         *(f"buffer {n} {_tensor_text(b)}" for n, b in module.named_buffers()),
         *_code_text(module),
@@ -230,8 +237,8 @@ def _every_rank(hit: bool, places: Places) -> bool:
 
 class WarmStart:
     """The calls of one compiled module with `cache_dir`: the first loads or compiles (and saves) `fn(module, *args,
-    **kwargs)` ahead of time; later calls run that while the inputs pass its guards and the specs are the traced
-    ones, else `jit` (the module's ordinary `torch.compile`)."""
+    **kwargs)` ahead of time; later calls run that while the inputs pass its guards and the specs and training
+    flags are the traced ones, else `jit` (the module's ordinary `torch.compile`)."""
 
     def __init__(
         self,
@@ -246,13 +253,14 @@ class WarmStart:
         self.config, self.dynamic = config, dynamic
         self.compiled: Any = None
         self.specs: tuple | None = None
+        self.modes: tuple | None = None
         self.tried = False
 
     def __call__(self, places: Places, *args: Any, **kwargs: Any) -> Any:
         if not self.tried:
             self.tried = True
             self._load_or_compile(places, args, kwargs)
-        if self.compiled is not None and _specs(places) == self.specs:
+        if self.compiled is not None and _specs(places) == self.specs and _modes(self.module) == self.modes:
             if self.compiled.guard_check(self.module, *args, **kwargs):
                 out = self.compiled(self.module, *args, **kwargs)
                 self._check_sync_at_backward(out, places)
@@ -265,7 +273,7 @@ class WarmStart:
         path = os.path.join(os.path.abspath(self.config.cache_dir), f"{key[:40]}.rank{rank}.bin")
         dumping = self.config.keep_snapshots or dump_requested()  # a hit compiles nothing to dump: all compile
         loaded = None if dumping else _read(path)
-        specs = _specs(places)
+        specs, self.modes = _specs(places), _modes(self.module)
         if _every_rank(loaded is not None, places):
             _EVENTS.append(("hit", path))
             log.info("fsdp2_compile: loaded the compiled module from %s", path)
