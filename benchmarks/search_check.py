@@ -139,16 +139,10 @@ def factory_for(dims: dict):
     def gpt(batch: int = dims["batch"] // WORLD):
         import torch
         import torch.nn.functional as F
-        from gpt import GPT, GPTConfig
+        from gpt import GPT
 
         with torch.device("meta"):
-            cfg = GPTConfig(
-                vocab_size=dims["vocab"],
-                block_size=dims["seq"],
-                n_layer=dims["layers"],
-                n_head=dims["heads"],
-                d_model=dims["d_model"],
-            )
+            cfg = gpt_config(dims)
             model = GPT(cfg)
             idx = torch.zeros(batch, dims["seq"], dtype=torch.long)
 
@@ -194,6 +188,19 @@ def predict(dims: dict, profile: str, configs: list[dict]) -> list[float]:
 # ---- measuring ----
 
 
+def gpt_config(dims: dict):
+    """The benchmark GPT's config at `dims`."""
+    from gpt import GPTConfig
+
+    return GPTConfig(
+        vocab_size=dims["vocab"],
+        block_size=dims["seq"],
+        n_layer=dims["layers"],
+        n_head=dims["heads"],
+        d_model=dims["d_model"],
+    )
+
+
 def measure(dims: dict, configs: list[dict], link: str, steps: int, warmup: int, port: int) -> list[list[float]]:
     """Step seconds of each configuration (after warm-up), all stepped in turn in one 2-rank job on `link`."""
     prefix = shaped_link("1gbit") if link == "1gbit" else []
@@ -221,20 +228,14 @@ def worker(spec: dict) -> None:
     """Under torchrun: build each configuration's model, then step them in turn (one step each per round)."""
     import torch
     import torch.distributed as dist
-    from gpt import GPT, GPTConfig, gpt_loss, make_batch
+    from gpt import GPT, gpt_loss, make_batch
 
     import fsdp2_compile as fc
 
     dims, configs = spec["dims"], spec["configs"]
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    cfg = GPTConfig(
-        vocab_size=dims["vocab"],
-        block_size=dims["seq"],
-        n_layer=dims["layers"],
-        n_head=dims["heads"],
-        d_model=dims["d_model"],
-    )
+    cfg = gpt_config(dims)
     models, opts = [], []
     for c in configs:
         torch.manual_seed(0)
