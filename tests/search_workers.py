@@ -14,12 +14,12 @@ def recipe_step(rank: int, world_size: int, path: str) -> dict:
     """The recipe's model (real weights) sharded and compiled as the recipe says, one forward and backward on this
     rank's share of a global batch, beside the unsharded model's loss on the same share."""
     recipe = load_recipe(path)
-    local = recipe["local_batch"]
+    local, seq = recipe["local_batch"], recipe["seq_len"]
     torch.manual_seed(0)
-    model, _, loss_fn = llama_small(batch=local, device="cpu")
+    model, _, loss_fn = llama_small(batch=local, seq=seq, device="cpu")
     reference = copy.deepcopy(model)
     build_from_recipe(model, recipe)
-    tokens = torch.randint(0, 1000, (local * world_size, 32), generator=torch.Generator().manual_seed(1))
+    tokens = torch.randint(0, 1000, (local * world_size, seq), generator=torch.Generator().manual_seed(1))
     mine = tokens[rank * local : (rank + 1) * local]
     loss = loss_fn(model(mine))
     loss.backward()

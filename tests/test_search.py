@@ -112,6 +112,8 @@ def test_emitted_recipe_builds_and_trains(tmp_path):
             "1",
             "--replicate",
             "1",
+            "--seq-len",
+            "16",
             "--emit-config",
             str(path),
             "-q",
@@ -120,6 +122,7 @@ def test_emitted_recipe_builds_and_trains(tmp_path):
     )
     assert code == 0
     recipe = json.loads(path.read_text())
+    assert (recipe["global_batch"], recipe["seq_len"]) == (4, 16)
     names = tuple(recipe["mesh"]["dim_names"])
     dp_dims = ("replicate", "shard") if "replicate" in names else ("dp",)
     results = run_ranks(recipe_step, 2, str(path))

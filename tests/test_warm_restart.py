@@ -134,3 +134,14 @@ def test_a_module_switched_to_eval_after_its_first_call_does_not_run_the_saved_t
     finally:
         dist.destroy_process_group()
         clear_dtensor_caches()
+
+
+def test_an_inductor_relaunch_loads_and_trains_bitwise_equal(tmp_path):
+    """`compiler="inductor"`: the relaunch loads Inductor's output from the saved compile (its kernels from
+    Inductor's own cache, which a relaunch on the same machine keeps) and trains as the cold launch did."""
+    cache, variant = str(tmp_path), [{"compiler": "inductor"}]
+    cold = run_ranks(train_cached, 2, cache, variant)
+    warm = run_ranks(train_cached, 2, cache, variant)
+    for rank, [hit] in enumerate(warm):
+        assert _whats(cold[rank][0]) == ["miss", "stored"]
+        assert _whats(hit) == ["hit"] and _same(hit, cold[rank][0])

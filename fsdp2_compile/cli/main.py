@@ -434,7 +434,13 @@ def cmd_search(ns: argparse.Namespace) -> int:
         write_recipe(
             ns.emit_config,
             recipe_of(
-                best.candidate.layout, best.candidate.local_batch, ns.hardware, best.to_json(), best.plan.tp_plan
+                best.candidate.layout,
+                best.candidate.local_batch,
+                ns.hardware,
+                best.to_json(),
+                best.plan.tp_plan,
+                seq_len=ns.seq_len,
+                global_batch=ns.global_batch,
             ),
         )
     if ns.json:

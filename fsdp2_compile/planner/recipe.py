@@ -43,14 +43,24 @@ def mesh_of(lay: Layout) -> tuple[list[int], list[str]]:
     return [n for _, n in dims], [name for name, _ in dims]
 
 
-def recipe_of(lay: Layout, local_batch: int, hardware: str, predicted: dict, tp_plan: str = "") -> dict:
-    """The recipe of a layout (JSON-ready)."""
+def recipe_of(
+    lay: Layout,
+    local_batch: int,
+    hardware: str,
+    predicted: dict,
+    tp_plan: str = "",
+    seq_len: int | None = None,
+    global_batch: int | None = None,
+) -> dict:
+    """The recipe of a layout (JSON-ready); `seq_len` None: the model factory's default."""
     shape, names = mesh_of(lay)
     return {
         "version": RECIPE_VERSION,
         "world_size": lay.world_size,
         "mesh": {"shape": shape, "dim_names": names},
+        "global_batch": global_batch,
         "local_batch": local_batch,
+        "seq_len": seq_len,
         "shard": {
             "reshard_after_forward": lay.reshard_after_forward,
             "mp_policy": {
