@@ -5,9 +5,11 @@ then measure every configuration and print the predicted and measured table, Spe
 predicted and measured step times, and how far the pick is from the fastest measured configuration.
 
     .venv/bin/python benchmarks/search_check.py [--links loopback 1gbit] [--runs 2] [--steps 4] [--quick]
+        [--only I ...] [--per-job K]
 
 Measuring: one torchrun job per run holds every configuration's model (each sharded and compiled with its own
-CompileConfig) and steps them in turn, one step each per round, the order rotated every round; a configuration's
+CompileConfig; with `--per-job K`, the anchor and K-1 configurations per job, the jobs one after another) and steps
+them in turn, one step each per round, the order rotated every round; a configuration's
 figure is the median of its step times after warm-up divided by the anchor's (FSDP2's defaults: reshard, prefetch
 2, nothing kept) in the same job, then the median of those ratios over the runs. Bucket sizes are not in the grid:
 the planner models one bucket per block. Prefetch depth 0 is not either: the planner plans it as 1.
@@ -92,6 +94,13 @@ def spearman(xs: list[float], ys: list[float]) -> float | None:
     if not vx or not vy:
         return None  # undefined: one list is constant
     return cov / (vx * vy) ** 0.5
+
+
+def job_groups(n: int, per_job: int) -> list[list[int]]:
+    """Rows 1..n-1 split into the groups measured beside the anchor (row 0), at most `per_job` models a job
+    (0 or 1: all in one job)."""
+    size = per_job - 1 if per_job > 1 else max(n - 1, 1)
+    return [list(range(1, n))[k : k + size] for k in range(0, n - 1, size)] or [[]]
 
 
 def compare(rows: list[dict]) -> dict:
@@ -268,17 +277,26 @@ def worker(spec: dict) -> None:
     dist.destroy_process_group()
 
 
-def check_link(dims: dict, link: str, runs: int, steps: int, warmup: int, port: int) -> dict:
+def check_link(
+    dims: dict, link: str, runs: int, steps: int, warmup: int, port: int, only=None, per_job: int = 0
+) -> dict:
     configs = grid(dims)
+    if only:  # the anchor first, then the chosen rows of the grid
+        configs = [configs[i] for i in dict.fromkeys([0, *only])]
     t0 = time.perf_counter()
     predicted = predict(dims, PROFILES[link], configs)
     print(f"# {link}: planned {len(configs)} configurations in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    groups = job_groups(len(configs), per_job)
     per_run = []
     for run in range(runs):
         t0 = time.perf_counter()
-        times = measure(dims, configs, link, steps, warmup, port + run)
-        medians = [statistics.median(t) for t in times]
-        per_run.append([m / medians[0] for m in medians])
+        ratios = [1.0] * len(configs)
+        for g, rows in enumerate(groups):  # each job: the anchor and its group
+            times = measure(dims, [configs[0]] + [configs[i] for i in rows], link, steps, warmup, port + 10 * run + g)
+            medians = [statistics.median(t) for t in times]
+            for i, m in zip(rows, medians[1:]):
+                ratios[i] = m / medians[0]
+        per_run.append(ratios)
         print(
             f"# {link}: run {run + 1}/{runs} in {time.perf_counter() - t0:.0f} s, anchor median {medians[0]:.3f} s",
             file=sys.stderr,
@@ -305,6 +323,21 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--quick", action="store_true", help="a 2-layer d 256 GPT, one job of 2 steps: to try the harness")
     p.add_argument("--json", metavar="PATH", help="also write the results to PATH")
+    p.add_argument(
+        "--only",
+        type=int,
+        nargs="+",
+        metavar="I",
+        help="plan and measure these rows of the grid only (0-based; the anchor, row 0, always): fewer models in a job",
+    )
+    p.add_argument(
+        "--per-job",
+        type=int,
+        default=0,
+        metavar="K",
+        help="at most K models in one job: the anchor and K-1 rows, "
+        "jobs one after another (default: every row in one job)",
+    )
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
@@ -314,7 +347,7 @@ def main() -> None:
     command = " ".join([".venv/bin/python", "benchmarks/search_check.py", *sys.argv[1:]])
     results = []
     for k, link in enumerate(args.links):
-        res = check_link(dims, link, runs, steps, warmup, 29800 + 100 * k)
+        res = check_link(dims, link, runs, steps, warmup, 29800 + 100 * k, args.only, args.per_job)
         results.append(res)
         print(
             f"\n{link} ({res['profile']}), {runs} job(s) x {steps} timed steps per configuration "

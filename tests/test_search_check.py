@@ -1,5 +1,5 @@
 """benchmarks/search_check.py's arithmetic: ranks with ties, Spearman's rho, the pick against the fastest measured
-configuration, and the table (the measuring itself is a benchmark, run by hand)."""
+configuration, the jobs' groups and the table (the measuring itself is a benchmark, run by hand)."""
 
 from __future__ import annotations
 
@@ -64,3 +64,9 @@ def test_the_grid_has_twelve_distinct_configurations_the_anchor_first():
     configs = sc.grid(sc.FULL)
     assert len(configs) >= 12 and len({sc.name(c) for c in configs}) == len(configs)
     assert configs[0] == dict(reshard=None, prefetch=2, keep=None, budget=None)  # FSDP2's defaults
+
+
+def test_job_groups_put_the_anchor_beside_at_most_k_minus_1_rows():
+    assert sc.job_groups(12, 4) == [[1, 2, 3], [4, 5, 6], [7, 8, 9], [10, 11]]
+    assert sc.job_groups(5, 0) == [[1, 2, 3, 4]] == sc.job_groups(5, 1)
+    assert sc.job_groups(1, 4) == [[]]

@@ -109,8 +109,11 @@ _CPU = DeviceFigures(
         "reduce_scatter_factor": "not resolved on loopback, where link time is CPU copies: benchmarks/"
         "link_figures.py gave a reduce-scatter 1.08-2.12x an all-gather (an all-reduce "
         "0.73-0.83x) with the machine loaded; left at a ring's 1",
-        "comm_overlaps_compute": "measured here (overlap benchmark, docs/performance.md): on loopback gloo's copies use the same "
-        "2 cores as compute, an all-gather then matmuls takes the sum of both times",
+        "comm_overlaps_compute": "assumed False, the link time added to compute: on the 2-core machine otherwise idle "
+        "(2026-12-04) a 2-rank step of the benchmark GPT over loopback takes 1.12x one rank's compute alone "
+        "(the plan: 1.21x), though benchmarks/gloo_overlap_probe.py finds a lone all-gather progressing beside "
+        "matmuls (24 MiB: 0.066 s alone, 0.301 s beside 0.3 s of matmuls); what else makes "
+        "the excess was not identified",
         "allocator_factor": "measured by benchmarks/rss_figures.py (2 ranks, full pipeline, one thread each, "
         "2026-11-30) on the 4-layer d 384 GPT: (peak RSS with glibc's default - the runtime) / "
         "the live tensor peak (c10 allocator, torch.profiler) = 1.45-1.46 (2-layer d 256: "
