@@ -4,15 +4,15 @@ keep_gathered, memory budget) with the search's own planning (`search.plan_candi
 then measure every configuration and print the predicted and measured table, Spearman's rank correlation between
 predicted and measured step times, and how far the pick is from the fastest measured configuration.
 
-    .venv/bin/python benchmarks/search_check.py [--links loopback 1gbit] [--runs 2] [--steps 4] [--quick]
-        [--only I ...] [--per-job K]
+    .venv/bin/python benchmarks/search_check.py [--links loopback 1gbit] [--runs 2] [--steps 4] [--per-job 4]
+        [--only I ...] [--quick]
 
-Measuring: one torchrun job per run holds every configuration's model (each sharded and compiled with its own
-CompileConfig; with `--per-job K`, the anchor and K-1 configurations per job, the jobs one after another) and steps
-them in turn, one step each per round, the order rotated every round; a configuration's
-figure is the median of its step times after warm-up divided by the anchor's (FSDP2's defaults: reshard, prefetch
-2, nothing kept) in the same job, then the median of those ratios over the runs. Bucket sizes are not in the grid:
-the planner models one bucket per block. Prefetch depth 0 is not either: the planner plans it as 1.
+Measuring: each run is a series of torchrun jobs, each holding the anchor (FSDP2's defaults: reshard, prefetch 2,
+nothing kept) and at most `--per-job` - 1 other configurations (a job of many models skews their figures), each
+sharded and compiled with its own CompileConfig and stepped in turn, one step each per round, the order rotated
+every round; a configuration's figure is the median of its step times after warm-up divided by the anchor's in the
+same job, then the median of those ratios over the runs. Bucket sizes are not in the grid: the planner models one
+bucket per block. Prefetch depth 0 is not either: the planner plans it as 1.
 """
 
 from __future__ import annotations
@@ -333,10 +333,10 @@ def main() -> None:
     p.add_argument(
         "--per-job",
         type=int,
-        default=0,
+        default=4,
         metavar="K",
-        help="at most K models in one job: the anchor and K-1 rows, "
-        "jobs one after another (default: every row in one job)",
+        help="at most K models in one job: the anchor and K-1 rows, jobs one after another (default 4; 0: every "
+        "row in one job)",
     )
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args()
