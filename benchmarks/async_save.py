@@ -4,8 +4,10 @@
 
 2 gloo ranks train the benchmark GPT of `examples/train_gpt.py` (4 layers, d_model 128; blocks sharded, then the
 root through `shard_compile`) with AdamW. After warm-up, rank 0 reports: the median step time with no save, the
-median step time of the steps that started while an async save was in flight, and the median time blocked in
-`save_checkpoint` for a sync save and for an async one (`async_save=True`: until the state is copied).
+median step time of the steps that started while an async save was in flight, the median time blocked in
+`save_checkpoint` for a sync save and for an async one (`async_save=True`: until the state is copied), and for the
+async saves how many of the `--steps-per-save` steps after each started with it in flight and how long `wait()`
+then blocked.
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ def _rank(rank: int, world: int, port: int, folder: str, saves: int, steps_per_s
     for _ in range(5):  # compile, and AdamW's state
         step()
     quiet = [step() for _ in range(saves * steps_per_save)]
-    blocked_sync, blocked_async, in_flight = [], [], []
+    blocked_sync, blocked_async, in_flight, spans, waits = [], [], [], [], []
     for _ in range(saves):
         start = time.perf_counter()
         save_checkpoint(os.path.join(folder, "sync"), model, opt)
@@ -69,18 +71,25 @@ def _rank(rank: int, world: int, port: int, folder: str, saves: int, steps_per_s
         start = time.perf_counter()
         pending = save_checkpoint(os.path.join(folder, "async"), model, opt, async_save=True)
         blocked_async.append(time.perf_counter() - start)
+        span = 0
         for _ in range(steps_per_save):
             busy = not pending.done()
             took = step()
             if busy:
                 in_flight.append(took)
+                span += 1
+        start = time.perf_counter()
         pending.wait()
+        waits.append(time.perf_counter() - start)
+        spans.append(span)
     if rank == 0:
         ms = lambda values: f"{1e3 * statistics.median(values):.1f} ms"  # noqa: E731
         print(f"step, no save in flight:          {ms(quiet)} (median of {len(quiet)})")
         print(f"step, an async save in flight:    {ms(in_flight)} (median of {len(in_flight)})")
         print(f"blocked in save_checkpoint, sync:  {ms(blocked_sync)} (median of {saves})")
         print(f"blocked in save_checkpoint, async: {ms(blocked_async)} (median of {saves})")
+        print(f"steps started in an async save:   {statistics.median(spans)} of {steps_per_save} (median)")
+        print(f"blocked in wait() after them:      {ms(waits)} (median of {saves})")
     dist.destroy_process_group()
 
 

@@ -32,6 +32,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -173,6 +174,7 @@ class AsyncSave:
 
     def _run(self, work: Callable[[], None]) -> None:
         try:
+            _yield_cpu_to_training()
             work()
             self._result.set_result(None)
         except BaseException as e:  # kept for wait(), which raises it in the caller's thread
@@ -188,6 +190,13 @@ class AsyncSave:
         if self in _PENDING:
             _PENDING.remove(self)
         self._result.result()
+
+
+def _yield_cpu_to_training() -> None:
+    """Give the calling thread (a background save's) the lowest CPU priority, so that on a busy host it runs on
+    what training leaves idle. Linux only, where a thread's nice value is its own; nothing elsewhere."""
+    if sys.platform == "linux":
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
 
 
 _PENDING: list[AsyncSave] = []

@@ -5,6 +5,8 @@ refusing damaged files."""
 from __future__ import annotations
 
 import os
+import sys
+import threading
 
 import pytest
 import torch
@@ -20,6 +22,20 @@ from workers import (
     full_state_dict_roundtrip,
     meta_init,
 )
+
+from fsdp2_compile.checkpoint import AsyncSave
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a thread's own nice value is Linux's")
+def test_an_async_save_runs_at_the_lowest_cpu_priority_and_the_caller_keeps_its_own(tmp_path):
+    seen = {}
+    before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    pending = AsyncSave(
+        str(tmp_path), lambda: seen.update(nice=os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+    )
+    pending.wait()
+    assert seen["nice"] == 19
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before
 
 
 @pytest.mark.parametrize(
