@@ -192,6 +192,17 @@ def divide_factors(
     return DivideFactors(None, pre if pre != 1 else None, "sum", post if post != 1 else None)
 
 
+def reduce_input(grad: Tensor, reduce_dtype: torch.dtype, world_size: int, d: DivideFactors) -> Tensor:
+    """`grad` as a reduce-scatter over `world_size` ranks takes it: in `reduce_dtype`, scaled before the reduction
+    (`d.scale`, `d.pre`), zero-padded on dim 0 to whole shards, contiguous."""
+    x = grad.to(reduce_dtype)
+    if d.scale is not None:
+        x = x * d.scale
+    if d.pre is not None:
+        x = x / d.pre
+    return pad_rows(x, padded_rows(grad.shape[0], world_size) * world_size).contiguous()
+
+
 @torch.library.custom_op("fsdp2::reduce_grad", mutates_args=())
 def reduce_grad(
     grad: Tensor,
@@ -217,13 +228,8 @@ def reduce_grad(
     zero shard back); the next reduction with the all-reduce adds it first. `out_device`: where the result goes
     (`CPUOffloadPolicy`: back to the CPU shard's device). How each rank's part is scaled and summed:
     `divide_factors`."""
-    x = grad.to(reduce_dtype)
     d = divide_factors(reduce_dtype, world_size, replicate_size, divide_factor, force_sum_reduction)
-    if d.scale is not None:
-        x = x * d.scale
-    if d.pre is not None:
-        x = x / d.pre
-    x = pad_rows(x, padded_rows(grad.shape[0], world_size) * world_size).contiguous()
+    x = reduce_input(grad, reduce_dtype, world_size, d)
     out = _funcol.wait_tensor(_funcol.reduce_scatter_tensor(x, d.op, world_size, group_name))
     if replicate_size > 1 and not requires_all_reduce:
         return (

@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from fsdp2_compile._torch_private import functional_collectives as funcol
 from fsdp2_compile._torch_private import set_fully_shard_state
-from fsdp2_compile.core.ops import GRAD_RECEIVERS, divide_factors, pad_rows, padded_rows, take_pending_grad
+from fsdp2_compile.core.ops import GRAD_RECEIVERS, divide_factors, reduce_input, take_pending_grad
 from fsdp2_compile.runtime.param_state import ParamInfo, ShardState, is_sharded, managed_params, state_of
 
 __all__ = ["GroupReduction", "reduce_kept_grads"]
@@ -98,15 +98,7 @@ def _reduce_bucket(key: tuple, grads: list[torch.Tensor]) -> list[torch.Tensor]:
     """Each gradient's padded shard of the reduction, in the reduce dtype."""
     reduce_dtype, world, group, replicate_size, replicate_group, divide, force_sum = key
     d = divide_factors(reduce_dtype, world, replicate_size, divide, force_sum)
-    per_rank = []
-    for grad in grads:
-        x = grad.to(reduce_dtype)
-        if d.scale is not None:
-            x = x * d.scale
-        if d.pre is not None:
-            x = x / d.pre
-        x = pad_rows(x, padded_rows(grad.shape[0], world) * world).contiguous()
-        per_rank.append(x.view(world, -1))
+    per_rank = [reduce_input(grad, reduce_dtype, world, d).view(world, -1) for grad in grads]
     reduced = funcol.wait_tensor(funcol.reduce_scatter_tensor(torch.cat(per_rank, 1).view(-1), d.op, world, group))
     if replicate_size > 1:
         reduced = funcol.wait_tensor(funcol.all_reduce(reduced, d.op, replicate_group))

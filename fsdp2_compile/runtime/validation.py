@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -163,18 +163,24 @@ def check_new_params(
             f"{type(shard_placement_fn).__name__}"
         )
     dims = {}
+    for fqn, param in params_to_take(members, ignored):
+        _check_param(fqn, param, mesh, offload)
+        if shard_placement_fn is not None:
+            dims[id(param)] = _shard_dim(fqn, param, shard_placement_fn(param))
+        if float8_cast_of(fqn, param) is not None:
+            _check_float8_param(fqn, param, dims.get(id(param), 0), offload)
+    return dims
+
+
+def params_to_take(members: list[nn.Module], ignored: dict[int, nn.Parameter]) -> Iterator[tuple[str, nn.Parameter]]:
+    """(name, parameter) under every name of each parameter this `shard` call takes over: not in `ignored`, not
+    taken or replaced by an earlier call."""
     for member in members:
         for mod_name, mod in member.named_modules(remove_duplicate=False):
             for pname, param in own_parameters(mod).items():
                 if param is None or id(param) in ignored or pname in infos_of(mod) or param in REPLACED:
                     continue
-                fqn = f"{mod_name}.{pname}" if mod_name else pname
-                _check_param(fqn, param, mesh, offload)
-                if shard_placement_fn is not None:
-                    dims[id(param)] = _shard_dim(fqn, param, shard_placement_fn(param))
-                if float8_cast_of(fqn, param) is not None:
-                    _check_float8_param(fqn, param, dims.get(id(param), 0), offload)
-    return dims
+                yield (f"{mod_name}.{pname}" if mod_name else pname), param
 
 
 def _check_float8_param(fqn: str, param: nn.Parameter, dim: int, offload: bool) -> None:
@@ -289,17 +295,11 @@ def check_same_values(members: list[nn.Module], mesh: DeviceMesh, ignored: dict[
     rank raises alike, naming the first parameter that differs. Parameters on the meta device have no values yet:
     skipped. The ranks must shard the same number of parameters (a model built differently per rank is named
     by the rank-consistency check when it compiles), so `shard` skips the check when they do not."""
-    named = []
-    seen: set[int] = set()
-    for member in members:
-        for mod_name, mod in member.named_modules(remove_duplicate=False):
-            for pname, param in own_parameters(mod).items():
-                if param is None or id(param) in seen or id(param) in ignored or pname in infos_of(mod):
-                    continue
-                seen.add(id(param))
-                if param in REPLACED or param.device.type == "meta":
-                    continue
-                named.append((f"{mod_name}.{pname}" if mod_name else pname, param))
+    first_names: dict[int, tuple[str, nn.Parameter]] = {}
+    for fqn, param in params_to_take(members, ignored):
+        if param.device.type != "meta":
+            first_names.setdefault(id(param), (fqn, param))
+    named = list(first_names.values())
     on_device = mesh.device_type != "cpu"
     device = torch.device(mesh.device_type, torch.accelerator.current_device_index()) if on_device else "cpu"
     counts = torch.tensor([len(named), -len(named)], dtype=torch.float64, device=device)
