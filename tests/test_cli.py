@@ -555,48 +555,53 @@ def test_keep_gathered_usage_errors(capsys):
         assert "--memory-budget" in capsys.readouterr().err
 
 
-def test_seq_len_is_passed_to_the_factory(capsys):
-    """`--seq-len S` plans the model the factory builds with seq=S: the plan is make_plan's of that factory, key for
-    key; a factory's seq_len= is preferred to its max_seq_len= and seq=."""
+def test_seq_len_and_local_batch_are_passed_to_the_factory(capsys):
+    """`--seq-len S --local-batch B` plans the model the factory builds with seq=S, batch=B: the plan is
+    make_plan's of that factory, key for key; a factory's seq_len= is preferred to its max_seq_len= and seq=."""
     import functools
 
     import cli_factories
 
     from fsdp2_compile.cli.main import main
-    from fsdp2_compile.cli.model_loading import call_factory, fake_group, seq_len_call
+    from fsdp2_compile.cli.model_loading import call_factory, fake_group, sized_call
     from fsdp2_compile.planner.plan import Layout, make_plan
 
     args = ["plan", "tests/cli_factories.py:llama_small", "--world-size", "2", "--hardware", "h100-nvlink"]
-    assert main([*args, "--seq-len", "48", "--json", "-q"]) == 0
+    assert main([*args, "--seq-len", "48", "--local-batch", "3", "--json", "-q"]) == 0
     planned = json.loads(capsys.readouterr().out)
     planned.pop("planner")  # this run's wall time and RSS
     with fake_group(2):
         reference = make_plan(
-            functools.partial(cli_factories.llama_small, seq=48), Layout(2), call=call_factory, profiles=["h100-nvlink"]
+            functools.partial(cli_factories.llama_small, seq=48, batch=3),
+            Layout(2),
+            call=call_factory,
+            profiles=["h100-nvlink"],
         )
     assert planned == json.loads(json.dumps(reference.to_json()))
-    assert planned["assumptions"]["tokens_per_step_per_rank"] == 48  # batch 1, not the factory's seq 32
+    assert planned["assumptions"]["tokens_per_step_per_rank"] == 3 * 48  # not the factory's batch 1 x seq 32
 
     def takes_all(seq=1, max_seq_len=1, seq_len=1):
         return torch.nn.Linear(1, 1), (torch.zeros(seq, max_seq_len, seq_len),)
 
-    assert seq_len_call(takes_all, 3)(takes_all)[1][0].shape == (1, 1, 3)
-    assert seq_len_call(takes_all, None) is call_factory
+    assert sized_call(takes_all, 3)(takes_all)[1][0].shape == (1, 1, 3)
+    assert sized_call(takes_all, None) is call_factory
 
 
 @pytest.mark.parametrize("command", ["dump", "plan"])
 @pytest.mark.parametrize(
-    "seq_len, message",
+    "flag, value, message",
     [
-        ("64", "--seq-len 64: factory tiny() takes none of seq_len=, max_seq_len=, seq=; give it one of those"),
-        ("0", "--seq-len must be >= 1, got 0"),
+        ("--seq-len", "64", "--seq-len 64: factory tiny() takes none of seq_len=, max_seq_len=, seq=; give it one of"),
+        ("--seq-len", "0", "--seq-len must be >= 1, got 0"),
+        ("--local-batch", "4", "--local-batch 4: factory tiny() takes no batch=; give it a batch= argument"),
+        ("--local-batch", "0", "--local-batch must be >= 1, got 0"),
     ],
 )
-def test_seq_len_usage_errors(command, seq_len, message, capsys, tmp_path):
+def test_seq_len_and_local_batch_usage_errors(command, flag, value, message, capsys, tmp_path):
     from fsdp2_compile.cli.main import main
 
     out = ["--out", str(tmp_path)] if command == "dump" else []
-    code = main([command, f"{FACTORIES}:tiny", "--world-size", "2", "--seq-len", seq_len, *out, "-q"])
+    code = main([command, f"{FACTORIES}:tiny", "--world-size", "2", flag, value, *out, "-q"])
     captured = capsys.readouterr()
     assert code == 2 and captured.out == ""
     assert message in captured.err and "Traceback" not in captured.err

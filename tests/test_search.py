@@ -161,6 +161,10 @@ def test_emitted_recipe_builds_and_trains(tmp_path):
             ["--world-size", "8", "--search", "--global-batch", "8", "--hardware", "h100-nvlink", "--ac", "full"],
             "--ac with --search",
         ),
+        (
+            ["--world-size", "8", "--search", "--global-batch", "8", "--hardware", "h100-nvlink", "--local-batch", "2"],
+            "--local-batch with --search: the search enumerates it",
+        ),
     ],
 )
 def test_search_usage_errors(args, message, capsys):

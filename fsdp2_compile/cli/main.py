@@ -158,6 +158,8 @@ def check_args(ns: argparse.Namespace) -> None:
         raise UsageError(f"--tp must be >= 1, got {ns.tp}")
     if ns.seq_len is not None and ns.seq_len < 1:
         raise UsageError(f"--seq-len must be >= 1, got {ns.seq_len}")
+    if ns.local_batch is not None and ns.local_batch < 1:
+        raise UsageError(f"--local-batch must be >= 1, got {ns.local_batch}")
     if ns.tp > 1 and ns.world_size % (ns.replicate * ns.tp):
         raise UsageError(
             f"--world-size {ns.world_size} is not a multiple of --replicate {ns.replicate} x --tp {ns.tp}: the mesh "
@@ -245,6 +247,7 @@ def _check_search_args(ns: argparse.Namespace) -> None:
             ("--microbatches", ns.microbatches is not None),
             ("--stages-per-rank", ns.stages_per_rank is not None),
             ("--pp-schedule", ns.pp_schedule != "1F1B"),
+            ("--local-batch", ns.local_batch is not None),
         )
         if v
     ]
@@ -266,7 +269,7 @@ def cmd_dump(ns: argparse.Namespace) -> int:
     with Progress(4, ns.quiet) as progress:
         progress.step(f"importing torch, the compiler and {ns.target}")
         from fsdp2_compile.api import shard_compile
-        from fsdp2_compile.cli.model_loading import fake_group, load_target, seq_len_call
+        from fsdp2_compile.cli.model_loading import fake_group, load_target, sized_call
         from fsdp2_compile.compiler.report import clear_compiled_graphs, compiled_graphs
         from fsdp2_compile.config import CompileConfig
         from fsdp2_compile.core.hardware import PROFILES
@@ -276,7 +279,7 @@ def cmd_dump(ns: argparse.Namespace) -> int:
         from fsdp2_compile.planner.tensor_parallel import apply_tp, plan_meshes, plan_text, tp_plan_for
 
         factory = load_target(ns.target)
-        call = seq_len_call(factory, ns.seq_len)
+        call = sized_call(factory, ns.seq_len, ns.local_batch)
         hardware = ns.hardware or "cpu-gloo-loopback"
         mp = _mp_policy(ns.mp)
         reshard = False if ns.no_reshard else None  # None: FSDP2's default (the root keeps its parameters)
@@ -344,13 +347,13 @@ def cmd_plan(ns: argparse.Namespace) -> int:
         progress.step(f"importing torch, the compiler and {ns.target}")
         import json
 
-        from fsdp2_compile.cli.model_loading import fake_group, load_target, seq_len_call
+        from fsdp2_compile.cli.model_loading import fake_group, load_target, sized_call
         from fsdp2_compile.core.hardware import PROFILES
         from fsdp2_compile.planner.devices import device_for
         from fsdp2_compile.planner.plan import Layout, format_plan, make_plan
 
         factory = load_target(ns.target)
-        call = seq_len_call(factory, ns.seq_len)
+        call = sized_call(factory, ns.seq_len, ns.local_batch)
         # --float8 without --hardware: the profiles that have float8 matmuls
         profiles = (
             [ns.hardware] if ns.hardware else [n for n in PROFILES if not ns.float8 or device_for(n).float8_flops]
@@ -403,13 +406,13 @@ def cmd_search(ns: argparse.Namespace) -> int:
         progress.step(f"importing torch, the compiler and {ns.target}")
         import json
 
-        from fsdp2_compile.cli.model_loading import fake_group, load_target, seq_len_call
+        from fsdp2_compile.cli.model_loading import fake_group, load_target, sized_call
         from fsdp2_compile.planner.plan import Layout
         from fsdp2_compile.planner.recipe import recipe_of, write_recipe
         from fsdp2_compile.planner.search import format_search, search
 
         factory = load_target(ns.target)
-        call = seq_len_call(factory, ns.seq_len)
+        call = sized_call(factory, ns.seq_len, ns.local_batch)
         base = Layout(ns.world_size, mp_policy=_mp_policy(ns.mp), attention=ns.attention, compiler=ns.compiler)
         degrees = {k: ns.pinned.get(k) for k in ("tp", "pp", "replicate")}
         with fake_group(ns.world_size):
@@ -474,6 +477,13 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
         metavar="S",
         help="sequence length: passed to the factory as its seq_len=, max_seq_len= or seq= argument (default: the "
         "factory's own)",
+    )
+    parser.add_argument(
+        "--local-batch",
+        type=int,
+        metavar="B",
+        help="samples per data-parallel rank: passed to the factory as its batch= argument (default: the factory's "
+        "own)",
     )
 
 

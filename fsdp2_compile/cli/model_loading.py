@@ -25,7 +25,7 @@ __all__ = [
     "default_loss",
     "fake_group",
     "load_target",
-    "seq_len_call",
+    "sized_call",
 ]
 
 
@@ -113,27 +113,37 @@ SEQ_LEN_NAMES = ("seq_len", "max_seq_len", "seq")
 """The factory arguments `--seq-len` sets, the first one the factory takes."""
 
 
-def seq_len_call(factory: Callable, seq_len: int | None) -> Callable:
-    """`call_factory`, with `--seq-len` passed as the sequence-length argument `factory` takes (SEQ_LEN_NAMES);
-    UsageError when it takes none of them."""
-    if seq_len is None:
+def sized_call(factory: Callable, seq_len: int | None, batch: int | None = None) -> Callable:
+    """`call_factory`, with `--seq-len` passed as the sequence-length argument `factory` takes (SEQ_LEN_NAMES) and
+    `--local-batch` as its batch=; UsageError when it takes no such argument."""
+    if seq_len is None and batch is None:
         return call_factory
     name = getattr(factory, "__name__", repr(factory))
     try:
         params = inspect.signature(factory).parameters
     except (TypeError, ValueError):
         params = {}
-    arg = next((n for n in SEQ_LEN_NAMES if n in params), None)
-    if arg is None:
-        raise UsageError(
-            f"--seq-len {seq_len}: factory {name}() takes none of {', '.join(n + '=' for n in SEQ_LEN_NAMES)}; give "
-            "it one of those arguments (the sequence length of the inputs it builds) or leave --seq-len out"
-        )
-    return functools.partial(_call_with, arg, seq_len)
+    given = {}
+    if seq_len is not None:
+        arg = next((n for n in SEQ_LEN_NAMES if n in params), None)
+        if arg is None:
+            raise UsageError(
+                f"--seq-len {seq_len}: factory {name}() takes none of {', '.join(n + '=' for n in SEQ_LEN_NAMES)}; "
+                "give it one of those arguments (the sequence length of the inputs it builds) or leave --seq-len out"
+            )
+        given[arg] = seq_len
+    if batch is not None:
+        if "batch" not in params:
+            raise UsageError(
+                f"--local-batch {batch}: factory {name}() takes no batch=; give it a batch= argument (the samples "
+                "of the inputs it builds) or leave --local-batch out"
+            )
+        given["batch"] = batch
+    return functools.partial(_call_with, given)
 
 
-def _call_with(arg: str, value: int, factory: Callable, **kwargs) -> tuple[nn.Module, tuple, Callable]:
-    return call_factory(factory, **{arg: value}, **kwargs)
+def _call_with(given: dict, factory: Callable, **kwargs) -> tuple[nn.Module, tuple, Callable]:
+    return call_factory(factory, **{**given, **kwargs})
 
 
 @contextmanager
