@@ -194,9 +194,13 @@ class AsyncSave:
 
 def _yield_cpu_to_training() -> None:
     """Give the calling thread (a background save's) the lowest CPU priority, so that on a busy host it runs on
-    what training leaves idle. Linux only, where a thread's nice value is its own; nothing elsewhere."""
+    what training leaves idle. Linux only, where a thread's nice value is its own; nothing elsewhere, or where the
+    system refuses it (the save runs as it is)."""
     if sys.platform == "linux":
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except OSError:
+            pass
 
 
 _PENDING: list[AsyncSave] = []
