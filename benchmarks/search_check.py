@@ -106,12 +106,15 @@ def job_groups(n: int, per_job: int) -> list[list[int]]:
 def compare(rows: list[dict]) -> dict:
     """From rows with `predicted_s` (the planner's step) and `measured` (step / anchor's step, measured), the pick
     (the row with the least predicted step, the first on a tie, as the search's order), the fastest measured
-    row, the pick's gap to it (measured, %) and Spearman's rho."""
+    row, the pick's gap to it (measured, %) and Spearman's rho; with two runs or more (`measured_runs`), also the
+    rho of the first two runs' figures with each other (`runs_rho`): how far the measured ranking repeats itself."""
     pick = min(range(len(rows)), key=lambda i: rows[i]["predicted_s"])
     fastest = min(range(len(rows)), key=lambda i: rows[i]["measured"])
     gap = (rows[pick]["measured"] / rows[fastest]["measured"] - 1) * 100
     rho = spearman([r["predicted_s"] for r in rows], [r["measured"] for r in rows])
-    return dict(pick=pick, fastest=fastest, gap_pct=gap, rho=rho)
+    runs = [r.get("measured_runs", []) for r in rows]
+    runs_rho = spearman([m[0] for m in runs], [m[1] for m in runs]) if all(len(m) > 1 for m in runs) else None
+    return dict(pick=pick, fastest=fastest, gap_pct=gap, rho=rho, runs_rho=runs_rho)
 
 
 def table(rows: list[dict], anchor: int = 0) -> str:
@@ -131,11 +134,14 @@ def table(rows: list[dict], anchor: int = 0) -> str:
             f"| {r['name']}{' ' + mark if mark else ''} | {r['predicted_s']:.3f} s | "
             f"{r['predicted_s'] / a['predicted_s']:.3f} | {r['measured'] / a['measured']:.3f} | {rp[i]:g} | {rm[i]:g} |"
         )
+    rho = "undefined (a constant list)" if got["rho"] is None else format(got["rho"], ".2f")
     lines += [
         "",
-        f"Spearman rho {'undefined (a constant list)' if got['rho'] is None else format(got['rho'], '.2f')}; pick ({rows[got['pick']]['name']}) {got['gap_pct']:+.1f}% vs the fastest "
+        f"Spearman rho {rho}; pick ({rows[got['pick']]['name']}) {got['gap_pct']:+.1f}% vs the fastest "
         f"measured ({rows[got['fastest']]['name']}).",
     ]
+    if got["runs_rho"] is not None:
+        lines.append(f"The first two runs' rankings agree with each other at rho {got['runs_rho']:.2f}.")
     return "\n".join(lines)
 
 

@@ -58,6 +58,15 @@ def test_compare_and_table_name_the_pick_and_the_fastest():
     assert lines[3].startswith("| a * | 2.000 s | 0.667 | 0.900 | 1.5 | 2 |")
     assert lines[4].startswith("| b + | 2.500 s | 0.833 | 0.850 | 3 | 1 |")
     assert f"pick (a) +{got['gap_pct']:.1f}% vs the fastest measured (b)" in text
+    assert got["runs_rho"] is None and "runs' rankings" not in text  # one run: nothing to compare
+
+
+def test_runs_rho_compares_the_first_two_runs():
+    runs = [[1.0, 1.0], [0.9, 0.97], [0.95, 0.93], [0.97, 0.9]]  # run 2 ranks the three rows backwards
+    rows = [dict(name=f"r{i}", predicted_s=3.0 - i, measured=sum(m) / 2, measured_runs=m) for i, m in enumerate(runs)]
+    got = sc.compare(rows)
+    assert got["runs_rho"] == pytest.approx(sc.spearman([m[0] for m in runs], [m[1] for m in runs]))
+    assert f"agree with each other at rho {got['runs_rho']:.2f}" in sc.table(rows)
 
 
 def test_the_grid_has_twelve_distinct_configurations_the_anchor_first():
