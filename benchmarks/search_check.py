@@ -4,8 +4,7 @@ keep_gathered, memory budget) with the search's own planning (`search.plan_candi
 then measure every configuration and print the predicted and measured table, Spearman's rank correlation between
 predicted and measured step times, and how far the pick is from the fastest measured configuration.
 
-    .venv/bin/python benchmarks/search_check.py [--links loopback 1gbit] [--runs 2] [--steps 4] [--per-job 4]
-        [--only I ...] [--quick]
+    .venv/bin/python benchmarks/search_check.py [--links loopback 1gbit] [--runs 2] [--steps 4] [--per-job 4] [--quick]
 
 Measuring: each run is a series of torchrun jobs, each holding the anchor (FSDP2's defaults: reshard, prefetch 2,
 nothing kept) and at most `--per-job` - 1 other configurations (a job of many models skews their figures), each
@@ -283,12 +282,8 @@ def worker(spec: dict) -> None:
     dist.destroy_process_group()
 
 
-def check_link(
-    dims: dict, link: str, runs: int, steps: int, warmup: int, port: int, only=None, per_job: int = 0
-) -> dict:
+def check_link(dims: dict, link: str, runs: int, steps: int, warmup: int, port: int, per_job: int = 0) -> dict:
     configs = grid(dims)
-    if only:  # the anchor first, then the chosen rows of the grid
-        configs = [configs[i] for i in dict.fromkeys([0, *only])]
     t0 = time.perf_counter()
     predicted = predict(dims, PROFILES[link], configs)
     print(f"# {link}: planned {len(configs)} configurations in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
@@ -330,13 +325,6 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="a 2-layer d 256 GPT, one job of 2 steps: to try the harness")
     p.add_argument("--json", metavar="PATH", help="also write the results to PATH")
     p.add_argument(
-        "--only",
-        type=int,
-        nargs="+",
-        metavar="I",
-        help="plan and measure these rows of the grid only (0-based; the anchor, row 0, always): fewer models in a job",
-    )
-    p.add_argument(
         "--per-job",
         type=int,
         default=4,
@@ -353,7 +341,7 @@ def main() -> None:
     command = " ".join([".venv/bin/python", "benchmarks/search_check.py", *sys.argv[1:]])
     results = []
     for k, link in enumerate(args.links):
-        res = check_link(dims, link, runs, steps, warmup, 29800 + 100 * k, args.only, args.per_job)
+        res = check_link(dims, link, runs, steps, warmup, 29800 + 100 * k, args.per_job)
         results.append(res)
         print(
             f"\n{link} ({res['profile']}), {runs} job(s) x {steps} timed steps per configuration "

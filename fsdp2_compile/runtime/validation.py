@@ -163,7 +163,7 @@ def check_new_params(
             f"{type(shard_placement_fn).__name__}"
         )
     dims = {}
-    for fqn, param in params_to_take(members, ignored):
+    for fqn, param in _params_to_take(members, ignored):
         _check_param(fqn, param, mesh, offload)
         if shard_placement_fn is not None:
             dims[id(param)] = _shard_dim(fqn, param, shard_placement_fn(param))
@@ -172,7 +172,7 @@ def check_new_params(
     return dims
 
 
-def params_to_take(members: list[nn.Module], ignored: dict[int, nn.Parameter]) -> Iterator[tuple[str, nn.Parameter]]:
+def _params_to_take(members: list[nn.Module], ignored: dict[int, nn.Parameter]) -> Iterator[tuple[str, nn.Parameter]]:
     """(name, parameter) under every name of each parameter this `shard` call takes over: not in `ignored`, not
     taken or replaced by an earlier call."""
     for member in members:
@@ -296,7 +296,7 @@ def check_same_values(members: list[nn.Module], mesh: DeviceMesh, ignored: dict[
     skipped. The ranks must shard the same number of parameters (a model built differently per rank is named
     by the rank-consistency check when it compiles), so `shard` skips the check when they do not."""
     first_names: dict[int, tuple[str, nn.Parameter]] = {}
-    for fqn, param in params_to_take(members, ignored):
+    for fqn, param in _params_to_take(members, ignored):
         if param.device.type != "meta":
             first_names.setdefault(id(param), (fqn, param))
     named = list(first_names.values())
