@@ -3,11 +3,12 @@
     .venv/bin/python benchmarks/async_save.py [--saves 5] [--steps-per-save 6]
 
 2 gloo ranks train the benchmark GPT of `examples/train_gpt.py` (4 layers, d_model 128; blocks sharded, then the
-root through `shard_compile`) with AdamW. After warm-up, rank 0 reports: the median step time with no save, the
-median step time of the steps that started while an async save was in flight, the median time blocked in
-`save_checkpoint` for a sync save and for an async one (`async_save=True`: until the state is copied), and for the
-async saves how many of the `--steps-per-save` steps after each started with it in flight and how long `wait()`
-then blocked.
+root through `shard_compile`) with AdamW. After warm-up, each of `--saves` rounds runs `--steps-per-save` quiet
+steps, a sync save, an async one (`async_save=True`) and `--steps-per-save` steps after it, then `wait()`. Rank 0
+reports: the median step time with no save and of the steps that started while the async save was in flight, the
+median over rounds of their ratio (each round against its own quiet steps, so that the machine's drift cancels),
+the median time blocked in `save_checkpoint` for a sync save and for an async one (until the state is copied), how
+many steps started with the async save in flight and how long `wait()` then blocked.
 """
 
 from __future__ import annotations
@@ -60,32 +61,35 @@ def _rank(rank: int, world: int, port: int, folder: str, saves: int, steps_per_s
 
     for _ in range(5):  # compile, and AdamW's state
         step()
-    quiet = [step() for _ in range(saves * steps_per_save)]
-    blocked_sync, blocked_async, in_flight, spans, waits = [], [], [], [], []
-    for _ in range(saves):
+    quiet, in_flight, ratios, blocked_sync, blocked_async, spans, waits = [], [], [], [], [], [], []
+    for _ in range(saves):  # each round: quiet steps, a sync save, an async save and the steps it overlaps
+        round_quiet = [step() for _ in range(steps_per_save)]
         start = time.perf_counter()
         save_checkpoint(os.path.join(folder, "sync"), model, opt)
         blocked_sync.append(time.perf_counter() - start)
-    for _ in range(saves):
         dist.barrier()
         start = time.perf_counter()
         pending = save_checkpoint(os.path.join(folder, "async"), model, opt, async_save=True)
         blocked_async.append(time.perf_counter() - start)
-        span = 0
+        round_busy = []
         for _ in range(steps_per_save):
             busy = not pending.done()
             took = step()
             if busy:
-                in_flight.append(took)
-                span += 1
+                round_busy.append(took)
         start = time.perf_counter()
         pending.wait()
         waits.append(time.perf_counter() - start)
-        spans.append(span)
+        spans.append(len(round_busy))
+        quiet += round_quiet
+        in_flight += round_busy
+        if round_busy:
+            ratios.append(statistics.median(round_busy) / statistics.median(round_quiet))
     if rank == 0:
         ms = lambda values: f"{1e3 * statistics.median(values):.1f} ms"  # noqa: E731
         print(f"step, no save in flight:          {ms(quiet)} (median of {len(quiet)})")
         print(f"step, an async save in flight:    {ms(in_flight)} (median of {len(in_flight)})")
+        print(f"  in flight / quiet, per round:   {statistics.median(ratios):.2f}x (median of {len(ratios)} rounds)")
         print(f"blocked in save_checkpoint, sync:  {ms(blocked_sync)} (median of {saves})")
         print(f"blocked in save_checkpoint, async: {ms(blocked_async)} (median of {saves})")
         print(f"steps started in an async save:   {statistics.median(spans)} of {steps_per_save} (median)")

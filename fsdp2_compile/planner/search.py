@@ -63,7 +63,8 @@ __all__ = [
 ]
 
 DEVICE_MEMORY = {"h100-nvlink": 80 * 2**30, "h100-infiniband": 80 * 2**30}
-"""Device memory by profile (H100 SXM, 80 GB); a CPU profile needs the budget given (`device_memory`)."""
+"""Device memory by profile: the common H100 SXM's 80 GB (torchtitan's published H100 runs had 96 GB: pass
+`device_memory` for such devices); a CPU profile needs the budget given."""
 
 NODE_GPUS = {"h100-nvlink": 8, "h100-infiniband": 8}
 """GPUs per node by profile: tensor parallelism stays inside one."""
