@@ -61,6 +61,24 @@ def test_search_figures_are_make_plans():
             assert s.plan.to_json() == plan.to_json(), s.candidate
 
 
+def test_a_pinned_pp_searches_micro_batches_of_several_samples():
+    """With pp pinned the search also tries micro-batches of several samples (each count of at least pp dividing
+    the local batch); such a candidate's figures equal make_plan's."""
+    f, n = functools.partial(cli_factories.llama_small, layers=2), 4
+    with fake_group(n):
+        cands, _, _ = enumerate_candidates(
+            n, 8, 2, 2, "h100-nvlink", base=Layout(n, mp_policy=BF16), degrees={"tp": 1, "pp": 2, "replicate": 1}
+        )
+        # 2 blocks: no room for Interleaved1F1B's 2 stages per rank
+        assert {(c.layout.pp_schedule, c.layout.microbatches) for c in cands} == {("1F1B", 2), ("1F1B", 4)}
+        two_samples = _pick(cands, pp_schedule="1F1B", microbatches=2, float8=False, ac="full")
+        [scored], _ = plan_candidates(f, [two_samples], "h100-nvlink", 2**40, call=call_factory)
+        plan = make_plan(
+            f, two_samples.layout, call=lambda g, **kw: call_factory(g, batch=4, **kw), profiles=["h100-nvlink"]
+        )
+        assert scored.plan.to_json() == plan.to_json()
+
+
 def test_search_derives_tp_compiles_for_other_rows():
     """Under TP the search compiles each tp at one row count per micro-batch (and, once, at a second: which of TP's
     collectives scale with the rows); its figures at other row counts equal make_plan's, which compiles each.

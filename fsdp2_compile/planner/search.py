@@ -2,7 +2,8 @@
 `make_plan` plans one, those that fit the device's memory ranked by tokens/s per GPU.
 
 Enumerated: tp (dividing N, the attention heads, at most a node's 8 GPUs on the H100 profiles), pp (dividing N / tp,
-at most the block count; schedules 1F1B and Interleaved1F1B with micro-batches of one sample), HSDP replicas
+at most the block count; schedules 1F1B and Interleaved1F1B with micro-batches of one sample, or with pp pinned
+every micro-batch count of at least pp that divides the local batch), HSDP replicas
 (dividing the data-parallel size), activation checkpointing (none, selective, full), reshard_after_forward (FSDP2's
 default or False; under pp the pipeline keeps stages gathered), prefetch depth (1, 2), keep_gathered (none, half,
 all of the resharded bytes) and float8 where the device has it. The local batch is the global batch / dp.
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import itertools
 import math
 import time
 from collections.abc import Callable
@@ -250,7 +252,11 @@ def enumerate_candidates(
         for pp in [degrees["pp"]] if degrees["pp"] else _divisors(world_size // tp):
             dp = world_size // (tp * pp)
             reps = [degrees["replicate"]] if degrees["replicate"] else _replicas(dp, tp, node, world_size)
-            n_knobs = len(pipeline_knobs) if pp > 1 else len(flat_knobs)
+            local = global_batch // dp
+            # micro-batches of one sample; with pp pinned (few candidates), each count of at least pp dividing the
+            # local batch
+            counts = (degrees["pp"] and [m for m in _divisors(local) if m >= pp]) or [local]
+            n_knobs = len(pipeline_knobs) * len(counts) if pp > 1 else len(flat_knobs)
             enumerated += len(reps) * n_knobs
             rule = None
             if tp > node:
@@ -264,7 +270,6 @@ def enumerate_candidates(
             if rule:
                 prune(rule, len(reps) * n_knobs)
                 continue
-            local = global_batch // dp
             for rep in reps:
                 if pp == 1:
                     for reshard, pre, keep, f8, ac in flat_knobs:
@@ -281,13 +286,13 @@ def enumerate_candidates(
                         )
                         out.append(Candidate(lay, local))
                     continue
-                for schedule, f8, ac in pipeline_knobs:
+                for (schedule, f8, ac), m in itertools.product(pipeline_knobs, counts):
                     v = 2 if schedule == "Interleaved1F1B" else 1
                     if pp * v > layers:
                         prune("pp x stages per rank > blocks")
                         continue
-                    if local < pp or (v > 1 and local % pp):
-                        prune("micro-batches (one sample each) fewer than pp, or not a multiple of pp (interleaved)")
+                    if m < pp or (v > 1 and m % pp):
+                        prune("micro-batches fewer than pp, or not a multiple of pp (interleaved)")
                         continue
                     lay = dataclasses.replace(
                         base,
@@ -296,7 +301,7 @@ def enumerate_candidates(
                         tp=tp,
                         pp=pp,
                         pp_schedule=schedule,
-                        microbatches=local,
+                        microbatches=m,
                         reshard_after_forward=None,
                         float8=f8,
                         ac=ac,
