@@ -1,6 +1,6 @@
 """What an async checkpoint costs the training loop, against a sync one.
 
-    .venv/bin/python benchmarks/async_save.py [--saves 5] [--steps-per-save 6]
+    .venv/bin/python benchmarks/async_save.py [--saves 10] [--steps-per-save 6]
 
 2 gloo ranks train the benchmark GPT of `examples/train_gpt.py` (4 layers, d_model 128; blocks sharded, then the
 root through `shard_compile`) with AdamW. After warm-up, each of `--saves` rounds runs `--steps-per-save` quiet
@@ -99,7 +99,7 @@ def _rank(rank: int, world: int, port: int, folder: str, saves: int, steps_per_s
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--saves", type=int, default=5)
+    parser.add_argument("--saves", type=int, default=10)
     parser.add_argument("--steps-per-save", type=int, default=6)
     args = parser.parse_args()
     with socket.socket() as s:

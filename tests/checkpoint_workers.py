@@ -17,6 +17,7 @@ from workers import _full_state, _gpt_steps
 import fsdp2_compile as fc
 from fsdp2_compile import checkpoint
 from fsdp2_compile.checkpoint import load_checkpoint, save_checkpoint
+from fsdp2_compile.compiler.report import compiled_graphs
 from fsdp2_compile.runtime.param_state import ParamInfo
 from fsdp2_compile.runtime.process_groups import attempt_token
 
@@ -100,6 +101,22 @@ def _attempt(fn, *args, **kwargs) -> str:
         return "no error"
     except Exception as e:  # every error the checkpoint helpers raise is an ordinary Exception
         return f"{type(e).__name__}: {e}"
+
+
+def saves_between_compiled_steps(rank: int, world_size: int, root: str) -> int:
+    """Graphs the backend compiled after a sync and an async save of a model trained through `shard_compile`."""
+    model = make_model("gpt")
+    for block in model.blocks:
+        fc.shard(block)
+    fc.shard_compile(model)
+    opt = make_optimizer(model)
+    _gpt_steps(model, opt, rank, world_size, range(2))
+    compiled = len(compiled_graphs())
+    save_checkpoint(os.path.join(root, "sync"), model, opt)
+    pending = save_checkpoint(os.path.join(root, "async"), model, opt, async_save=True)
+    _gpt_steps(model, opt, rank, world_size, range(2, 4))
+    pending.wait()
+    return len(compiled_graphs()) - compiled
 
 
 def async_saves(rank: int, world_size: int, root: str) -> dict:

@@ -10,7 +10,13 @@ import threading
 
 import pytest
 import torch
-from checkpoint_workers import async_saves, damaged_checkpoints, load_after_kill, save_then_die
+from checkpoint_workers import (
+    async_saves,
+    damaged_checkpoints,
+    load_after_kill,
+    save_then_die,
+    saves_between_compiled_steps,
+)
 from harness import run_ranks
 from models import make_model
 from torch.multiprocessing.spawn import ProcessException
@@ -152,6 +158,12 @@ def test_async_save_writes_the_state_at_the_call_and_its_failures_reach_every_ra
     # attempt on the store of the one that died never reads them)
     assert results[0]["save_group"] == results[1]["save_group"] and results[0]["save_group"][0] == 2
     assert results[0]["save_group"][1]
+
+
+def test_saving_does_not_make_the_compiled_model_recompile(tmp_path):
+    """A save reads the sharded parameters (`sharded_parameters()`); the compiled step after it must pass its guards
+    as before, not compile again."""
+    assert run_ranks(saves_between_compiled_steps, 2, str(tmp_path)) == [0, 0]
 
 
 @pytest.fixture(scope="module")

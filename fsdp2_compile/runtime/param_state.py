@@ -316,7 +316,9 @@ def read_managed(info: ParamInfo, param: nn.Parameter) -> torch.Tensor:
 
 
 class _SharedFlag:
-    active = False
+    def __init__(self) -> None:
+        self.active = False  # in the instance from the start: compiled code guards on its value, which a
+        # `sharded_parameters()` block restores, not on whether the attribute is set (the first block would set it)
 
 
 _SHARDED_ACCESS = _SharedFlag()
