@@ -1,6 +1,6 @@
 """What an async checkpoint costs the training loop, against a sync one.
 
-    .venv/bin/python benchmarks/async_save.py [--saves 10] [--steps-per-save 6]
+    .venv/bin/python benchmarks/async_save.py [--saves 10] [--steps-per-save 6] [--checkpointer thread|process]
 
 2 gloo ranks train the benchmark GPT of `examples/train_gpt.py` (4 layers, d_model 128; blocks sharded, then the
 root through `shard_compile`) with AdamW. After warm-up, each of `--saves` rounds runs `--steps-per-save` quiet
@@ -8,7 +8,9 @@ steps, a sync save, an async one (`async_save=True`) and `--steps-per-save` step
 reports: the median step time with no save and of the steps that started while the async save was in flight, the
 median over rounds of their ratio (each round against its own quiet steps, so that the machine's drift cancels),
 the median time blocked in `save_checkpoint` for a sync save and for an async one (until the state is copied), how
-many steps started with the async save in flight and how long `wait()` then blocked.
+many steps started with the async save in flight and how long `wait()` then blocked. `--checkpointer process`:
+the async saves write through DCP's background process (`AsyncCheckpointerType.PROCESS`), started by a first save
+before the rounds.
 """
 
 from __future__ import annotations
@@ -32,7 +34,9 @@ CFG = GPTConfig(vocab_size=512, block_size=64, n_layer=4, n_head=4, d_model=128)
 BATCH = 8
 
 
-def _rank(rank: int, world: int, port: int, folder: str, saves: int, steps_per_save: int) -> None:
+def _rank(rank: int, world: int, port: int, folder: str, saves: int, steps_per_save: int, checkpointer: str) -> None:
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
     import fsdp2_compile as fc
     from fsdp2_compile.checkpoint import save_checkpoint
 
@@ -61,6 +65,9 @@ def _rank(rank: int, world: int, port: int, folder: str, saves: int, steps_per_s
 
     for _ in range(5):  # compile, and AdamW's state
         step()
+    how = dict(async_save=True, async_checkpointer_type=AsyncCheckpointerType(checkpointer))
+    if checkpointer == "process":  # its process starts at the first save
+        save_checkpoint(os.path.join(folder, "async"), model, opt, **how).wait()
     quiet, in_flight, ratios, blocked_sync, blocked_async, spans, waits = [], [], [], [], [], [], []
     for _ in range(saves):  # each round: quiet steps, a sync save, an async save and the steps it overlaps
         round_quiet = [step() for _ in range(steps_per_save)]
@@ -69,7 +76,7 @@ def _rank(rank: int, world: int, port: int, folder: str, saves: int, steps_per_s
         blocked_sync.append(time.perf_counter() - start)
         dist.barrier()
         start = time.perf_counter()
-        pending = save_checkpoint(os.path.join(folder, "async"), model, opt, async_save=True)
+        pending = save_checkpoint(os.path.join(folder, "async"), model, opt, **how)
         blocked_async.append(time.perf_counter() - start)
         round_busy = []
         for _ in range(steps_per_save):
@@ -101,12 +108,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--saves", type=int, default=10)
     parser.add_argument("--steps-per-save", type=int, default=6)
+    parser.add_argument("--checkpointer", choices=["thread", "process"], default="thread")
     args = parser.parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as folder:
-        mp.spawn(_rank, args=(2, port, folder, args.saves, args.steps_per_save), nprocs=2)
+        mp.spawn(_rank, args=(2, port, folder, args.saves, args.steps_per_save, args.checkpointer), nprocs=2)
 
 
 if __name__ == "__main__":

@@ -707,3 +707,12 @@ def aot_function_from_bytes(data: bytes) -> Any:
     guards = _resolve("torch._guards")
     with guards.compile_context(guards.CompileContext(convert_frame.get_compile_id({}))), get_metrics_context():
         return compiled_function.deserialize(data)
+
+
+def stop_dcp_checkpoint_process() -> None:
+    """End DCP's background checkpoint process (`dcp.async_save`'s PROCESS mode), if one runs: it keeps the process
+    group of the world it was started in, so a process group initialised again needs a new one (DCP starts it at
+    its next PROCESS save). Dropping DCP's reference asks it to exit and joins it (its `__del__`)."""
+    executor = _resolve("torch.distributed.checkpoint._async_process_executor")
+    if _attribute(executor, "_CHECKPOINT_PROCESS") is not None:
+        executor._CHECKPOINT_PROCESS = None

@@ -10,8 +10,8 @@ broadcasts it), checksums what DCP wrote once every rank has finished (each rank
 rank 0 commits: it replaces `committed.json` with `os.replace` (atomic) and deletes the other save folders. A save
 killed at any point leaves the previous record, hence the previous checkpoint, in force; the next save deletes the
 half-written folder. With `async_save=True` it returns an `AsyncSave` once the state is copied, and a background
-thread does the rest (DCP's write, checksums, commit) over a process group of its own; the next save or load waits
-for it. `load_checkpoint` reads the record, verifies every file against it (again a share per rank), compares the
+thread does the rest (DCP's write, checksums, commit) over a process group of its own, the write by DCP's
+background process with `AsyncCheckpointerType.PROCESS`; the next save or load waits for it. `load_checkpoint` reads the record, verifies every file against it (again a share per rank), compares the
 checkpoint's entries with the model's and the optimizer's (a checkpoint of another architecture or another
 optimizer fails naming the first few entries missing or unexpected, or a shape), then loads. Checkpoints reshard on
 load: any world size, 1-D or HSDP mesh, `fully_shard` or `shard_compile`.
@@ -44,10 +44,12 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.checkpoint.stateful import Stateful
 
-from fsdp2_compile._torch_private import resolve_group
+from fsdp2_compile._torch_private import resolve_group, stop_dcp_checkpoint_process
 from fsdp2_compile.core.group_caches import dropped_with_groups, forget_destroyed_groups
 from fsdp2_compile.runtime.param_state import sharded_parameters
 from fsdp2_compile.runtime.process_groups import serial_gloo_group
@@ -238,8 +240,45 @@ def _staged(value: Any) -> Any:
     return copy.deepcopy(value)
 
 
-def _write_and_commit(path: str, folder: str, state: dict, group: dist.ProcessGroup | None) -> None:
-    _dcp(dcp.save, state, folder, "save to", group)  # returns once every rank wrote its files
+class _AsStaged(AsyncStager):
+    """Hands DCP the state as it is: `save_checkpoint` staged it already."""
+
+    _synchronize_after_execute = False
+
+    def stage(self, state_dict: dict) -> dict:
+        return state_dict
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+_PROCESS_WORLDS: set[str] = dropped_with_groups(set())
+"""The default group's name once DCP's checkpoint process was started (or stopped) under it."""
+
+
+def _save_in_process(state: dict, checkpoint_id: str, process_group: dist.ProcessGroup | None) -> None:
+    """`dcp.save` run by DCP's background checkpoint process (started at the first call, in the calling thread's
+    priority), not in this one: its serialisation does not hold this process's GIL."""
+    forget_destroyed_groups()
+    if dist.group.WORLD.group_name not in _PROCESS_WORLDS:  # a process started under an earlier process group
+        stop_dcp_checkpoint_process()
+        _PROCESS_WORLDS.add(dist.group.WORLD.group_name)
+    dcp.async_save(
+        state,
+        checkpoint_id=checkpoint_id,
+        process_group=process_group,
+        async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+        async_stager=_AsStaged(),
+    ).result()
+
+
+def _write_and_commit(
+    path: str, folder: str, state: dict, group: dist.ProcessGroup | None, save: Callable = dcp.save
+) -> None:
+    _dcp(save, state, folder, "save to", group)  # returns once every rank wrote its files
     files = _digests(folder, _on_rank0(lambda: sorted(os.listdir(folder)), group=group), group)
     _on_rank0(_commit, path, folder, files, group=group)
 
@@ -257,6 +296,7 @@ def save_checkpoint(
     *,
     extra_state: dict[str, Stateful] | None = None,
     async_save: bool = False,
+    async_checkpointer_type: AsyncCheckpointerType = AsyncCheckpointerType.THREAD,
 ) -> AsyncSave | None:
     """Save `model`'s (and `optimizer`'s) sharded state as the checkpoint in the folder `path`, replacing the one
     there only once the new one is complete and checksummed. `extra_state` names further objects with
@@ -264,8 +304,11 @@ def save_checkpoint(
     commit. Collective: every rank calls it. Waits for an async save still in flight first (raising its failure).
 
     `async_save=True` returns an `AsyncSave` as soon as the state is copied in memory; writing, checksumming and
-    committing go on in a background thread. Call its `wait()` (or save again) before `destroy_process_group`."""
+    committing go on in a background thread. Call its `wait()` (or save again) before `destroy_process_group`.
+    `async_checkpointer_type=AsyncCheckpointerType.PROCESS` has DCP's background process serialise and write the
+    state (the thread then checksums and commits): no contention for this process's GIL with training."""
     path = _check_arguments("save_checkpoint", path, model, optimizer, extra_state)
+    process = _check_checkpointer_type(async_save, async_checkpointer_type)
     wait_for_saves()
     folder = _on_rank0(_new_save_folder, path)
     state = _state(model, optimizer, extra_state)
@@ -273,7 +316,23 @@ def save_checkpoint(
         _write_and_commit(path, folder, state, None)
         return None
     state, group = _staged(state), _save_group()
-    return AsyncSave(path, lambda: _write_and_commit(path, folder, state, group))
+    save = _save_in_process if process else dcp.save
+    return AsyncSave(path, lambda: _write_and_commit(path, folder, state, group, save))
+
+
+def _check_checkpointer_type(async_save: bool, checkpointer_type: object) -> bool:
+    """Whether the async save writes in DCP's background process; rank-local."""
+    if not isinstance(checkpointer_type, AsyncCheckpointerType):
+        raise TypeError(
+            "save_checkpoint: async_checkpointer_type must be a "
+            "torch.distributed.checkpoint.state_dict_saver.AsyncCheckpointerType (THREAD or PROCESS), got "
+            f"{checkpointer_type!r}"
+        )
+    if checkpointer_type is AsyncCheckpointerType.PROCESS and not async_save:
+        raise ValueError(
+            "save_checkpoint: async_checkpointer_type=PROCESS applies to async saves: pass async_save=True too"
+        )
+    return checkpointer_type is AsyncCheckpointerType.PROCESS
 
 
 def _read_record(path: str) -> tuple[str, dict[str, dict]]:

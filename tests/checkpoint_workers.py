@@ -119,6 +119,43 @@ def saves_between_compiled_steps(rank: int, world_size: int, root: str) -> int:
     return len(compiled_graphs()) - compiled
 
 
+def process_saves(rank: int, world_size: int, root: str) -> dict:
+    """Async saves written by DCP's background process (AsyncCheckpointerType.PROCESS) while training goes on, loaded
+    back; then the default process group destroyed and made again (on the same store) and another such save: DCP's
+    process of the old group has ended, a new one wrote it."""
+    from torch.distributed.checkpoint import _async_process_executor as dcp_process
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    from fsdp2_compile._torch_private import default_store
+
+    how = dict(async_save=True, async_checkpointer_type=AsyncCheckpointerType.PROCESS)
+    store, saved, children = default_store(), [], []
+    for r in range(2):
+        if r:
+            dist.destroy_process_group()
+            dist.init_process_group(
+                "gloo", store=dist.PrefixStore(f"round{r}", store), rank=rank, world_size=world_size
+            )
+        model, opt = _gpt()
+        _gpt_steps(model, opt, rank, world_size, range(2))
+        path = os.path.join(root, f"round{r}")
+        at_call = _state(model, opt)
+        pending = save_checkpoint(path, model, opt, **how)
+        _gpt_steps(model, opt, rank, world_size, range(2, 4))  # the state changes while the save is written
+        pending.wait()
+        fresh, fresh_opt = _gpt()
+        load_checkpoint(path, fresh, fresh_opt)
+        saved.append((at_call, _state(model, opt), _state(fresh, fresh_opt)))
+        child = dcp_process._CHECKPOINT_PROCESS._save_process
+        children.append((child, os.getpriority(os.PRIO_PROCESS, child.pid)))
+    return dict(
+        saved=saved,
+        nice=[nice for _, nice in children],
+        first_ended=not children[0][0].is_alive(),
+        two_processes=children[0][0].pid != children[1][0].pid,
+    )
+
+
 def async_saves(rank: int, world_size: int, root: str) -> dict:
     """An async save while training goes on, and a sync save, both loaded back; two async saves in a row; then async
     saves whose writes fail on rank 1, raised by wait() and by the next save; then what is committed, loaded."""

@@ -14,6 +14,7 @@ from checkpoint_workers import (
     async_saves,
     damaged_checkpoints,
     load_after_kill,
+    process_saves,
     save_then_die,
     saves_between_compiled_steps,
 )
@@ -158,6 +159,15 @@ def test_async_save_writes_the_state_at_the_call_and_its_failures_reach_every_ra
     # attempt on the store of the one that died never reads them)
     assert results[0]["save_group"] == results[1]["save_group"] and results[0]["save_group"][0] == 2
     assert results[0]["save_group"][1]
+
+
+def test_async_saves_written_by_dcps_process_load_back_and_end_with_their_process_group(tmp_path):
+    for r in run_ranks(process_saves, 2, str(tmp_path)):
+        for at_call, later, loaded in r["saved"]:
+            assert not _same_state(at_call, later)  # training changed the state while the save was written
+            assert _same_state(loaded, at_call), "the process wrote another state than at the call"
+        assert r["nice"] == [19, 19], "DCP's process runs at the priority of the save's thread"
+        assert r["first_ended"] and r["two_processes"], "the old process group's writer outlived it"
 
 
 def test_saving_does_not_make_the_compiled_model_recompile(tmp_path):

@@ -453,6 +453,18 @@ def test_checkpoint_arguments_of_the_wrong_type(tmp_path, call, text):
         call(str(tmp_path), model, torch.optim.AdamW(model.parameters()))
 
 
+def test_an_async_checkpointer_type_of_the_wrong_type_or_without_async_save(tmp_path):
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    with raises(
+        TypeError, "async_checkpointer_type must be a", "AsyncCheckpointerType (THREAD or PROCESS), got 'process'"
+    ):
+        save_checkpoint(str(tmp_path), Net(), async_save=True, async_checkpointer_type="process")
+    with raises(ValueError, "async_checkpointer_type=PROCESS applies to async saves: pass async_save=True"):
+        save_checkpoint(str(tmp_path), Net(), async_checkpointer_type=AsyncCheckpointerType.PROCESS)
+    assert not os.listdir(tmp_path)  # refused before anything was written
+
+
 def test_checkpoint_of_another_model_or_optimizer(tmp_path):
     model = Net()
     adamw = torch.optim.AdamW(model.parameters())
