@@ -11,9 +11,10 @@ rank 0 commits: it replaces `committed.json` with `os.replace` (atomic) and dele
 killed at any point leaves the previous record, hence the previous checkpoint, in force; the next save deletes the
 half-written folder. With `async_save=True` it returns an `AsyncSave` once the state is copied, and a background
 thread does the rest (DCP's write, checksums, commit) over a process group of its own, the write by DCP's
-background process with `AsyncCheckpointerType.PROCESS`; the next save or load waits for it. `load_checkpoint` reads the record, verifies every file against it (again a share per rank), compares the
-checkpoint's entries with the model's and the optimizer's (a checkpoint of another architecture or another
-optimizer fails naming the first few entries missing or unexpected, or a shape), then loads. Checkpoints reshard on
+background process with `AsyncCheckpointerType.PROCESS`; the next save or load waits for it. `load_checkpoint`
+reads the record, verifies every file against it (again a share per rank), compares the checkpoint's entries with
+the model's and the optimizer's (a checkpoint of another architecture or another optimizer fails naming the first
+few entries missing or unexpected, or a shape), then loads. Checkpoints reshard on
 load: any world size, 1-D or HSDP mesh, `fully_shard` or `shard_compile`.
 
 Every failure is an ordinary exception raised on every rank with the same message: FileNotFoundError when there is
