@@ -260,13 +260,19 @@ _PROCESS_WORLDS: set[str] = dropped_with_groups(set())
 """The default group's name once DCP's checkpoint process was started (or stopped) under it."""
 
 
+def _stop_process_of_old_groups() -> None:
+    """Stop DCP's checkpoint process if an earlier default process group started it: it keeps that group's world.
+    DCP starts a new one at the next PROCESS save."""
+    forget_destroyed_groups()
+    world = dist.group.WORLD.group_name
+    if world not in _PROCESS_WORLDS:
+        stop_dcp_checkpoint_process()
+        _PROCESS_WORLDS.add(world)
+
+
 def _save_in_process(state: dict, checkpoint_id: str, process_group: dist.ProcessGroup | None) -> None:
     """`dcp.save` run by DCP's background checkpoint process (started at the first call, in the calling thread's
     priority), not in this one: its serialisation does not hold this process's GIL."""
-    forget_destroyed_groups()
-    if dist.group.WORLD.group_name not in _PROCESS_WORLDS:  # a process started under an earlier process group
-        stop_dcp_checkpoint_process()
-        _PROCESS_WORLDS.add(dist.group.WORLD.group_name)
     dcp.async_save(
         state,
         checkpoint_id=checkpoint_id,
@@ -317,6 +323,8 @@ def save_checkpoint(
         _write_and_commit(path, folder, state, None)
         return None
     state, group = _staged(state), _save_group()
+    if process:
+        _stop_process_of_old_groups()
     save = _save_in_process if process else dcp.save
     return AsyncSave(path, lambda: _write_and_commit(path, folder, state, group, save))
 
@@ -329,11 +337,18 @@ def _check_checkpointer_type(async_save: bool, checkpointer_type: object) -> boo
             "torch.distributed.checkpoint.state_dict_saver.AsyncCheckpointerType (THREAD or PROCESS), got "
             f"{checkpointer_type!r}"
         )
-    if checkpointer_type is AsyncCheckpointerType.PROCESS and not async_save:
+    if checkpointer_type is not AsyncCheckpointerType.PROCESS:
+        return False
+    if not async_save:
         raise ValueError(
             "save_checkpoint: async_checkpointer_type=PROCESS applies to async saves: pass async_save=True too"
         )
-    return checkpointer_type is AsyncCheckpointerType.PROCESS
+    if not dist.is_initialized():
+        raise ValueError(
+            "save_checkpoint: async_checkpointer_type=PROCESS needs the default process group (DCP's process joins "
+            "its ranks in one of its own): call init_process_group first, or leave the default THREAD"
+        )
+    return True
 
 
 def _read_record(path: str) -> tuple[str, dict[str, dict]]:

@@ -453,7 +453,7 @@ def test_checkpoint_arguments_of_the_wrong_type(tmp_path, call, text):
         call(str(tmp_path), model, torch.optim.AdamW(model.parameters()))
 
 
-def test_an_async_checkpointer_type_of_the_wrong_type_or_without_async_save(tmp_path):
+def test_an_async_checkpointer_type_of_the_wrong_type_or_without_async_save_or_process_group(tmp_path):
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
     with raises(
@@ -462,6 +462,8 @@ def test_an_async_checkpointer_type_of_the_wrong_type_or_without_async_save(tmp_
         save_checkpoint(str(tmp_path), Net(), async_save=True, async_checkpointer_type="process")
     with raises(ValueError, "async_checkpointer_type=PROCESS applies to async saves: pass async_save=True"):
         save_checkpoint(str(tmp_path), Net(), async_checkpointer_type=AsyncCheckpointerType.PROCESS)
+    with raises(ValueError, "PROCESS needs the default process group", "call init_process_group first"):
+        save_checkpoint(str(tmp_path), Net(), async_save=True, async_checkpointer_type=AsyncCheckpointerType.PROCESS)
     assert not os.listdir(tmp_path)  # refused before anything was written
 
 
