@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from models import make_model, make_optimizer
 from torch.distributed.checkpoint.api import CheckpointException
-from workers import _full_state, _gpt_steps
+from workers import _full_state, _gpt_steps, remake_process_group
 
 import fsdp2_compile as fc
 from fsdp2_compile import checkpoint
@@ -132,10 +132,7 @@ def process_saves(rank: int, world_size: int, root: str) -> dict:
     store, saved, children = default_store(), [], []
     for r in range(2):
         if r:
-            dist.destroy_process_group()
-            dist.init_process_group(
-                "gloo", store=dist.PrefixStore(f"round{r}", store), rank=rank, world_size=world_size
-            )
+            remake_process_group(store, f"round{r}", rank, world_size)
         model, opt = _gpt()
         _gpt_steps(model, opt, rank, world_size, range(2))
         path = os.path.join(root, f"round{r}")

@@ -468,6 +468,12 @@ def memory_budget_agreement(rank: int, world_size: int, hsdp: bool) -> tuple:
     return config.memory_budget_bytes, config.memory_budget_fraction
 
 
+def remake_process_group(store, prefix: str, rank: int, world_size: int) -> None:
+    """Destroy the default process group and make it again, on `store` under `prefix` (keys of its own)."""
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", store=dist.PrefixStore(prefix, store), rank=rank, world_size=world_size)
+
+
 def two_process_group_rounds(rank: int, world_size: int) -> list[list[float]]:
     """In one process per rank, twice: a new GPT (same seed) sharded per block and `shard_compile`d, trained 3
     steps; between the rounds the default process group is destroyed and made again (on the same store). The
@@ -478,10 +484,7 @@ def two_process_group_rounds(rank: int, world_size: int) -> list[list[float]]:
     rounds = []
     for r in range(2):
         if r:
-            dist.destroy_process_group()
-            dist.init_process_group(
-                "gloo", store=dist.PrefixStore(f"round{r}", store), rank=rank, world_size=world_size
-            )
+            remake_process_group(store, f"round{r}", rank, world_size)
         model, opt, step = _gpt_for_checkpoint(rank, world_size)
         rounds.append([step(i) for i in range(3)])
     return rounds
