@@ -1,17 +1,25 @@
-# `make demo` and `make test` set up a fresh machine themselves: a .venv with the tested torch and this package.
+# `make demo` and `make test` set up a fresh machine themselves: a venv with a supported torch and this package.
+# TORCH picks the torch release: the newest supported one by default (in .venv), another in .venv-$(TORCH)
+# (`make test TORCH=2.13.0`).
 PYTHON ?= python3
-VENV := .venv
-TORCH := torch==2.13.0
+NEWEST_TORCH := 2.14.1
+TORCH ?= $(NEWEST_TORCH)
+VENV := $(if $(filter $(NEWEST_TORCH),$(TORCH)),.venv,.venv-$(TORCH))
 READY := $(VENV)/.ready
+# What CI runs on the older supported torch: the torch boundary, parity with that torch's fully_shard (1-D, HSDP,
+# FSDP + TP, the module API, pipeline schedules, torchao float8), checkpoints and the docs' snippets.
+BOUNDARY_TESTS := tests/test_torch_boundary.py tests/test_shard.py tests/test_training.py tests/test_module_api.py \
+	tests/test_tensor_parallel.py tests/test_pipeline.py tests/test_float8.py tests/test_checkpoint.py tests/test_docs.py
 
-.PHONY: demo test lint format install clean
+.PHONY: demo test test-boundary wheel-check lint format install clean
 
 install: $(READY)
 
 $(READY): pyproject.toml Makefile
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/pip install --quiet $(TORCH)
+	$(VENV)/bin/pip install --quiet torch==$(TORCH)
 	$(VENV)/bin/pip install --quiet -e '.[dev]'
+	$(VENV)/bin/python -c "import torch; assert torch.__version__.startswith('$(TORCH)'), torch.__version__"
 	touch $(READY)
 
 demo: $(READY)
@@ -19,6 +27,19 @@ demo: $(READY)
 
 test: $(READY)
 	$(VENV)/bin/python -m pytest -q --durations=25 tests
+
+test-boundary: $(READY)
+	$(VENV)/bin/python -m pytest -q --durations=10 $(BOUNDARY_TESTS)
+
+# The wheel, installed with plain pip into a fresh venv that already holds torch $(TORCH): that torch stays, and
+# the README's example, the `fsdp2` backend's entry point and the CLI work from the installed package.
+wheel-check: $(READY)
+	rm -rf build/wheel build/wheel-venv
+	$(VENV)/bin/pip wheel --quiet --no-deps -w build/wheel .
+	$(PYTHON) -m venv build/wheel-venv
+	build/wheel-venv/bin/pip install --quiet torch==$(TORCH)
+	build/wheel-venv/bin/pip install --quiet build/wheel/*.whl
+	bash tests/wheel_check.sh build/wheel-venv $(TORCH)
 
 lint: $(READY)
 	$(VENV)/bin/ruff check .
@@ -29,4 +50,4 @@ format: $(READY)
 	$(VENV)/bin/ruff format .
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf .venv .venv-* build *.egg-info

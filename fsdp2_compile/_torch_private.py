@@ -100,7 +100,7 @@ __all__ = [
     "view_base",
 ]
 
-SUPPORTED_TORCH = ((2, 13), (2, 14))
+SUPPORTED_TORCH = ((2, 13), (2, 15))
 """The torch releases this project supports: (major, minor) from the first, up to and excluding the second."""
 SUPPORTED_TORCH_SPEC = ">={}.{},<{}.{}".format(*SUPPORTED_TORCH[0], *SUPPORTED_TORCH[1])
 ALLOW_UNSUPPORTED_TORCH = "FSDP2_COMPILE_ALLOW_UNSUPPORTED_TORCH"
@@ -339,30 +339,16 @@ def tracing_backend() -> Callable | None:
 
 
 def register_value_type(cls: type) -> type:
-    """Register `cls` (hashable, compared by value, with `__fx_repr__`) as an opaque value type: a custom op may take
-    it as an argument, and Dynamo bakes it into the graph as a constant guarded by equality (Note [Opaque Objects]
-    in `torch/_library/opaque_object.py`)."""
-    from torch._library.opaque_object import register_opaque_type
-
-    if _TORCH_RELEASE < (2, 13):
-        # Before 2.13 every opaque type, value types too, needs `OpaqueBaseMeta`, and Dynamo reads only the members
-        # registered (a dataclass's fields: read from the real object, a constant, as 2.13 reads them)
-        from torch._library.opaque_object import MemberType
-
-        cls = _with_opaque_metaclass(cls)
-        members = dict.fromkeys(getattr(cls, "__dataclass_fields__", ()), MemberType.USE_REAL)
-        register_opaque_type(cls, typ="value", members=members)
-        return cls
-    register_opaque_type(cls, typ="value")
+    """Register `cls` (hashable, compared by value, with `__fx_repr__`) as an opaque constant type: a custom op may
+    take it as an argument, and Dynamo bakes it into the graph as a constant guarded by equality (Note [Opaque
+    Objects] in `torch/_library/opaque_object.py`). torch 2.14 renamed the registration (`register_custom_class`,
+    `typ="constant"`) and warns at the old names; 2.13 has only those."""
+    opaque = _resolve("torch._library.opaque_object")
+    if hasattr(opaque, "register_custom_class"):
+        opaque.register_custom_class(cls, typ="constant")
+    else:
+        opaque.register_opaque_type(cls, typ="value")
     return cls
-
-
-def _with_opaque_metaclass(cls: type) -> type:
-    """A subclass of `cls` under the same name, made by torch's `OpaqueBaseMeta` (its `isinstance` also accepts a
-    `FakeScriptObject` wrapping an instance), and nothing else added: what torch before 2.13 registers as opaque."""
-    meta = _resolve("torch._opaque_base:OpaqueBaseMeta")
-    names = {key: getattr(cls, key) for key in ("__module__", "__qualname__", "__doc__")}
-    return meta(cls.__name__, (cls,), names)
 
 
 def has_post_accumulate_grad_hooks(tensor: torch.Tensor) -> bool:
