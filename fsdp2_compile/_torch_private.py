@@ -2,16 +2,18 @@
 
 Outside this module the project uses public torch only; tests/test_torch_boundary.py scans the source for any dotted
 path under `torch` with a `_`-prefixed component (`torch._dynamo`, `torch.ops._c10d_functional`,
-`torch.ops.aten._to_copy`). Private attributes of torch objects (a tensor's `_post_accumulate_grad_hooks`, a
-module's `_parameters`) go through the functions here as well. If a torch upgrade moves one, this is the only file to
-change.
+`torch.ops.aten._to_copy`) and for private attributes of objects (a tensor's `_post_accumulate_grad_hooks`,
+AOTAutograd's `_boxed_call`, torchao's float8 weights' `_tensor`): those go through the functions here as well. If a
+torch (or torchao) upgrade moves one, this is the only file to change; where supported releases differ, the branch
+is chosen by what the installed torch has (`hasattr`), not by its version string, wherever a feature test exists.
 
 Private APIs change between torch releases without notice, in meaning as well as in name, so a torch outside
 `SUPPORTED_TORCH` (the range pyproject.toml pins) is an error at import: pip enforces the pin, so such a torch was put
 there on purpose (a nightly, `--no-deps`), and FSDP2_COMPILE_ALLOW_UNSUPPORTED_TORCH=1 turns the error into a warning
 for trying one. Every private symbol is resolved by `_resolve`: at import where its module is loaded by then, else at
 first use (Inductor's compiler loads only when compiling with it); a missing one raises `UnsupportedTorchError`
-naming it and the supported range. There are no silent fallbacks.
+naming it and the supported range. There are no silent fallbacks. torchao, whose float8 weights' private attributes
+are read here too, is checked against `SUPPORTED_TORCHAO` when a float8 weight is first sharded.
 """
 
 from __future__ import annotations
@@ -31,6 +33,12 @@ from torch import fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 __all__ = [
+    "storage_id",
+    "float8_weight_data",
+    "float8_weight_cast",
+    "check_torchao_version",
+    "SUPPORTED_TORCHAO_SPEC",
+    "SUPPORTED_TORCHAO",
     "ALLOW_UNSUPPORTED_TORCH",
     "aot_compile_function",
     "aot_function_from_bytes",
@@ -38,12 +46,14 @@ __all__ = [
     "CheckpointPolicy",
     "CheckpointWrapper",
     "FakeScriptObject",
+    "FullyShardStateView",
     "OpOverload",
     "SUPPORTED_TORCH",
     "SUPPORTED_TORCH_SPEC",
     "TorchDispatchMode",
     "UnsupportedTorchError",
     "all_gather_single",
+    "as_boxed",
     "aot_module_simplified",
     "boxed_call",
     "check_torch_version",
@@ -74,6 +84,7 @@ __all__ = [
     "inductor_compile",
     "inductor_decompositions",
     "log_softmax_backward",
+    "mark_boxed",
     "min_cut_partition",
     "module_call_impl",
     "nested_regions_take_blocks",
@@ -209,9 +220,7 @@ flash_attention = _resolve("torch.ops:aten._scaled_dot_product_flash_attention")
 """The flash kernel of `scaled_dot_product_attention`."""
 log_softmax_backward = _resolve("torch.ops:aten._log_softmax_backward_data")
 """The backward of `log_softmax`."""
-all_gather_single = (
-    torch.distributed.all_gather_single if _TORCH_RELEASE >= (2, 13) else torch.distributed.all_gather_into_tensor
-)
+all_gather_single = getattr(torch.distributed, "all_gather_single", None) or torch.distributed.all_gather_into_tensor
 """`torch.distributed.all_gather_single(output, input, group=)`: public, but new in torch 2.13, which deprecates its
 former name `all_gather_into_tensor` (what an older torch gets)."""
 compile_times = _resolve("torch._dynamo.utils:compile_times")
@@ -351,6 +360,15 @@ def register_value_type(cls: type) -> type:
     return cls
 
 
+_StorageWeakRef = _resolve("torch.multiprocessing.reductions:StorageWeakRef")
+
+
+def storage_id(tensor: torch.Tensor) -> int:
+    """An id of `tensor`'s storage, shared by its views, unique among live storages (meta tensors' too, whose data
+    pointers are all 0)."""
+    return _StorageWeakRef(tensor.untyped_storage()).cdata
+
+
 def has_post_accumulate_grad_hooks(tensor: torch.Tensor) -> bool:
     """Whether `tensor.register_post_accumulate_grad_hook` registered any hook still in place."""
     return bool(tensor._post_accumulate_grad_hooks)
@@ -450,8 +468,28 @@ def boxed_call(gm: fx.GraphModule):
     def run(args: list):
         return forward(args)
 
-    run._boxed_call = True
-    return run
+    return mark_boxed(run)
+
+
+def mark_boxed(fn: Callable[[list], Any]) -> Callable[[list], Any]:
+    """Declare `fn` (which takes one list of inputs and clears it) boxed: AOTAutograd then calls it with that list
+    (its `_boxed_call` protocol)."""
+    fn._boxed_call = True
+    return fn
+
+
+def as_boxed(compiled: Callable) -> Callable[[list], Any]:
+    """`compiled` called as AOTAutograd calls a boxed function: with the list of inputs, which it clears (what
+    Inductor returns already is; a plain callable is wrapped)."""
+    if getattr(compiled, "_boxed_call", False):
+        return compiled
+
+    def run(args: list):
+        inputs = list(args)
+        args.clear()
+        return compiled(*inputs)
+
+    return mark_boxed(run)
 
 
 def inductor_compile(gm, example_inputs, *, is_backward: bool, is_inference: bool):
@@ -554,10 +592,28 @@ def root_mesh_groups(mesh) -> list[str]:
 _composable_state_key = _resolve("torch.distributed._composable.contract:STATE_KEY")
 
 
-def set_fully_shard_state(module: torch.nn.Module, state: Any) -> None:
-    """Make `fully_shard.state(module)` return `state`: what torch's pipeline schedules read of an FSDP2 stage module
-    after a step's last backward (`_PipelineStageBase.perform_reduce_grad`). Not a `fully_shard` registration: the
-    composable-API registry is left as it is."""
+class FullyShardStateView:
+    """What torch's pipeline schedules read of an FSDP2 stage module's state after a step's last backward
+    (`_PipelineStageBase.perform_reduce_grad`): `_state_ctx.all_states` (`all_states()`: the views of every state
+    under the stage module), each state's `_fsdp_param_groups` and their `post_backward()` (`post_backward`), then
+    `_root_post_backward_final_callback()` (nothing: `post_backward` reduced synchronously)."""
+
+    def __init__(self, post_backward: Callable[[], None], all_states: Callable[[], list[FullyShardStateView]]):
+        self.post_backward = post_backward
+        self._all_states = all_states
+        self._fsdp_param_groups = (self,)
+
+    @property
+    def _state_ctx(self) -> types.SimpleNamespace:
+        return types.SimpleNamespace(all_states=self._all_states())
+
+    def _root_post_backward_final_callback(self) -> None:
+        pass
+
+
+def set_fully_shard_state(module: torch.nn.Module, state: FullyShardStateView) -> None:
+    """Make `fully_shard.state(module)` return `state`: what torch's pipeline schedules read of an FSDP2 stage
+    module. Not a `fully_shard` registration: the composable-API registry is left as it is."""
     key = torch.distributed.fsdp.fully_shard.__wrapped__  # the function `contract` keys its states by
     module.__dict__.setdefault(_composable_state_key, {})[key] = state
 
@@ -702,3 +758,46 @@ def stop_dcp_checkpoint_process() -> None:
     executor = _resolve("torch.distributed.checkpoint._async_process_executor")
     if _attribute(executor, "_CHECKPOINT_PROCESS") is not None:
         executor._CHECKPOINT_PROCESS = None
+
+
+SUPPORTED_TORCHAO = ((0, 18), (0, 19))
+"""The torchao releases whose float8 training weights this project gathers: (major, minor) from the first, up to
+and excluding the second."""
+SUPPORTED_TORCHAO_SPEC = ">={}.{},<{}.{}".format(*SUPPORTED_TORCHAO[0], *SUPPORTED_TORCHAO[1])
+
+
+def check_torchao_version(version: str) -> None:
+    """Raise `UnsupportedTorchError` for a torchao `version` outside `SUPPORTED_TORCHAO` (a warning instead with
+    FSDP2_COMPILE_ALLOW_UNSUPPORTED_TORCH=1): float8 gathers read private attributes of torchao's weights."""
+    match = re.match(r"(\d+)\.(\d+)", version)
+    low, high = SUPPORTED_TORCHAO
+    if match is not None and low <= (int(match[1]), int(match[2])) < high:
+        return
+    message = (
+        f"torchao {version} is not supported for float8 training; fsdp2_compile supports torchao"
+        f"{SUPPORTED_TORCHAO_SPEC}: install one (pip install 'torchao{SUPPORTED_TORCHAO_SPEC}')"
+    )
+    if os.environ.get(ALLOW_UNSUPPORTED_TORCH) != "1":
+        raise UnsupportedTorchError(f"{message}, or set {ALLOW_UNSUPPORTED_TORCH}=1 to try this one anyway")
+    warnings.warn(f"fsdp2_compile: {message} ({ALLOW_UNSUPPORTED_TORCH}=1: trying this one anyway)", stacklevel=2)
+
+
+def _torchao_attribute(obj: Any, name: str) -> Any:
+    try:
+        return getattr(obj, name)
+    except AttributeError as e:
+        raise UnsupportedTorchError(
+            f"fsdp2_compile reads torchao's private `{type(obj).__qualname__}.{name}`, which this torchao does not "
+            f"provide ({e}); install torchao{SUPPORTED_TORCHAO_SPEC}"
+        ) from e
+
+
+def float8_weight_cast(weight: torch.Tensor) -> tuple[torch.dtype, Any]:
+    """A torchao float8 training weight's (`WeightWithDynamicFloat8CastTensor`) float8 dtype and its layer's matmul
+    config: what its `fsdp_pre_all_gather` casts with."""
+    return _torchao_attribute(weight, "_dtype"), _torchao_attribute(weight, "_linear_mm_config")
+
+
+def float8_weight_data(weight: torch.Tensor) -> torch.Tensor:
+    """The high-precision tensor a torchao float8 training weight wraps."""
+    return _torchao_attribute(weight, "_tensor")

@@ -244,7 +244,9 @@ def _staged(value: Any) -> Any:
 class _AsStaged(AsyncStager):
     """Hands DCP the state as it is: `save_checkpoint` staged it already."""
 
-    _synchronize_after_execute = False
+    @property
+    def should_synchronize_after_execute(self) -> bool:
+        return False
 
     def stage(self, state_dict: dict) -> dict:
         return state_dict

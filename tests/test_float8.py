@@ -31,3 +31,27 @@ def test_float8_all_gather_trains_as_fully_shard():
                 else:
                     assert not set(params) & float8, params
             assert gathered_as_bytes == float8
+
+
+def test_a_torchao_outside_the_tested_versions_is_named_when_float8_is_sharded(fake_pg, monkeypatch):
+    import importlib.metadata
+
+    from torch import nn
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    import fsdp2_compile as fc
+    from fsdp2_compile._torch_private import ALLOW_UNSUPPORTED_TORCH, SUPPORTED_TORCHAO_SPEC, UnsupportedTorchError
+
+    installed = importlib.metadata.version
+
+    def version(name: str) -> str:
+        return "0.99.0" if name == "torchao" else installed(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    monkeypatch.delenv(ALLOW_UNSUPPORTED_TORCH, raising=False)
+    config = Float8LinearConfig(enable_fsdp_float8_all_gather=True)
+    model = convert_to_float8_training(nn.Sequential(nn.Linear(32, 32)), config=config)
+    with pytest.raises(UnsupportedTorchError) as raised:
+        fc.shard(model, check_same_init=False)
+    assert "torchao 0.99.0 is not supported" in str(raised.value)
+    assert f"torchao{SUPPORTED_TORCHAO_SPEC}" in str(raised.value)

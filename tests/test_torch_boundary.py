@@ -3,8 +3,14 @@
 A private torch symbol, for the scan below, is a dotted path under `torch` with a component that starts with `_` and
 is not a dunder (`torch._dynamo`, `torch.ops._c10d_functional`, `torch.distributed.tensor._utils`,
 `DTensor._op_dispatcher`), however it is reached: `import`, `from ... import`, an attribute of a name an import or
-an assignment bound, or `getattr(<torch path>, "_name")`. Attributes of objects (a tensor's `_version`) cannot be told apart
-statically and are out of the scan's scope; the ones the project reads go through `_torch_private.py` all the same.
+an assignment bound, or `getattr(<torch path>, "_name")`.
+
+Private attributes of objects (a tensor's `_base`, a torchao weight's `_tensor`, AOTAutograd's `_boxed_call` on a
+compiled function, the `_state_ctx` torch's pipeline schedules read of an FSDP2 state) are found by what the project
+owns: its private members are the names its classes define (class bodies, `self.`/`cls.` assignments) and
+`_fsdp2`-prefixed marks. Outside the boundary, reading or setting another private attribute is torch's (or
+torchao's), setting one of the project's own on another object is a protocol of theirs, and a private member the
+project defines but never reads is one that they read.
 """
 
 from __future__ import annotations
@@ -104,6 +110,81 @@ class _Scan(ast.NodeVisitor):
         self.generic_visit(node)
 
 
+def _private_name(node: ast.Call) -> str | None:
+    """The private name `getattr(obj, "_name")` (or has/set/delattr) names, if it is one."""
+    fn, args = node.func, node.args
+    if isinstance(fn, ast.Name) and fn.id in ("getattr", "hasattr", "setattr", "delattr") and len(args) >= 2:
+        if isinstance(args[1], ast.Constant) and isinstance(args[1].value, str) and _private(args[1].value):
+            return args[1].value
+    return None
+
+
+def _on_self(node: ast.Attribute) -> bool:
+    return isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")
+
+
+def _members(tree: ast.AST) -> dict[str, int]:
+    """The names `tree`'s classes define as members (class-body assignments and functions, `self.`/`cls.`
+    assignments), with a line of each."""
+    found: dict[str, int] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef):
+            for item in node.body:
+                targets = item.targets if isinstance(item, ast.Assign) else [getattr(item, "target", None)]
+                names = [t.id for t in targets if isinstance(t, ast.Name)]
+                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                    names = [item.name]
+                for name in names:
+                    found.setdefault(name, item.lineno)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and _on_self(node):
+            found.setdefault(node.attr, node.lineno)
+    return found
+
+
+def _project_modules(tree: ast.AST) -> set[str]:
+    """Names `tree` binds to the project's own modules (`from fsdp2_compile.runtime import sharding`)."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in ("fsdp2_compile", "passes"):
+            names |= {alias.asname or alias.name for alias in node.names}
+        elif isinstance(node, ast.Import):
+            names |= {a.asname or a.name for a in node.names if a.name.split(".")[0] == "fsdp2_compile"}
+    return names
+
+
+def private_attribute_uses(sources: dict[str, str]) -> list[str]:
+    """ "path:line: what" for each private attribute of another library's object that `sources` (path -> source)
+    read, set or define for it to read (see the module docstring)."""
+    trees = {path: ast.parse(source) for path, source in sources.items()}
+    members = {name for tree in trees.values() for name in _members(tree)}
+    read = set()
+    for tree in trees.values():
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Attribute, ast.Name)) and isinstance(node.ctx, ast.Load):
+                read.add(node.attr if isinstance(node, ast.Attribute) else node.id)
+            elif isinstance(node, ast.Call) and _private_name(node):
+                read.add(_private_name(node))
+    found = []
+    for path, tree in trees.items():
+        modules = _project_modules(tree)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and _private(node.attr) and not _on_self(node):
+                if isinstance(node.value, ast.Name) and node.value.id in modules:
+                    continue
+                if node.attr not in members and not node.attr.startswith("_fsdp2"):
+                    found.append(f"{path}:{node.lineno}: .{node.attr} is not the project's")
+                elif isinstance(node.ctx, ast.Store) and not node.attr.startswith("_fsdp2"):
+                    found.append(f"{path}:{node.lineno}: .{node.attr} set on another object")
+            elif isinstance(node, ast.Call) and _private_name(node):
+                name = _private_name(node)
+                if name not in members and not name.startswith("_fsdp2"):
+                    found.append(f"{path}:{node.lineno}: {node.func.id}(..., {name!r}) is not the project's")
+        for name, line in _members(tree).items():
+            if _private(name) and name not in read:
+                found.append(f"{path}:{line}: {name} is defined for another library to read")
+    return sorted(found)
+
+
 def private_torch_uses(source: str) -> list[tuple[int, str]]:
     """(line, private torch path) for each use in `source`, in line order."""
     tree = ast.parse(source)
@@ -135,6 +216,46 @@ def test_no_private_torch_outside_boundary():
     assert not uses, "private torch APIs used outside fsdp2_compile/_torch_private.py (wrap them there):\n" + "\n".join(
         uses
     )
+
+
+def test_no_private_attribute_of_torch_objects_outside_boundary():
+    sources = {str(f.relative_to(ROOT)): f.read_text() for f in _scanned_files()}
+    uses = private_attribute_uses(sources)
+    assert not uses, (
+        "private attributes of torch's (or torchao's) objects outside fsdp2_compile/_torch_private.py:\n"
+        + ("\n".join(uses))
+    )
+
+
+def test_attribute_scan_finds_every_form():
+    source = textwrap.dedent("""
+        from fsdp2_compile.runtime import sharding
+
+        class Mine:
+            _cached = None
+
+            def __init__(self):
+                self._items = []
+
+            def run(self, weight, fn, other):
+                fn._boxed_call = True
+                self._items.append(weight._tensor)
+                getattr(weight, "_linear_mm_config")
+                other._items, other._fsdp2_mark = [], True
+                return sharding._trace_blocks_once, self._cached
+
+        class Protocol:
+            @property
+            def _state_ctx(self):
+                return None
+    """)
+    assert private_attribute_uses({"m.py": source}) == [
+        "m.py:11: ._boxed_call is not the project's",
+        "m.py:12: ._tensor is not the project's",
+        "m.py:13: getattr(..., '_linear_mm_config') is not the project's",
+        "m.py:14: ._items set on another object",
+        "m.py:19: _state_ctx is defined for another library to read",
+    ]
 
 
 def test_scan_finds_every_form():
@@ -224,3 +345,17 @@ def test_supported_range_is_the_one_pyproject_pins():
         dependencies = tomllib.load(f)["project"]["dependencies"]
     torch_pins = [d for d in dependencies if d.replace(" ", "").startswith("torch") and d[5:6] in "<>=!~ ["]
     assert [p.replace(" ", "") for p in torch_pins] == [f"torch{_torch_private.SUPPORTED_TORCH_SPEC}"]
+
+
+def test_torchao_version_check(monkeypatch):
+    from fsdp2_compile import _torch_private
+
+    monkeypatch.delenv(_torch_private.ALLOW_UNSUPPORTED_TORCH, raising=False)
+    _torch_private.check_torchao_version("0.18.0")
+    _torch_private.check_torchao_version("0.18.1+cpu")
+    for unsupported in ("0.17.0", "0.19.0", "1.0.0", "unknown"):
+        with pytest.raises(_torch_private.UnsupportedTorchError, match=r"torchao>=0\.18,<0\.19"):
+            _torch_private.check_torchao_version(unsupported)
+    monkeypatch.setenv(_torch_private.ALLOW_UNSUPPORTED_TORCH, "1")
+    with pytest.warns(UserWarning, match=r"torchao 0\.19\.0 is not supported"):
+        _torch_private.check_torchao_version("0.19.0")

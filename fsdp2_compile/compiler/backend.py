@@ -23,12 +23,14 @@ from fsdp2_compile._torch_private import (
     CheckpointPolicy,
     FakeScriptObject,
     aot_module_simplified,
+    as_boxed,
     boxed_call,
     current_compile_id,
     dynamo_input_name,
     has_post_accumulate_grad_hooks,
     inductor_compile,
     inductor_decompositions,
+    mark_boxed,
     min_cut_partition,
     serializable_graph,
     subgraph_schemas_reused,
@@ -218,20 +220,6 @@ def resolve_profile(config: CompileConfig, gm: fx.GraphModule) -> HardwareProfil
     return measured_profile(group) or PROFILES["cpu-gloo-loopback"]
 
 
-def _boxed(compiled: Callable) -> Callable:
-    """`compiled` called as AOTAutograd calls a boxed function: with the list of inputs, which it clears."""
-    if getattr(compiled, "_boxed_call", False):
-        return compiled
-
-    def run(args: list):
-        inputs = list(args)
-        args.clear()
-        return compiled(*inputs)
-
-    run._boxed_call = True
-    return run
-
-
 def _compiler(
     kind: str,
     config: CompileConfig,
@@ -244,10 +232,10 @@ def _compiler(
     def compile_graph(gm: fx.GraphModule, example_inputs: Any) -> Callable:
         def compile_one(graph: fx.GraphModule) -> Callable:
             with full_collections_deferred(config.defer_full_gc):  # a backward's is compiled at its first run
-                return _boxed(_compile_graph(graph, example_inputs))
+                return as_boxed(_compile_graph(graph, example_inputs))
 
         if kind == "backward" and infos and not ahead_of_time():  # saved: the traced flags only (warm_start.py)
-            return BackwardBySync(gm, compile_one, infos)
+            return mark_boxed(BackwardBySync(gm, compile_one, infos))
         return compile_one(gm)
 
     def _compile_graph(gm: fx.GraphModule, example_inputs: Any) -> Callable:

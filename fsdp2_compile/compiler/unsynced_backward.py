@@ -85,8 +85,6 @@ class BackwardBySync:
     AOTAutograd calls it). Made from the backward graph before the passes (`gm`, which it copies, then compiles
     with `compile_graph`, as each variant later); `infos`: the graph's parameters by fqn."""
 
-    _boxed_call = True
-
     def __init__(
         self, gm: fx.GraphModule, compile_graph: Callable[[fx.GraphModule], Callable], infos: dict[str, ParamInfo]
     ):

@@ -21,11 +21,10 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.checkpoint import set_checkpoint_early_stop
 from torch.utils.flop_counter import flop_registry
 
-from fsdp2_compile._torch_private import TorchDispatchMode, tree_leaves
+from fsdp2_compile._torch_private import TorchDispatchMode, storage_id, tree_leaves
 from fsdp2_compile.planner.attention import AttentionMode, is_attention, is_causal
 
 __all__ = ["OpRecord", "StepTrace", "tp_gather", "trace_step"]
@@ -182,12 +181,8 @@ def tp_gather(x: torch.Tensor, tp: int, dim: int) -> torch.Tensor:
     out = torch.cat([x] * tp, dim=dim)
     gathered = _GATHERED.get()
     if gathered is not None:
-        gathered[_sid(out)] = _nbytes(x)
+        gathered[storage_id(out)] = _nbytes(x)
     return out
-
-
-def _sid(t: torch.Tensor) -> int:
-    return StorageWeakRef(t.untyped_storage()).cdata
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -212,7 +207,7 @@ class _Recorder(TorchDispatchMode):
         self.keep.extend(t.untyped_storage() for t in outs)
         creates = []
         for t in outs:
-            sid = _sid(t)
+            sid = storage_id(t)
             if sid not in self.seen:
                 self.seen.add(sid)
                 creates.append((sid, t.untyped_storage().nbytes()))
@@ -232,7 +227,7 @@ class _Recorder(TorchDispatchMode):
             kind = "view"
         else:
             kind = "fusible"
-        reads = [(_sid(t), _nbytes(t)) for t in ins]
+        reads = [(storage_id(t), _nbytes(t)) for t in ins]
         if kind == "view":
             reads = []
         if self.depth > 0:
@@ -299,7 +294,7 @@ def trace_step(
     apply_ac(model, ac, recompute_context=lambda: AttentionMode(attention))
     trace = StepTrace(attention=attention, ac=ac)
     params = list(model.parameters())
-    trace.excluded = {_sid(p) for p in params}
+    trace.excluded = {storage_id(p) for p in params}
     recorder = _Recorder(trace)
     _mark_blocks(model, recorder)
     # early_stop=False: a recomputation runs to the block's end, so it reads every output selective checkpointing
@@ -312,5 +307,5 @@ def trace_step(
             loss.backward()
     finally:
         _GATHERED.reset(token)
-    trace.excluded |= {_sid(p.grad) for p in params if p.grad is not None}
+    trace.excluded |= {storage_id(p.grad) for p in params if p.grad is not None}
     return trace

@@ -17,6 +17,7 @@ is computed where the gather is, from the same amax, to the same value.
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 from types import SimpleNamespace
 from typing import Any
 
@@ -24,6 +25,7 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
+from fsdp2_compile._torch_private import check_torchao_version, float8_weight_cast, float8_weight_data
 from fsdp2_compile._torch_private import functional_collectives as _funcol
 from fsdp2_compile.core.group_caches import dropped_with_groups
 from fsdp2_compile.core.ops import ParamSpec, backward_facts, unshard, unshard_backward
@@ -68,14 +70,16 @@ def float8_cast_of(fqn: str, param: Tensor, shard: Tensor | None = None) -> Floa
             "(fsdp_pre_all_gather): fsdp2_compile gathers torchao's float8 weights (WeightWithDynamicFloat8CastTensor) "
             "only; shard it with torch.distributed.fsdp.fully_shard, or pass it in ignored_params"
         )
+    check_torchao_version(importlib.metadata.version("torchao"))
+    dtype, mm_config = float8_weight_cast(local)
     if shard is None:
-        return Float8Cast(local._dtype, local._linear_mm_config)
-    return Float8Cast(local._dtype, local._linear_mm_config, shard.shape[0], shard.dtype)
+        return Float8Cast(dtype, mm_config)
+    return Float8Cast(dtype, mm_config, shard.shape[0], shard.dtype)
 
 
 def high_precision(t: Tensor) -> Tensor:
     """`t`'s high-precision tensor if it is a torchao float8 weight, else `t`."""
-    return t._tensor if _is_float8_weight(t) else t
+    return float8_weight_data(t) if _is_float8_weight(t) else t
 
 
 def _scale(shard: Tensor, spec: ParamSpec, cast: Float8Cast) -> Tensor:

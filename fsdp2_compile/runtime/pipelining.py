@@ -3,9 +3,8 @@
 A schedule recognises an FSDP2 stage by `isinstance(module, FSDPModule)` (ours derives from torch's), runs every
 micro-batch's backward with `set_requires_gradient_sync(False)` (each rank keeps the unsharded gradients: the
 compiled backward honours the flag when it runs, `compiler/unsynced_backward.py`), then, after the step's last
-backward, turns sync on and calls what it knows of FSDP2's state: `fully_shard.state(module)._state_ctx.all_states`,
-each state's `_fsdp_param_groups`, their `post_backward()`, then `_root_post_backward_final_callback()`. `shard`
-registers a `GroupReduction` on each module it shards as that state (`_torch_private.set_fully_shard_state`); its
+backward, turns sync on and calls what it knows of FSDP2's state (`_torch_private.FullyShardStateView`). `shard`
+registers such a view on each module it shards as that state (`register_state_views`); its
 `post_backward` reduces the gradients the step's backwards kept, one reduce-scatter per group (per `shard` call)
 as FSDP2's does, with the numerics of the compiled reduction (`ops.reduce_grad`, fused as `bucket_collectives`
 fuses a group's reduce-scatters).
@@ -15,46 +14,34 @@ from __future__ import annotations
 
 import weakref
 from collections import defaultdict
-from types import SimpleNamespace
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from fsdp2_compile._torch_private import FullyShardStateView, set_fully_shard_state
 from fsdp2_compile._torch_private import functional_collectives as funcol
-from fsdp2_compile._torch_private import set_fully_shard_state
 from fsdp2_compile.core.ops import GRAD_RECEIVERS, divide_factors, reduce_input, take_pending_grad
 from fsdp2_compile.runtime.param_state import ParamInfo, ShardState, is_sharded, managed_params, state_of
 
-__all__ = ["GroupReduction", "reduce_kept_grads"]
+__all__ = ["reduce_kept_grads", "register_state_views"]
 
 
-class GroupReduction:
-    """What torch's pipeline schedules read as the FSDP2 state of a module one `shard` call sharded (every module of
-    the call has the same one)."""
+def register_state_views(state: ShardState) -> None:
+    """Make each module of `state` (one `shard` call) look like an FSDP2 stage module to torch's pipeline
+    schedules: its state's `post_backward` reduces the gradients the step's backwards kept."""
+    view = _view(weakref.ref(state))
+    for ref in state.members:
+        set_fully_shard_state(ref(), view)
 
-    def __init__(self, state: ShardState):
-        self._state = weakref.ref(state)
-        self._fsdp_param_groups = (self,)
 
-    @classmethod
-    def register(cls, state: ShardState) -> None:
-        reduction = cls(state)
-        for ref in state.members:
-            set_fully_shard_state(ref(), reduction)
-
-    @property
-    def _state_ctx(self) -> SimpleNamespace:
-        """The states of every group under this one's first module (the stage module, when a schedule asks)."""
-        root = self._state().members[0]()
+def _view(state: weakref.ref) -> FullyShardStateView:
+    def all_states() -> list[FullyShardStateView]:  # every group under this one's first module: the stage module
+        root = state().members[0]()
         states = {id(state_of(m)): state_of(m) for m in root.modules() if is_sharded(m)}
-        return SimpleNamespace(all_states=[GroupReduction(s) for s in states.values()])
+        return [_view(weakref.ref(s)) for s in states.values()]
 
-    def post_backward(self) -> None:
-        reduce_kept_grads(self._state())
-
-    def _root_post_backward_final_callback(self) -> None:
-        """Nothing left to wait for: `post_backward` reduced synchronously."""
+    return FullyShardStateView(post_backward=lambda: reduce_kept_grads(state()), all_states=all_states)
 
 
 def _bucket_key(info: ParamInfo) -> tuple:

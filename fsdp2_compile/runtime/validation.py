@@ -37,10 +37,11 @@ __all__ = [
 
 
 def default_device_type() -> str:
-    """The device type of the default process group's mesh: the CPU for gloo or without an accelerator."""
-    accelerator = torch.accelerator.current_accelerator()
-    gloo = torch.distributed.get_backend() == "gloo"
-    return "cpu" if gloo or accelerator is None else accelerator.type
+    """The device type of the default process group's mesh: the CPU for gloo or without a usable accelerator (a
+    CUDA build of torch on a machine without a GPU has an accelerator type but none available)."""
+    if torch.distributed.get_backend() == "gloo" or not torch.accelerator.is_available():
+        return "cpu"
+    return torch.accelerator.current_accelerator().type
 
 
 def resolve_mesh(mesh: DeviceMesh | None) -> DeviceMesh:
