@@ -6,9 +6,11 @@ The public names are imported on first use (PEP 562), so `fsdp2-compile --help` 
 import importlib
 
 _EXPORTS = {  # public name -> the module that defines it
+    "CPUOffloadPolicy": "fsdp2_compile.config",
     "CompileConfig": "fsdp2_compile.config",
     "FSDPModule": "fsdp2_compile.runtime.fsdp_module",
     "MixedPrecisionPolicy": "fsdp2_compile.config",
+    "OffloadPolicy": "fsdp2_compile.config",
     "fsdp2_backend": "fsdp2_compile.api",
     "is_sharded": "fsdp2_compile.runtime.param_state",
     "shard": "fsdp2_compile.runtime.sharding",

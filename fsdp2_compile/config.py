@@ -6,8 +6,11 @@ import os
 from dataclasses import dataclass, field
 
 import torch
+from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 
-__all__ = ["MixedPrecisionPolicy", "CompileConfig"]
+__all__ = ["CPUOffloadPolicy", "CompileConfig", "MixedPrecisionPolicy", "OffloadPolicy"]
+"""`OffloadPolicy` / `CPUOffloadPolicy` are torch's own (`torch.distributed.fsdp`), re-exported for `shard`'s
+`offload_policy`, as `fully_shard` takes them."""
 
 
 def _check_floating(name: str, dtype: torch.dtype | None) -> None:
