@@ -13,6 +13,7 @@ _EXPORTS = {  # public name -> the module that defines it
     "OffloadPolicy": "fsdp2_compile.config",
     "fsdp2_backend": "fsdp2_compile.api",
     "is_sharded": "fsdp2_compile.runtime.param_state",
+    "register_fsdp_forward_method": "fsdp2_compile.runtime.forward_hooks",
     "shard": "fsdp2_compile.runtime.sharding",
     "shard_compile": "fsdp2_compile.api",
     "sharded_parameters": "fsdp2_compile.runtime.param_state",

@@ -15,6 +15,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from fsdp2_compile.runtime.forward_hooks import add_forward_hooks
+
 __all__ = ["read_once", "register_read_scope"]
 
 _READS: dict[str, dict[int, torch.Tensor]] = {}
@@ -35,7 +37,7 @@ def read_once(bucket: str, param: nn.Parameter, gather: Callable[[], torch.Tenso
 def register_read_scope(module: nn.Module, bucket: str) -> None:
     """While `module`'s eager forward runs, parameters of group `bucket` are gathered at most once each."""
 
-    def enter(_module, _args) -> None:
+    def enter(_module, _args, _kwargs) -> None:
         if not torch.compiler.is_compiling():
             _DEPTH[bucket] = _DEPTH.get(bucket, 0) + 1
             _READS.setdefault(bucket, {})
@@ -46,5 +48,4 @@ def register_read_scope(module: nn.Module, bucket: str) -> None:
             if not _DEPTH[bucket]:
                 del _DEPTH[bucket], _READS[bucket]
 
-    module.register_forward_pre_hook(enter)
-    module.register_forward_hook(leave, always_call=True)
+    add_forward_hooks(module, pre=enter, post=leave)

@@ -16,6 +16,7 @@ from torch import nn
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from fsdp2_compile._torch_private import view_base
+from fsdp2_compile.runtime.forward_hooks import add_forward_hooks
 
 __all__ = ["note_gathered", "register_reshard_hooks"]
 
@@ -49,7 +50,7 @@ def register_reshard_hooks(module: nn.Module) -> None:
     """Route the tensors `module`'s eager forward saves for backward through `_pack` / `_unpack`."""
     active: list[torch.autograd.graph.saved_tensors_hooks] = []
 
-    def enter(_module, _args) -> None:
+    def enter(_module, _args, _kwargs) -> None:
         if not torch.compiler.is_compiling():
             hooks = torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
             hooks.__enter__()
@@ -59,5 +60,4 @@ def register_reshard_hooks(module: nn.Module) -> None:
         if not torch.compiler.is_compiling() and active:
             active.pop().__exit__(None, None, None)
 
-    module.register_forward_pre_hook(enter)
-    module.register_forward_hook(leave, always_call=True)
+    add_forward_hooks(module, pre=enter, post=leave)

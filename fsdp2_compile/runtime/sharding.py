@@ -45,6 +45,7 @@ from fsdp2_compile.core.group_caches import forget_destroyed_groups
 from fsdp2_compile.runtime.eager_reads import register_read_scope
 from fsdp2_compile.runtime.eager_reshard import register_reshard_hooks
 from fsdp2_compile.runtime.float8 import float8_cast_of, high_precision
+from fsdp2_compile.runtime.forward_hooks import add_forward_hooks
 from fsdp2_compile.runtime.fsdp_module import FSDPModule
 from fsdp2_compile.runtime.link_profile import measure_profile
 from fsdp2_compile.runtime.param_state import (
@@ -193,12 +194,10 @@ def _cast_tree(obj, dtype: torch.dtype):
 def _register_mp_hooks(module: nn.Module, mp: MixedPrecisionPolicy) -> None:
     if mp.cast_forward_inputs and mp.param_dtype is not None:
         dtype = mp.param_dtype
-        module.register_forward_pre_hook(
-            lambda _m, args, kwargs: (_cast_tree(args, dtype), _cast_tree(kwargs, dtype)), with_kwargs=True
-        )
+        add_forward_hooks(module, pre=lambda _m, args, kwargs: (_cast_tree(args, dtype), _cast_tree(kwargs, dtype)))
     if mp.output_dtype is not None:
         out_dtype = mp.output_dtype
-        module.register_forward_hook(lambda _m, _args, output: _cast_tree(output, out_dtype))
+        add_forward_hooks(module, post=lambda _m, _args, output: _cast_tree(output, out_dtype))
 
 
 def shard(
