@@ -1,7 +1,8 @@
 """Rank consistency: every rank must issue the same collectives in the same order, or the job hangs.
 
-When the backend compiles a graph, each rank publishes a record in the default process group's store and reads
-those of its peers, then every rank raises the same kind of error, naming the ranks, as soon as one of these holds:
+When the backend compiles a graph, the ranks of each process group its collectives use agree on a record (their
+`CompileConfig` and schedule) through the default process group's store, then every rank raises the same kind of
+error, naming the ranks, as soon as one of these holds:
 
 1. A peer published a failure: its compilation raised (rank, exception type and first line of the message).
 2. The ranks' `CompileConfig`s differ: named field by field ("rank 1 has CompileConfig.prefetch_depth=1, rank 0 2").
@@ -11,21 +12,34 @@ those of its peers, then every rank raises the same kind of error, naming the ra
 4. A peer did not publish in time: it raised or crashed before compiling (in its own code, which the backend cannot
    see), is late, or compiled a different graph. "In time" is derived from the process group's timeout, waiting
    for at most max(min(0.9 T, T - 5 s), T / 2) of it, so a late rank is waited for nearly as long as its first
-   collective would be, and this message comes before the collective's own timeout. The store is polled in short
-   slices, so a published failure ends the wait at once.
+   collective would be, and this message comes before the collective's own timeout.
+
+The exchange costs each rank a constant number of store operations whatever the group's size, so rank 0's store
+can serve 10,000 ranks. Under the exchange's key K, each rank sets its record at K/r/<rank>, appends
+"<rank>:<sha256 of the record>;" to the digest list K/d and adds 1 to the count K/n. The rank whose add completes
+the count claims K/c, reads the digest list (one read) and writes the verdict K/v: "agreed" when the digests are
+equal; else it reads the records of the lowest rank of each distinct digest and the verdict carries the differing
+config fields, or the two schedules from which each rank names the first differing collective, and which ranks
+hold which record. Every other rank blocks on K/v in the store (no polling). A rank whose compilation raised
+appends its failure to K/f and writes the verdict itself, which ends every wait at once. The first rank whose wait
+runs out claims K/c and writes the verdict naming the ranks missing from the digest list (none missing: the rank
+that completed the count died before writing it, and this one writes what it would have); a rank that finds K/c
+claimed and no verdict a few seconds later names the claiming rank. The verdict is written once (compare-and-set),
+so every rank reads the same one. Having read it, each rank deletes its record and adds 1 to K/done, and the last
+of the ranks that joined deletes the exchange's keys; when a rank never joined, the verdict naming it stays, for it
+to read should it come.
 
 Peers are the ranks of the process groups the graph's collectives use (the union, e.g. shard and replicate groups
-for HSDP). A rank publishes once per group, under keys naming the group and its ranks, and reads the records of
-that group's ranks: stages of a pipeline-parallel job that shard different models on disjoint sub-meshes never wait
-for or compare with each other, and with HSDP rank 0 compares with its shard peer and its replica, each of which
-compares with theirs. Graphs without collectives are not checked.
+for HSDP). A rank exchanges once per group, under keys naming the group and its ranks, with that group's ranks:
+stages of a pipeline-parallel job that shard different models on disjoint sub-meshes never wait for or compare with
+each other, and with HSDP rank 0 compares with its shard peer and its replica, each of which compares with theirs.
+Graphs without collectives are not checked.
 
 `CompileConfig.check_rank_consistency=False` skips only the comparison of schedules; the configs are still
 exchanged, so a rank that turned it off is named on every rank instead of leaving the others waiting.
 
 Keys carry the token the group's ranks drew when `shard` made the group (`process_groups.attempt_token`), so a
-job restarted in place by torchrun's agent, whose store keeps the records of the attempt that died, never reads
-them.
+job restarted in place by torchrun's agent, whose store keeps the keys of the attempt that died, never reads them.
 
 Graphs are paired across ranks by their Dynamo frame (numbered per group in the order the backend first meets it)
 and kind; the groups are read off the graph as captured, so a rank whose pass pipeline raises publishes its failure
@@ -50,6 +64,7 @@ import itertools
 import json
 import time
 from collections.abc import Callable, Iterator
+from datetime import timedelta
 
 import torch.distributed as dist
 from torch import fx
@@ -60,7 +75,7 @@ from fsdp2_compile.core.group_caches import dropped_with_groups
 from fsdp2_compile.core.ir import schema_args
 from fsdp2_compile.runtime.process_groups import attempt_token
 
-__all__ = ["check_same_schedule", "graph_groups", "rank_check", "schedule_signature"]
+__all__ = ["check_same_schedule", "exchange", "graph_groups", "rank_check", "schedule_signature"]
 
 _UNNAMED: dict[str, itertools.count] = dropped_with_groups({})
 """Process group -> the counter of its checks made outside a Dynamo compilation."""
@@ -72,7 +87,12 @@ _AGREED: dict[str, list[str]] = dropped_with_groups({})
 _SPENT = "<failed exchange>"
 """What a failed exchange leaves in its `_AGREED` list: its keys are not used again."""
 _FINISH_WAIT_S = 5.0
-"""How long a rank about to raise waits for its peers to have read the records (the store may live in its process)."""
+"""How long a rank about to raise waits for its peers to have read the verdict (the store may live in its process),
+and how long a rank waits for the verdict of a rank that claimed it."""
+_EXPLAINED = 16
+"""At most this many distinct records are read to explain a mismatch (one rank's each)."""
+_LISTED = 8
+"""At most this many groups of ranks holding the same record are listed in an error."""
 
 
 def schedule_signature(gm: fx.GraphModule) -> str:
@@ -148,6 +168,37 @@ def _config_error(records: dict[int, dict]) -> str | None:
     )
 
 
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def _ranges(ranks: list[int]) -> str:
+    """Sorted ranks as "0-3, 5, 7-9"."""
+    runs: list[list[int]] = []
+    for r in ranks:
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def _named(ranks: list[int]) -> str:
+    """Ranks as a list, "[0, 1]", or as ranges when there are many, "[0-511, 513-1023]"."""
+    return str(ranks) if len(ranks) <= _LISTED else f"[{_ranges(ranks)}]"
+
+
+def _holders(classes: list[list[int]]) -> str:
+    """ "Ranks with the same record: [0-2, 4]; [3]" for the groups of ranks that hold the same record."""
+    listed = "; ".join(f"[{_ranges(ranks)}]" for ranks in classes[:_LISTED])
+    more = f"; and {len(classes) - _LISTED} more groups" if len(classes) > _LISTED else ""
+    return f"Ranks with the same record: {listed}{more}"
+
+
+def _with(message: str, holders: str) -> str:
+    return f"{message}. {holders}" if holders else message
+
+
 @dataclasses.dataclass
 class _Channel:
     """One process group's part of an exchange: its ranks, the store key of this compilation there, and the records
@@ -157,94 +208,174 @@ class _Channel:
     key: str
     agreed: list[str]
 
+    def k(self, name: str) -> str:
+        return f"{self.key}/{name}"
+
 
 @dataclasses.dataclass
 class _Exchange:
-    """One compilation's records in the store, over the process groups of the graph."""
+    """One compilation's exchange in the store, over the process groups of the graph, as `rank`."""
 
     kind: str
     channels: list[_Channel]
     wait_s: float
     pg_timeout_s: float
+    store: dist.Store
+    rank: int
     published: bool = False
     spent: bool = False
+    failed: bool = False
+    verdicts: list[dict] = dataclasses.field(default_factory=list)
 
     @property
     def ranks(self) -> list[int]:
         return sorted({r for ch in self.channels for r in ch.ranks})
 
-    def publish(self, record: dict) -> None:
-        store, rank = default_store(), dist.get_rank()
+    def publish(self, text: str) -> None:
+        """Publish this rank's record (JSON) and digest; the rank completing a group's count writes its verdict."""
+        entry = f"{self.rank}:{_digest(text)};"
         for ch in self.channels:
-            store.set(f"{ch.key}/{rank}", json.dumps(record))
-            if "failed" in record:
-                store.set(f"{ch.key}/failed", str(rank))
+            self.store.set(ch.k(f"r/{self.rank}"), text)
+            self.store.append(ch.k("d"), entry)
+            if self.store.add(ch.k("n"), 1) == len(ch.ranks):
+                self._close(ch)
         self.published = True
+
+    def publish_failure(self, message: str) -> None:
+        """Publish this rank's failure to compile: the verdict, unless one was written already."""
+        for ch in self.channels:
+            self.store.append(ch.k("f"), json.dumps([self.rank, message]) + "\n")
+            failures = [json.loads(line) for line in self.store.get(ch.k("f")).decode().splitlines()]
+            self.store.compare_set(ch.k("v"), "", json.dumps({"failed": failures}))
+        self.published = self.failed = True
+
+    def _close(self, ch: _Channel) -> None:
+        """Claim the verdict of `ch` and write it from the digest list, unless another rank claimed it."""
+        if self.store.compare_set(ch.k("c"), "", str(self.rank)) != str(self.rank).encode():
+            return
+        digests = {}
+        for entry in self.store.get(ch.k("d")).decode().split(";")[:-1]:
+            rank, digest = entry.split(":")
+            digests[int(rank)] = digest
+        self.store.compare_set(ch.k("v"), "", json.dumps(self._verdict(ch, digests)))
+        self.store.delete_key(ch.k("d"))
+
+    def _verdict(self, ch: _Channel, digests: dict[int, str]) -> dict:
+        """What every rank of `ch` reads: agreed, the ranks missing, or what differs."""
+        missing = [r for r in ch.ranks if r not in digests]
+        if missing:
+            return {"missing": missing}
+        by_digest: dict[str, list[int]] = {}
+        for r in sorted(digests):
+            by_digest.setdefault(digests[r], []).append(r)
+        if len(by_digest) == 1:
+            return {"agreed": next(iter(by_digest))}
+        classes = list(by_digest.values())
+        holders = _holders(classes) if len(ch.ranks) > 2 else ""
+        firsts = [ranks[0] for ranks in classes[:_EXPLAINED]]
+        records = {r: json.loads(v) for r, v in zip(firsts, self.store.multi_get([ch.k(f"r/{r}") for r in firsts]))}
+        error = _config_error(records)
+        if error is not None:
+            return {"error": _with(error, holders)}
+        base = firsts[0]
+        other = next((r for r in firsts[1:] if records[r]["schedule"] != records[base]["schedule"]), None)
+        if other is None:
+            return {"error": _with(f"fsdp2_compile: the ranks compiled different {self.kind} records", holders)}
+        return {"schedules": [[r, records[r]["schedule"]] for r in (base, other)], "holders": holders}
+
+    def await_verdicts(self) -> None:
+        """Wait for each group's verdict, within the bounded wait; on running out, write it or name who should."""
+        deadline = time.monotonic() + self.wait_s
+        self.verdicts = [self._await(ch, deadline) for ch in self.channels]
+
+    def _await(self, ch: _Channel, deadline: float) -> dict:
+        if not self._wait(ch.k("v"), deadline - time.monotonic()):
+            self._close(ch)
+            if not self._wait(ch.k("v"), min(_FINISH_WAIT_S, self.wait_s)):
+                claimer = self.store.get(ch.k("c")).decode()
+                return {
+                    "error": f"fsdp2_compile: rank {claimer} claimed the verdict of the {self.kind} schedule exchange "
+                    f"with ranks {_named(ch.ranks)} but did not publish it within {self.wait_s:.0f} s: it most likely "
+                    "exited or hangs (look at its error)"
+                }
+        return json.loads(self.store.get(ch.k("v")))
+
+    def _wait(self, key: str, seconds: float) -> bool:
+        try:
+            self.store.wait([key], timedelta(seconds=max(seconds, 0.001)))
+        except dist.DistStoreError:  # the timeout; a lost store is a DistNetworkError, raised
+            return False
+        return True
+
+    def error(self, record: dict) -> str | None:
+        """The error this rank raises for the verdicts it read, or None when they all agreed."""
+        return next((e for v, ch in zip(self.verdicts, self.channels) if (e := self._error(v, ch, record))), None)
+
+    def _error(self, verdict: dict, ch: _Channel, record: dict) -> str | None:
+        if "agreed" in verdict:
+            return None
+        if "error" in verdict:
+            return verdict["error"]
+        if "failed" in verdict:
+            return (
+                "fsdp2_compile: "
+                + "; ".join(f"rank {r} failed to compile its {self.kind} graph: {m}" for r, m in verdict["failed"])
+                + ". Fix that error (the failing rank's own traceback shows where); the other ranks stopped "
+                "here instead of waiting for it in a collective"
+            )
+        if "missing" in verdict:
+            compile_id = current_compile_id()
+            recompiling = (
+                " This rank is recompiling a graph it compiled before, so a guard failed here and not there: "
+                "something this graph depends on changed on this rank only (a parameter's requires_grad, a "
+                "module setting such as set_requires_gradient_sync, an input's shape or dtype); "
+                "TORCH_LOGS=recompiles names the guard."
+                if compile_id is not None and compile_id[1] > 0
+                else ""
+            )
+            return (
+                f"fsdp2_compile: rank(s) {_named(verdict['missing'])} did not publish their {self.kind} schedule within "
+                f"{self.wait_s:.0f} s (the process group times out after {self.pg_timeout_s:.0f} s): they "
+                "raised or crashed before compiling this graph (look at their errors), are late (e.g. slow "
+                "data loading: raise the timeout of init_process_group), or compiled different graphs (e.g. a "
+                "data-dependent branch went another way there, so they did not need this graph: keep control "
+                "flow the same on every rank)" + recompiling
+            )
+        (base, base_schedule), (other, other_schedule) = verdict["schedules"]
+        mine = record["schedule"]
+        r, theirs = (other, other_schedule) if mine == base_schedule else (base, base_schedule)
+        if mine is None or theirs is None or mine == theirs:
+            return _with(f"fsdp2_compile: the ranks compiled different {self.kind} records", verdict["holders"])
+        return _with(_schedule_error(self.rank, mine, r, theirs, self.kind), verdict["holders"])
 
     def spend(self) -> None:
         """After a failed exchange: this rank's next exchange of these groups, frame and kind uses the next keys,
-        not these, whose records stay in the store (after `torch._dynamo.reset()` Dynamo numbers frames from 0
-        again, and the next compile of "frame 0" would read them). Every rank of the groups raised, so each spends
-        its keys alike."""
+        not these (after `torch._dynamo.reset()` Dynamo numbers frames from 0 again, and the next compile of
+        "frame 0" would read them). Every rank of the groups raised, so each spends its keys alike."""
         if not self.spent:
             for ch in self.channels:
                 ch.agreed.append(_SPENT)
             self.spent = True
 
     def finish(self, wait: bool) -> None:
-        """Count this rank as done with the records; with `wait`, give the others a few seconds to read them too
-        (this rank is about to raise, and its process may host the store)."""
-        store, deadline = default_store(), time.monotonic() + min(_FINISH_WAIT_S, self.wait_s)
+        """Count this rank as done with the exchange, deleting its record; the last rank of a group to be done
+        deletes the group's keys (but a verdict naming missing ranks). With `wait`, give the others a few seconds
+        to read the verdict too (this rank is about to raise, and its process may host the store)."""
+        deadline, pause = time.monotonic() + min(_FINISH_WAIT_S, self.wait_s), 0.005
         with contextlib.suppress(dist.DistError):  # best effort: the store may be gone already
-            for ch in self.channels:
-                store.add(f"{ch.key}/done", 1)
+            verdicts = self.verdicts or [{}] * len(self.channels)
+            for ch, verdict in zip(self.channels, verdicts):
+                if not self.failed:
+                    self.store.delete_key(ch.k(f"r/{self.rank}"))
+                if self.store.add(ch.k("done"), 1) >= len(ch.ranks) - len(verdict.get("missing", [])):
+                    kept = ("v",) if "missing" in verdict else ()
+                    for name in {"d", "n", "c", "f", "v", "done"} - set(kept):
+                        self.store.delete_key(ch.k(name))
             while (
-                wait
-                and time.monotonic() < deadline
-                and any(store.add(f"{ch.key}/done", 0) < len(ch.ranks) for ch in self.channels)
+                wait and time.monotonic() < deadline and any(self.store.check([ch.k("done")]) for ch in self.channels)
             ):
-                time.sleep(0.02)
-
-    def records(self) -> dict[int, dict]:
-        """Every peer's record once all published, polling in short slices; raises as soon as one published a
-        failure, or when the wait runs out."""
-        store = default_store()
-        keys = {(ch.key, r): f"{ch.key}/{r}" for ch in self.channels for r in ch.ranks}
-        failed_keys = [f"{ch.key}/failed" for ch in self.channels]
-        deadline, pause = time.monotonic() + self.wait_s, 0.005
-        while not store.check(list(keys.values())) and not any(store.check([k]) for k in failed_keys):
-            if time.monotonic() > deadline:
-                missing = sorted({r for (_, r), k in keys.items() if not store.check([k])})
-                compile_id = current_compile_id()
-                recompiling = (
-                    " This rank is recompiling a graph it compiled before, so a guard failed here and not there: "
-                    "something this graph depends on changed on this rank only (a parameter's requires_grad, a "
-                    "module setting such as set_requires_gradient_sync, an input's shape or dtype); "
-                    "TORCH_LOGS=recompiles names the guard."
-                    if compile_id is not None and compile_id[1] > 0
-                    else ""
-                )
-                raise RuntimeError(
-                    f"fsdp2_compile: rank(s) {missing} did not publish their {self.kind} schedule within "
-                    f"{self.wait_s:.0f} s (the process group times out after {self.pg_timeout_s:.0f} s): they "
-                    "raised or crashed before compiling this graph (look at their errors), are late (e.g. slow "
-                    "data loading: raise the timeout of init_process_group), or compiled different graphs (e.g. a "
-                    "data-dependent branch went another way there, so they did not need this graph: keep control "
-                    "flow the same on every rank)" + recompiling
-                )
-            time.sleep(pause)
-            pause = min(2 * pause, 0.2)
-        found = {r: json.loads(store.get(k)) for (_, r), k in keys.items() if store.check([k])}
-        failed = {r: rec["failed"] for r, rec in found.items() if "failed" in rec}
-        if failed:
-            self.finish(wait=True)
-            raise RuntimeError(
-                "fsdp2_compile: "
-                + "; ".join(f"rank {r} failed to compile its {self.kind} graph: {m}" for r, m in sorted(failed.items()))
-                + ". Fix that error (the failing rank's own traceback shows where); the other ranks stopped "
-                "here instead of waiting for it in a collective"
-            )
-        return found
+                time.sleep(pause)
+                pause = min(2 * pause, 0.2)
 
 
 def _channel(name: str, ranks: list[int], kind: str) -> _Channel:
@@ -275,45 +406,51 @@ def _exchange(gm: fx.GraphModule, kind: str, world_if_none: bool, timeout_s: flo
         return None
     pg_timeout = min(group_timeout(None if g == "world" else g) for g in groups)
     wait_s = timeout_s if timeout_s is not None else max(min(0.9 * pg_timeout, pg_timeout - 5), pg_timeout / 2)
-    return _Exchange(kind, [_channel(g, sorted(ranks), kind) for g, ranks in groups.items()], wait_s, pg_timeout)
+    channels = [_channel(g, sorted(ranks), kind) for g, ranks in groups.items()]
+    return _Exchange(kind, channels, wait_s, pg_timeout, default_store(), dist.get_rank())
+
+
+def _agree(ex: _Exchange, record: dict) -> str | None:
+    """Exchange this rank's record; the error it raises, or None once the ranks agreed on it."""
+    text = json.dumps(record)
+    if all(text in ch.agreed for ch in ex.channels):
+        return None
+    ex.publish(text)
+    ex.await_verdicts()
+    error = ex.error(record)
+    ex.finish(wait=error is not None)
+    if error is None:
+        for ch in ex.channels:
+            ch.agreed.append(text)
+    return error
 
 
 def _check(ex: _Exchange, gm: fx.GraphModule, config) -> None:
-    """Publish this rank's config and schedule, read the peers', raise on any difference."""
+    """Publish this rank's config and schedule, read the verdict, raise on any difference."""
     config_fields = (
         {f.name: repr(getattr(config, f.name)) for f in dataclasses.fields(config) if not f.metadata.get("rank_local")}
         if config
         else {}
     )
     compare = config is None or config.check_rank_consistency
-    mine = {"config": config_fields, "schedule": schedule_signature(gm) if compare else None}
-    if all(json.dumps(mine) in ch.agreed for ch in ex.channels):
-        return
     try:
-        ex.publish(mine)
-        records = ex.records()
+        error = _agree(ex, {"config": config_fields, "schedule": schedule_signature(gm) if compare else None})
     except dist.DistNetworkError as e:
         raise RuntimeError(
             f"fsdp2_compile: lost the process group's store while exchanging {ex.kind} schedules with ranks "
-            f"{ex.ranks}: the process hosting it (rank 0, unless a launcher such as torchrun hosts it) has most "
+            f"{_named(ex.ranks)}: the process hosting it (rank 0, unless a launcher such as torchrun hosts it) has most "
             f"likely exited: look at its error ({str(e).strip().splitlines()[0]})"
         ) from e
-    rank = dist.get_rank()
-    error = _config_error(records)
-    if error is None and compare:  # equal configs: every rank compares schedules, or none does
-        error = next(
-            (
-                _schedule_error(rank, mine["schedule"], r, rec["schedule"], ex.kind)
-                for r, rec in records.items()
-                if rec["schedule"] != mine["schedule"]
-            ),
-            None,
-        )
-    ex.finish(wait=error is not None)
     if error is not None:
         raise RuntimeError(error)
-    for ch in ex.channels:
-        ch.agreed.append(json.dumps(mine))
+
+
+def _fail(ex: _Exchange, e: BaseException) -> None:
+    """Publish `e` as this rank's failure to compile, so its peers stop at once naming it."""
+    first = (str(e).strip().splitlines() or [""])[0][:300]
+    with contextlib.suppress(dist.DistError):  # never hide the real error behind a store error
+        ex.publish_failure(f"{type(e).__name__}: {first}")
+    ex.finish(wait=True)
 
 
 @contextlib.contextmanager
@@ -329,10 +466,7 @@ def rank_check(gm: fx.GraphModule, kind: str, config) -> Iterator[Callable[[fx.G
         yield lambda final: _check(ex, final, config)
     except Exception as e:
         if not ex.published:
-            first = (str(e).strip().splitlines() or [""])[0][:300]
-            with contextlib.suppress(dist.DistError):  # never hide the real error behind a store error
-                ex.publish({"failed": f"{type(e).__name__}: {first}"})
-            ex.finish(wait=True)
+            _fail(ex, e)
         ex.spend()
         raise
 
@@ -350,3 +484,27 @@ def check_same_schedule(gm: fx.GraphModule, kind: str, config=None, *, timeout_s
     except Exception:
         ex.spend()
         raise
+
+
+def exchange(
+    store: dist.Store,
+    rank: int,
+    ranks: list[int],
+    key: str,
+    record: dict | None = None,
+    *,
+    failure: str | None = None,
+    kind: str = "forward",
+    wait_s: float = 15.0,
+    pg_timeout_s: float = 20.0,
+) -> str | None:
+    """One exchange among `ranks` under `key` in `store`, as `rank`, without a process group: what the backend
+    runs for each group of a graph, for simulating many ranks against one store. `record` is {"config": {field:
+    repr}, "schedule": signature or None}; `failure` (instead) publishes a failure to compile. Returns the error
+    this rank raises (None when the ranks agreed); a lost store raises."""
+    ex = _Exchange(kind, [_Channel(sorted(ranks), key, [])], wait_s, pg_timeout_s, store, rank)
+    if failure is not None:
+        ex.publish_failure(failure)
+        ex.finish(wait=True)
+        return failure
+    return _agree(ex, record)
