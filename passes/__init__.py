@@ -2,6 +2,7 @@
 
 from .bucket_collectives import bucket_collectives
 from .combine_tied_grads import combine_tied_grads
+from .drop_collectives_of_one import drop_collectives_of_one
 from .keep_inputs_until_wait import keep_inputs_until_wait
 from .lower_reduce_grad import lower_reduce_grad
 from .lower_unshard import lower_unshard
@@ -13,6 +14,7 @@ from .tag_tp_collectives import tag_tp_collectives
 __all__ = [
     "bucket_collectives",
     "combine_tied_grads",
+    "drop_collectives_of_one",
     "keep_inputs_until_wait",
     "lower_reduce_grad",
     "lower_unshard",

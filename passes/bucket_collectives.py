@@ -4,7 +4,9 @@ All-gathers: copy-in (each padded shard flattened, concatenated) → one `all_ga
 (each parameter's columns of the `[world, total]` result, made contiguous, viewed as the padded parameter).
 Reduce-scatters: each padded gradient viewed as `[world, rows * rest]`, concatenated on dim 1 → one
 `reduce_scatter_tensor` → wait → [HSDP: one `all_reduce` of the reduced shards over the replicate group → wait]
-→ per-parameter slices viewed as shards.
+→ per-parameter slices viewed as shards. HSDP over a shard group of one rank (no reduce-scatter): the gradients
+flattened and concatenated → one `all_reduce` over the replicas → wait → per-parameter slices. A shard group of one
+has no all-gather: nothing to fuse, no copy.
 
 Buckets follow `CompileConfig.buckets`; a bucket holding several dtypes becomes one collective per dtype.
 Contract: requires "unshard_lowered" and "reduce_grad_lowered" (collectives carrying `ir.Tags`: `fsdp.params`,
@@ -66,7 +68,8 @@ def _group(collectives: list[fx.Node], buckets) -> list[list[fx.Node]]:
             name = f"cap{index}"
         else:
             name = _bucket_of(node.meta[PARAMS][0], node, buckets)
-        groups[(name, inp.dtype, call.group_size, call.group_name, getattr(call, "reduce_op", None))].append(node)
+        key = (name, inp.dtype, getattr(call, "group_size", None), call.group_name, getattr(call, "reduce_op", None))
+        groups[key].append(node)
     return [g for g in groups.values() if len(g) > 1]
 
 
@@ -153,6 +156,36 @@ def _fuse_reduce_scatters(graph: fx.Graph, members: list[fx.Node]) -> None:
         graph.erase_node(collective)
 
 
+def _after_reduce_scatter(all_reduce: fx.Node) -> bool:
+    """Whether `all_reduce` reduces a reduce-scatter's result (HSDP; fused with it by `_fuse_reduce_scatters`)."""
+    source = AllReduceArgs.of(all_reduce).input
+    return source.target is WAIT and fsdp_collective_kind(WaitArgs.of(source).tensor) == Role.REDUCE_SCATTER
+
+
+def _fuse_all_reduces(graph: fx.Graph, members: list[fx.Node]) -> None:
+    """HSDP over a shard group of one rank (no reduce-scatter): the members' gradients flattened and concatenated,
+    one all-reduce over the replicas, each member's slice viewed in its shape."""
+    last = members[-1]
+    params = tuple(p for m in members for p in m.meta[PARAMS])
+    tag = Tags(params, last.meta[BUCKET]).meta
+    grads = [AllReduceArgs.of(m).input for m in members]
+    with graph.inserting_after(last):
+        flat = [insert_call(graph, aten.view.default, (g, [-1]), tag(Role.COPY_IN)) for g in grads]
+        packed = insert_call(graph, aten.cat.default, (flat,), tag(Role.COPY_IN))
+        reduced = insert_op(graph, AllReduceArgs.of(members[0]).replace(input=packed), tag(Role.ALL_REDUCE))
+        waited = insert_op(graph, WaitArgs(reduced), tag(Role.WAIT))
+        offset = 0
+        for m, g in zip(members, grads):
+            size = math.prod(val(g).shape)
+            part = insert_call(graph, aten.slice.Tensor, (waited, 0, offset, offset + size), tag(Role.COPY_OUT))
+            out = insert_call(graph, aten.view.default, (part, list(val(g).shape)), tag(Role.COPY_OUT))
+            _wait_of(m).replace_all_uses_with(out)
+            offset += size
+    for m in members:
+        graph.erase_node(_wait_of(m))
+        graph.erase_node(m)
+
+
 def _log_bucket(ctx: PassContext, kind: Role, members: list[fx.Node]) -> None:
     if log.isEnabledFor(logging.INFO):
         params = [p for m in members for p in m.meta[PARAMS]]
@@ -181,6 +214,10 @@ def bucket_collectives(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     for members in _group([n for n in graph.nodes if fsdp_collective_kind(n) == Role.REDUCE_SCATTER], buckets):
         _log_bucket(ctx, Role.REDUCE_SCATTER, members)
         _fuse_reduce_scatters(graph, members)
+    alone = [n for n in graph.nodes if fsdp_collective_kind(n) == Role.ALL_REDUCE and not _after_reduce_scatter(n)]
+    for members in _group(alone, buckets):
+        _log_bucket(ctx, Role.ALL_REDUCE, members)
+        _fuse_all_reduces(graph, members)
     # Restore a topological order: hoisted copy-ins move up to just before their fused all-gather's first copy-in
     # (rank 0 at that position, the node there rank 1), and what used the earlier members of a fused
     # reduce-scatter moves down after it.

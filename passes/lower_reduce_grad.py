@@ -2,7 +2,9 @@
 wait_tensor → [all_reduce(avg) over the HSDP replicate group → wait_tensor] → [unpad] → [cast to param dtype] →
 [copy to the CPU shard's device]`;
 with a gradient divide factor f, `[× 1/f]` after the cast and "sum" instead of "avg"; in fp16 or with
-`set_force_sum_reduction_for_comms`, sums with `[÷ p]` before and `[÷ f/p]` after (`ops.divide_factors`). HSDP with the all-reduce
+`set_force_sum_reduction_for_comms`, sums with `[÷ p]` before and `[÷ f/p]` after (`ops.divide_factors`). A shard
+group of one rank has no reduce-scatter, no padding and no copy beyond a contiguous one where the gradient is not:
+as in FSDP2, the gradient is divided by f instead of scaled by 1/f (`DivideFactors.alone`). HSDP with the all-reduce
 off (`set_requires_all_reduce(False)`): the reduced shard goes to `fsdp2::stash_grad` (kept, a zero shard on);
 with it on after such backwards, `fsdp2::add_pending_grad` adds what was kept before the all-reduce.
 
@@ -52,13 +54,16 @@ def lower_reduce_grad(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
                 x = insert_call(graph, aten.mul.Tensor, (x, d.scale), tag(Role.CAST))
             if d.pre is not None:
                 x = insert_call(graph, aten.div.Tensor, (x, d.pre), tag(Role.CAST))
+            if d.alone is not None:
+                x = insert_call(graph, aten.div.Tensor, (x, d.alone), tag(Role.CAST))
             missing = rows * a.world_size - val(x).shape[0]
             if missing:
                 pad = [0, 0] * (val(x).dim() - 1) + [0, missing]
                 x = insert_call(graph, aten.constant_pad_nd.default, (x, pad), tag(Role.PAD))
             x = insert_contiguous(graph, x, tag(Role.CONTIGUOUS))
-            x = insert_op(graph, ReduceScatterArgs(x, d.op, a.world_size, a.group_name), tag(Role.REDUCE_SCATTER))
-            x = insert_op(graph, WaitArgs(x), tag(Role.WAIT))
+            if a.world_size > 1:  # over one rank the gradient is its own reduction
+                x = insert_op(graph, ReduceScatterArgs(x, d.op, a.world_size, a.group_name), tag(Role.REDUCE_SCATTER))
+                x = insert_op(graph, WaitArgs(x), tag(Role.WAIT))
             stashed = a.replicate_size > 1 and not a.requires_all_reduce  # HSDP accumulation: keep the reduced shard
             if stashed:
                 x = insert_op(

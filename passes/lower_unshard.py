@@ -1,8 +1,9 @@
 """Lower every `fsdp2::unshard` into `[copy to the compute device] → [cast to param_dtype] → [pad] →
-all_gather_into_tensor → wait_tensor → [unpad]` — or, for a parameter the last backward kept gathered
-(`set_reshard_after_backward(False)`), into that tensor and `fsdp2::release_unsharded` (the forward has taken it) —
-after folding repeated unshards of one parameter (tied weights, a weight read twice) into the first: training
-graphs get that from the partitioner's CSE, inference graphs do not.
+all_gather_into_tensor → wait_tensor → [unpad]` — over a shard group of one rank into `[copy to the compute
+device] → [cast to param_dtype] → [contiguous]` alone: no collective, no copy — or, for a parameter the last
+backward kept gathered (`set_reshard_after_backward(False)`), into that tensor and `fsdp2::release_unsharded` (the
+forward has taken it) — after folding repeated unshards of one parameter (tied weights, a weight read twice) into
+the first: training graphs get that from the partitioner's CSE, inference graphs do not.
 
 Runs on any forward, backward or inference graph. Every node it inserts carries `ir.Tags` (`fsdp.params`: the
 parameter, `fsdp.bucket`: its `shard` call, `fsdp.role`: an `ir.Role`); an all-gather also carries the buckets
@@ -66,6 +67,11 @@ def lower_unshard(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
                 )
             if a.param_dtype is not None and a.param_dtype != val(x).dtype:
                 x = insert_call(graph, torch.ops.prims.convert_element_type.default, (x, a.param_dtype), tag(Role.CAST))
+            if a.world_size == 1:
+                x = _alone(graph, x, a, tag)
+                node.replace_all_uses_with(x)
+                graph.erase_node(node)
+                continue
             missing = rows - val(x).shape[0]
             if missing:
                 pad = [0, 0] * (val(x).dim() - 1) + [0, missing]
@@ -81,3 +87,14 @@ def lower_unshard(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         node.replace_all_uses_with(x)
         graph.erase_node(node)
     return gm
+
+
+def _alone(graph: fx.Graph, x: fx.Node, a, tag) -> fx.Node:
+    """The gathered parameter of a shard group of one rank: the shard (`x`, cast or copied to the compute device
+    when asked) made contiguous if it is not; copied only when it is the shard itself and its gradient is delivered
+    inside backward (`a.grad_key`: the hooks step the shard in place while backward may still read the gathered
+    value, which FSDP2 holds in a buffer of its own)."""
+    dense = insert_contiguous(graph, x, tag(Role.CONTIGUOUS))
+    if dense is a.shard and a.grad_key:
+        dense = insert_call(graph, aten.clone.default, (dense,), tag())
+    return dense

@@ -53,6 +53,7 @@ PRELOAD = [
     "moe_workers",
     "search_workers",
     "warm_workers",
+    "group_of_one_workers",
 ]
 """What each rank's server imports before forking ranks: every module of fsdp2_compile (so a rank never mixes
 what the server imported with files edited since) and the worker modules. One that fails to import there is

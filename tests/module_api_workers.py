@@ -366,7 +366,7 @@ def optimizer_in_backward(rank: int, world_size: int, variant: str) -> dict:
     reductions = (Role.REDUCE_SCATTER, Role.ALL_REDUCE)
     for n in backward.graph.nodes:
         if n.target is DELIVER_GRAD:
-            out["backward"].append(("deliver", DeliverGradArgs.of(n).grad.meta[BUCKET]))
+            out["backward"].append(("deliver", DeliverGradArgs.of(n).grad.meta.get(BUCKET)))  # None: unreduced
         elif n.target is WAIT and fsdp_collective_kind(WaitArgs.of(n).tensor) in reductions:
             out["backward"].append((f"{fsdp_collective_kind(WaitArgs.of(n).tensor)} wait", n.meta[BUCKET]))
         elif fsdp_collective_kind(n) in reductions:

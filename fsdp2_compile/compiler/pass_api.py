@@ -27,6 +27,8 @@ class Fact(StrEnum):
 
     TP_TAGGED = "tp_tagged"
     """Collectives already in the captured graph (tensor parallelism's) and their waits carry `Role.TP`."""
+    COLLECTIVES_OF_ONE_DROPPED = "collectives_of_one_dropped"
+    """No collective over a process group of one rank is left of those the captured graph held."""
     TIED_GRADS_COMBINED = "tied_grads_combined"
     """A parameter used several times has one `fsdp2::reduce_grad` (its gradients summed before reduction)."""
     UNSHARD_LOWERED = "unshard_lowered"

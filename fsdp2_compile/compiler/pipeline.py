@@ -16,6 +16,7 @@ from fsdp2_compile.compiler.report import NodeFacts, Snapshot, dump_requested, n
 from fsdp2_compile.passes import (
     bucket_collectives,
     combine_tied_grads,
+    drop_collectives_of_one,
     keep_inputs_until_wait,
     lower_reduce_grad,
     lower_unshard,
@@ -29,6 +30,7 @@ __all__ = ["PASSES", "NodeFacts", "PassContext", "Snapshot", "node_facts", "run_
 
 PASSES: list[Pass] = [
     tag_tp_collectives,
+    drop_collectives_of_one,
     combine_tied_grads,
     lower_unshard,
     lower_reduce_grad,

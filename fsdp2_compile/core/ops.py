@@ -147,6 +147,8 @@ def unshard(
         return gathered.clone()
     x = shard if spec.compute_device is None else shard.to(spec.compute_device, non_blocking=True)
     x = x if spec.param_dtype is None else x.to(spec.param_dtype)
+    if spec.world_size == 1:  # a group of one: the shard is the parameter (a copy: an op's output aliases nothing)
+        return x.clone(memory_format=torch.contiguous_format) if x is shard else x.contiguous()
     x = pad_rows(x, padded_rows(spec.dim0, spec.world_size)).contiguous()
     full = _funcol.wait_tensor(_funcol.all_gather_into_tensor(x, spec.world_size, spec.group_name))
     return full[: spec.dim0].clone() if full.shape[0] != spec.dim0 else full
@@ -160,13 +162,16 @@ def _(shard, spec, gathered=None, grad_anchor=None):
 
 
 class DivideFactors(NamedTuple):
-    """How a gradient is reduced: times `scale`, divided by `pre`, reduced with `op` ("avg" or "sum"), the result
-    divided by `post` (None: not done)."""
+    """How a gradient is reduced: times `scale`, divided by `pre`, [divided by `alone`,] reduced with `op` ("avg"
+    or "sum"), the result divided by `post` (None: not done)."""
 
     scale: float | None
     pre: float | None
     op: str
     post: float | None
+    alone: float | None = None
+    """A shard group of one rank: FSDP2 copies the gradient instead of reduce-scattering it, divided by the
+    gradient divide factor when one is set."""
 
 
 def divide_factors(
@@ -176,7 +181,17 @@ def divide_factors(
     or with a divide factor f each rank's gradient is multiplied by 1/f and summed. Otherwise only sums: in a
     dtype other than fp32 / bf16 (fp16: overflow) each rank divides by the largest power of two p with p*p < f
     (f: the divide factor, else the data-parallel size) first and the sum is divided by f/p; with `force_sum`
-    in fp32 / bf16 the sum is divided by f."""
+    in fp32 / bf16 the sum is divided by f. A shard group of one rank (`world_size == 1`) has no reduce-scatter:
+    FSDP2 copies the gradient instead, divided by f when f is set (`alone`; then no `scale`), the rest as above."""
+    d = _divide_factors(reduce_dtype, world_size, replicate_size, divide_factor, force_sum)
+    if world_size == 1:
+        return d._replace(scale=None, alone=divide_factor or None)
+    return d
+
+
+def _divide_factors(
+    reduce_dtype: torch.dtype, world_size: int, replicate_size: int, divide_factor: float, force_sum: bool
+) -> DivideFactors:
     exact = reduce_dtype in (torch.float32, torch.bfloat16)
     if exact and not force_sum:
         return (
@@ -196,12 +211,15 @@ def divide_factors(
 
 def reduce_input(grad: Tensor, reduce_dtype: torch.dtype, world_size: int, d: DivideFactors) -> Tensor:
     """`grad` as a reduce-scatter over `world_size` ranks takes it: in `reduce_dtype`, scaled before the reduction
-    (`d.scale`, `d.pre`), zero-padded on dim 0 to whole shards, contiguous."""
+    (`d.scale`, `d.pre`, `d.alone`), zero-padded on dim 0 to whole shards, contiguous. Over one rank: the reduced
+    gradient itself."""
     x = grad.to(reduce_dtype)
     if d.scale is not None:
         x = x * d.scale
     if d.pre is not None:
         x = x / d.pre
+    if d.alone is not None:
+        x = x / d.alone
     return pad_rows(x, padded_rows(grad.shape[0], world_size) * world_size).contiguous()
 
 
@@ -232,7 +250,7 @@ def reduce_grad(
     `divide_factors`."""
     d = divide_factors(reduce_dtype, world_size, replicate_size, divide_factor, force_sum_reduction)
     x = reduce_input(grad, reduce_dtype, world_size, d)
-    out = _funcol.wait_tensor(_funcol.reduce_scatter_tensor(x, d.op, world_size, group_name))
+    out = x if world_size == 1 else _funcol.wait_tensor(_funcol.reduce_scatter_tensor(x, d.op, world_size, group_name))
     if replicate_size > 1 and not requires_all_reduce:
         return (
             torch.ops.fsdp2.stash_grad(out, partial_key, reduce_dtype, out.shape[0], reduce_dtype, fqn)[:local_rows]
