@@ -1,7 +1,8 @@
 """The rank-consistency exchange at scale: N simulated ranks against one real TCPStore, as rank 0's store serves a
 job of N ranks for each compiled graph.
 
-    .venv/bin/python benchmarks/control_plane.py [--ranks 16 64 256 1024 4096] [--old-up-to 1024] [--faults 1024]
+    .venv/bin/python benchmarks/control_plane.py [--ranks 16 64 256 1024 2048] [--old-up-to 256] [--faults 1024]
+        [--repeat 3]
 
 Each simulated rank is a thread with its own TCPStore client connected to one master store on a free localhost
 port, running one exchange of a record (a default CompileConfig and the forward schedule of a 12-layer GPT's
@@ -9,7 +10,8 @@ per-block all-gathers). `new` is `rank_consistency.exchange`, what the backend r
 read pattern it replaced: every rank sets its record, polls until every peer's key exists, then reads every peer's
 record. Store operations and bytes (keys and values, both ways) are counted by wrapping each client. Per N and
 algorithm it prints the wall time of one exchange (all threads released at once, until the last returns), the
-operations and bytes in total and on the busiest rank, and the store's keys left afterwards. `--faults N` also runs
+operations and bytes in total and on the busiest rank, and the store's keys left afterwards (the median of
+`--repeat` runs). `--faults N` also runs
 N ranks with one rank's record different and with one rank absent, and checks the errors name them.
 """
 
@@ -224,16 +226,18 @@ def faults(n: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--ranks", type=int, nargs="+", default=[16, 64, 256, 1024, 4096])
-    parser.add_argument("--old-up-to", type=int, default=1024, help="run the replaced algorithm up to this N")
+    parser.add_argument("--ranks", type=int, nargs="+", default=[16, 64, 256, 1024, 2048])
+    parser.add_argument("--old-up-to", type=int, default=256, help="run the replaced algorithm up to this N")
     parser.add_argument("--faults", type=int, default=1024, help="N for the mismatch and absent-rank runs (0: none)")
+    parser.add_argument("--repeat", type=int, default=3, help="runs per N and algorithm: the median's row is shown")
     args = parser.parse_args()
     print(f"record: {len(json.dumps(gpt_record()))} bytes of JSON")
     print("| ranks | algorithm | seconds | store ops | ops, busiest rank | MB | kB, busiest rank | keys left |")
     print("|---|---|---|---|---|---|---|---|")
     for n in args.ranks:
         for algorithm in ("old", "new") if n <= args.old_up_to else ("new",):
-            print(_row(n, algorithm, simulate(n, algorithm)), flush=True)
+            runs = sorted((simulate(n, algorithm) for _ in range(args.repeat)), key=lambda out: out.seconds)
+            print(_row(n, algorithm, runs[len(runs) // 2]), flush=True)
     if args.faults:
         faults(args.faults)
 

@@ -188,7 +188,7 @@ def same_process_group_faults(rank: int, world_size: int) -> dict:
     different widths, a data-dependent branch, different configs, a late rank, and last (it leaves rank 0 with a
     frame rank 1 never compiled) rank 1 raising before its first compile."""
     branch_x = torch.full((4, 8), 1.0 if rank == 0 else -1.0)
-    return {
+    outcomes = {
         "raise_in_compile": _case(lambda: _raise_in_compile(rank)),
         "compile_after_reset": _case(lambda: _compile_after_reset(rank)),
         # past shard's own check of the initial weights (which names the first parameter of other sizes)
@@ -199,8 +199,26 @@ def same_process_group_faults(rank: int, world_size: int) -> dict:
         "prefetch_depth": _case(lambda: _steps(_compiled(Net(), prefetch_depth=2 if rank == 0 else 1), rank)),
         "check_off_on_rank_1": _case(lambda: _steps(_compiled(Net(), check_rank_consistency=rank == 0), rank)),
         "late_rank": _case(lambda: _late(rank)),
-        "raise_before_compile": _case(lambda: _raise_before_compile(rank)),
     }
+    dist.barrier()
+    outcomes["keys_left"] = _exchange_keys_left(world_size)
+    outcomes["raise_before_compile"] = _case(lambda: _raise_before_compile(rank))
+    return outcomes
+
+
+def _exchange_keys_left(world_size: int) -> list[str]:
+    """The store keys left by this rank's rank-consistency exchanges (every one it made so far)."""
+    from fsdp2_compile._torch_private import default_store
+    from fsdp2_compile.compiler import rank_consistency
+
+    names = ["d", "n", "c", "v", "f", "done"] + [f"r/{r}" for r in range(world_size)]
+    keys = [
+        f"{key}/{i}/{name}"
+        for key, agreed in rank_consistency._AGREED.items()
+        for i in range(len(agreed) + 1)
+        for name in names
+    ]
+    return [k for k in keys if default_store().check([k])]
 
 
 def killed_mid_run(rank: int, world_size: int) -> dict:

@@ -95,6 +95,12 @@ def test_different_configs_are_named_field_by_field():
             assert outcome["seconds"] < BOUND_S  # not a wait for a rank that does not check
 
 
+def test_exchanges_that_every_rank_joined_leave_no_key_in_the_store():
+    # agreed, failed to compile, mismatched: each deletes its keys once every rank has read the verdict
+    for outcome in _job("same_process_group_faults"):
+        assert outcome["keys_left"] == [], outcome["keys_left"]
+
+
 def test_a_killed_rank_ends_the_survivor_before_the_timeout():
     r0, r1 = _case("killed_mid_run", "killed_mid_run")
     assert r1 is None and _job("killed_mid_run", 2)[1]["exitcode"] == 3

@@ -87,8 +87,8 @@ _AGREED: dict[str, list[str]] = dropped_with_groups({})
 _SPENT = "<failed exchange>"
 """What a failed exchange leaves in its `_AGREED` list: its keys are not used again."""
 _FINISH_WAIT_S = 5.0
-"""How long a rank about to raise waits for its peers to have read the verdict (the store may live in its process),
-and how long a rank waits for the verdict of a rank that claimed it."""
+"""How long rank 0, about to raise, waits for its peers to have read the verdict (the store may live in its
+process), and how long a rank waits for the verdict of a rank that claimed it."""
 _EXPLAINED = 16
 """At most this many distinct records are read to explain a mismatch (one rank's each)."""
 _LISTED = 8
@@ -359,8 +359,9 @@ class _Exchange:
 
     def finish(self, wait: bool) -> None:
         """Count this rank as done with the exchange, deleting its record; the last rank of a group to be done
-        deletes the group's keys (but a verdict naming missing ranks). With `wait`, give the others a few seconds
-        to read the verdict too (this rank is about to raise, and its process may host the store)."""
+        deletes the group's keys (but a verdict naming missing ranks). With `wait` on rank 0, whose process hosts
+        the store unless a launcher's agent does, give the others a few seconds to read the verdict too (this rank
+        is about to raise, and may exit)."""
         deadline, pause = time.monotonic() + min(_FINISH_WAIT_S, self.wait_s), 0.005
         with contextlib.suppress(dist.DistError):  # best effort: the store may be gone already
             verdicts = self.verdicts or [{}] * len(self.channels)
@@ -372,7 +373,10 @@ class _Exchange:
                     for name in {"d", "n", "c", "f", "v", "done"} - set(kept):
                         self.store.delete_key(ch.k(name))
             while (
-                wait and time.monotonic() < deadline and any(self.store.check([ch.k("done")]) for ch in self.channels)
+                wait
+                and self.rank == 0
+                and time.monotonic() < deadline
+                and any(self.store.check([ch.k("done")]) for ch in self.channels)
             ):
                 time.sleep(pause)
                 pause = min(2 * pause, 0.2)
