@@ -102,3 +102,16 @@ def world_of_one_variants(rank: int, world_size: int) -> dict:
 def hsdp_meshes(rank: int, world_size: int) -> dict:
     """`train_systems` on two ranks as (replicate 2, shard 1) and as (replicate 1, shard 2)."""
     return {shape: train_systems(rank, world_size, mesh_shape=shape) for shape in ((2, 1), (1, 2))}
+
+
+def float8_world_of_one(rank: int, world_size: int) -> dict:
+    """torchao float8 training (tests/float8_workers.py, fp32) under fully_shard and ours; our graphs' collective
+    ops (the amax all-reduce included)."""
+    import warnings
+
+    from float8_workers import _train
+
+    warnings.filterwarnings("ignore", module="torchao")
+    out = {system: _train(system, False, system == "fsdp2", rank, world_size) for system in ("fsdp2", "ours")}
+    out["graphs"] = [(r.kind, _graph_ops(r.gm)) for r in compiled_graphs()]
+    return out

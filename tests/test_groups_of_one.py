@@ -8,7 +8,7 @@ import functools
 
 import pytest
 import torch
-from group_of_one_workers import hsdp_meshes, world_of_one_variants
+from group_of_one_workers import float8_world_of_one, hsdp_meshes, world_of_one_variants
 from harness import run_ranks
 from module_api_workers import optimizer_in_backward, sum_only_reductions
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -71,6 +71,16 @@ def test_optimizer_in_backward_in_a_world_of_one_trains_as_fully_shard():
     r = run_ranks(optimizer_in_backward, 1, "every_step")[0]
     assert r["ours"] == r["eager"] == r["fsdp2"]
     assert r["ours_hooks"] == r["ours_hooks_in_graph"] == r["fsdp2_hooks"] == 4 * r["hooked"]
+
+
+def test_float8_in_a_world_of_one_drops_the_amax_all_reduce_and_trains_as_fully_shard():
+    """torchao's float8 weights: the scale's amax all-reduce over the group of one is dropped from the graphs."""
+    pytest.importorskip("torchao")
+    r = run_ranks(float8_world_of_one, 1)[0]
+    assert r["ours"]["losses"] == r["fsdp2"]["losses"]
+    for name, value in r["fsdp2"]["params"].items():
+        assert torch.equal(r["ours"]["params"][name], value), name
+    assert r["graphs"] and all(ops == [] for _, ops in r["graphs"])
 
 
 def test_hsdp_over_shard_groups_of_one_only_all_reduces_over_the_replicas():
