@@ -73,6 +73,7 @@ __all__ = [
     "efficient_attention",
     "fake_output_by_meta_kernel",
     "fake_process_group",
+    "forget_compiled_code",
     "flash_attention",
     "functional_collectives",
     "group_ranks",
@@ -749,6 +750,15 @@ def aot_function_from_bytes(data: bytes) -> Any:
     guards = _resolve("torch._guards")
     with guards.compile_context(guards.CompileContext(convert_frame.get_compile_id({}))), get_metrics_context():
         return compiled_function.deserialize(data)
+
+
+_reset_code = _resolve("torch._C._dynamo.eval_frame:reset_code")
+
+
+def forget_compiled_code(code: Any) -> None:
+    """Drop what Dynamo compiled for the code object `code` (its cache entries, with their guards and graphs), as
+    `torch._dynamo.reset` does for every code object."""
+    _reset_code(code)
 
 
 def stop_dcp_checkpoint_process() -> None:

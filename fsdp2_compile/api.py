@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -13,10 +14,10 @@ from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
-from fsdp2_compile._torch_private import module_call_impl, set_compiled_call_impl
+from fsdp2_compile._torch_private import forget_compiled_code, module_call_impl, set_compiled_call_impl
 from fsdp2_compile.compiler.backend import check_input_devices, compile_sharded
 from fsdp2_compile.compiler.compile_gc import full_collections_deferred
-from fsdp2_compile.compiler.report import GraphRecord, dump_requested
+from fsdp2_compile.compiler.report import GraphRecord, drop_records_of, dump_requested, records_owned_by
 from fsdp2_compile.compiler.warm_start import WarmStart
 from fsdp2_compile.config import CompileConfig, MixedPrecisionPolicy
 from fsdp2_compile.runtime.free_memory import resolve_memory_budget
@@ -115,8 +116,11 @@ def compile_in_place(
         return module_call_impl(module)(*args, **kwargs)
 
     # A code object of its own: Dynamo keeps at most `recompile_limit` (8) graphs per code object, and every
-    # module compiled here would otherwise share `call`'s, so the 9th would silently run uncompiled.
+    # module compiled here would otherwise share `call`'s, so the 9th would silently run uncompiled. What Dynamo
+    # compiled for it is dropped with the module.
     call.__code__ = call.__code__.replace()
+    owner = id(module)
+    weakref.finalize(module, _forget_compiled, call.__code__, owner)
     compiled = torch.compile(call, backend=backend, dynamic=dynamic)
     refresh = GradDeliveryRefresh(module)
     warm = None
@@ -125,12 +129,18 @@ def compile_in_place(
 
     def refreshed_call(*args, **kwargs):
         refresh()  # eager: which parameters have post-accumulate-grad hooks now
-        with full_collections_deferred(config.defer_full_gc):
+        with records_owned_by(owner), full_collections_deferred(config.defer_full_gc):
             if warm is not None:
                 return warm(refresh.places, *args, **kwargs)
             return compiled(*args, **kwargs)
 
     set_compiled_call_impl(module, refreshed_call)
+
+
+def _forget_compiled(code, owner: int) -> None:
+    """A module compiled in place died: drop what Dynamo compiled for it and the records of its graphs."""
+    forget_compiled_code(code)
+    drop_records_of(owner)
 
 
 def _check_bucket_names(module: nn.Module, config: CompileConfig) -> None:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
+
 import torch
 from guest_workers import random_draws_after_sharding
 from harness import run_ranks
@@ -11,3 +15,45 @@ def test_sharding_draws_nothing_from_the_users_random_generator():
     for rank, result in enumerate(run_ranks(random_draws_after_sharding, 2)):
         assert torch.equal(result["ours"], result["fsdp2"]), rank
         assert torch.equal(result["ours_dropout"], result["fsdp2_dropout"]), rank
+
+
+def test_what_a_compiled_model_leaves_dies_with_it():
+    """Twenty models sharded, compiled, trained and deleted in one process: the compiled graphs (Dynamo's cache of
+    the module's own code object, the graph records) go with each; no `fx.GraphModule` outlives its model."""
+    code = textwrap.dedent(
+        """
+        import gc, torch
+        from torch import fx, nn
+        from torch.distributed.device_mesh import init_device_mesh
+        import fsdp2_compile as fc
+        from fsdp2_compile._torch_private import fake_process_group
+        from fsdp2_compile.compiler.report import compiled_graphs
+
+        fake_process_group(rank=0, world_size=2)
+        mesh = init_device_mesh("cpu", (2,))
+
+        def graph_modules():
+            gc.collect()
+            gc.collect()  # the first runs the dead module's finalizer, the second frees what it released
+            return sum(isinstance(o, fx.GraphModule) for o in gc.get_objects())
+
+        def train_and_drop():
+            model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 1))
+            fc.shard(model[0], mesh)
+            fc.shard_compile(model, mesh, compile_config=fc.CompileConfig(check_rank_consistency=False))
+            opt = torch.optim.AdamW(model.parameters())
+            for _ in range(2):
+                model(torch.randn(4, 16)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+            assert compiled_graphs()  # recorded while the model lives
+
+        start = graph_modules()
+        for _ in range(20):
+            train_and_drop()
+        print("graph modules", start, graph_modules(), "records", len(compiled_graphs()))
+        """
+    )
+    done = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split()[-4:] == ["0", "0", "records", "0"], done.stdout

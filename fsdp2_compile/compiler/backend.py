@@ -41,7 +41,7 @@ from fsdp2_compile.compiler.group_split import split_reduce_groups, split_unshar
 from fsdp2_compile.compiler.pipeline import PassContext, run_pipeline
 from fsdp2_compile.compiler.post_forward import gather_backward_from_post_forward_shards
 from fsdp2_compile.compiler.rank_consistency import rank_check
-from fsdp2_compile.compiler.report import GraphRecord, collectives, record_graph
+from fsdp2_compile.compiler.report import GraphRecord, collectives, record_graph, record_owner
 from fsdp2_compile.compiler.selective_unshard import KEPT_META, KeptGathered, buckets_to_keep
 from fsdp2_compile.compiler.unsharded_after_backward import keep_unsharded_after_backward
 from fsdp2_compile.compiler.unsynced_backward import BackwardBySync
@@ -228,6 +228,7 @@ def _compiler(
 ) -> Callable[[fx.GraphModule, Any], Callable]:
     """AOTAutograd's compiler of `kind` graphs. A backward's honours the gradient-sync flags of `infos` (the
     graph's parameters by fqn) as they are when it runs (`BackwardBySync`)."""
+    owner = record_owner()  # a backward compiled at its first run is still its module's
 
     def compile_graph(gm: fx.GraphModule, example_inputs: Any) -> Callable:
         def compile_one(graph: fx.GraphModule) -> Callable:
@@ -249,7 +250,7 @@ def _compiler(
             gm = run_pipeline(gm, ctx, recompile=config.compiler == "inductor")  # else `boxed_call` generates it
             check_same_schedule(gm)
         record = GraphRecord(
-            kind, gm, ctx.snapshots, ctx.timeline, current_compile_id(), ctx.profile, gm.meta.get(KEPT_META)
+            kind, gm, ctx.snapshots, ctx.timeline, current_compile_id(), ctx.profile, gm.meta.get(KEPT_META), owner
         )
         record_graph(record)
         if on_record is not None:

@@ -8,8 +8,11 @@ No drawing code here: that is `dump.py`'s, imported only when a dump is written.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections import Counter, deque
+from collections.abc import Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -38,6 +41,9 @@ if TYPE_CHECKING:
     from fsdp2_compile.compiler.selective_unshard import KeptGathered
 
 __all__ = [
+    "drop_records_of",
+    "record_owner",
+    "records_owned_by",
     "DUMP_ENV",
     "MAX_RECORDS",
     "Collective",
@@ -183,6 +189,9 @@ class GraphRecord:
     kept_gathered: KeptGathered | None = None
     """Selective unsharding's decision for this graph's compile (`keep_gathered.KeptGathered`), or None when
     `CompileConfig.keep_gathered` is None."""
+    owner: int | None = None
+    """The id of the module `shard_compile` compiled this graph for (`records_owned_by`); its records are dropped
+    when it dies. None for a module compiled with `torch.compile(backend="fsdp2")`."""
 
 
 MAX_RECORDS = 64
@@ -206,6 +215,32 @@ def record_graph(record: GraphRecord) -> GraphRecord:
         frame, attempt = record.compile_id
         _ATTEMPTS.setdefault(frame, set()).add(attempt)
     return record
+
+
+_OWNER: ContextVar[int | None] = ContextVar("fsdp2_compile_record_owner", default=None)
+
+
+@contextlib.contextmanager
+def records_owned_by(owner: int) -> Iterator[None]:
+    """Graphs whose compilation starts in this block are recorded as `owner`'s (the id of the module they are
+    compiled for): `drop_records_of(owner)` forgets them."""
+    token = _OWNER.set(owner)
+    try:
+        yield
+    finally:
+        _OWNER.reset(token)
+
+
+def record_owner() -> int | None:
+    """The owner of graphs compiled now (`records_owned_by`)."""
+    return _OWNER.get()
+
+
+def drop_records_of(owner: int) -> None:
+    """Forget the records of the graphs compiled for `owner` (it died): their graphs are freed with them."""
+    kept = [r for r in _RECORDS if r.owner != owner]
+    _RECORDS.clear()
+    _RECORDS.extend(kept)
 
 
 def compiled_graphs() -> list[GraphRecord]:
