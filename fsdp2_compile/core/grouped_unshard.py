@@ -15,7 +15,6 @@ back each parameter's backward ops, made by the same `ops.shard_grad`: nothing a
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from types import SimpleNamespace
 
@@ -49,10 +48,14 @@ def group_key(specs: Sequence[ParamSpec]) -> str:
     return key
 
 
-@functools.cache
+_BOUND: dict[str, tuple] = dropped_with_groups({})
+
+
 def _bound(key: str) -> tuple:
     """`GROUPS[key]` as `UnshardArgs` (no shard): bound once per group, not at every trace of a call."""
-    return tuple(UnshardArgs(shard=None, spec=spec) for spec in GROUPS[key])
+    if key not in _BOUND:
+        _BOUND[key] = tuple(UnshardArgs(shard=None, spec=spec) for spec in GROUPS[key])
+    return _BOUND[key]
 
 
 @torch.library.custom_op("fsdp2::unshard_group", mutates_args=())
