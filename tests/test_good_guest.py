@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import time
 
 import torch
 from guest_workers import random_draws_after_sharding
@@ -57,3 +58,34 @@ def test_what_a_compiled_model_leaves_dies_with_it():
     done = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split()[-4:] == ["0", "0", "records", "0"], done.stdout
+
+
+def test_deferred_full_collections_leave_the_threshold_as_it_was_when_threads_overlap():
+    import gc
+    import threading
+
+    from fsdp2_compile.compiler.compile_gc import full_collections_deferred
+
+    before = gc.get_threshold()
+    a_inside, a_may_leave = threading.Event(), threading.Event()
+    seen_by_b_after_a_left = []
+
+    def a():
+        with full_collections_deferred():
+            a_inside.set()
+            a_may_leave.wait(10)
+
+    def b():
+        a_inside.wait(10)
+        with full_collections_deferred():
+            a_may_leave.set()
+            time.sleep(0.2)  # a leaves while b is still inside
+            seen_by_b_after_a_left.append(gc.get_threshold()[2])
+
+    threads = [threading.Thread(target=a), threading.Thread(target=b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert len(seen_by_b_after_a_left) == 1 and seen_by_b_after_a_left[0] > before[2]  # still deferred for b
+    assert gc.get_threshold() == before

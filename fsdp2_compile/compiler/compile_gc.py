@@ -13,23 +13,34 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import threading
 from collections.abc import Iterator
 
 __all__ = ["full_collections_deferred"]
 
 _NEVER = 2**31 - 1
+_LOCK = threading.Lock()
+_ACTIVE = [0, 0]
+"""How many threads are inside `full_collections_deferred` now, and the third threshold before the first one
+entered: the last one out restores it, so threads calling compiled modules at once leave it as it was."""
 
 
 @contextlib.contextmanager
 def full_collections_deferred(enabled: bool = True) -> Iterator[None]:
-    """Inside, Python's full (generation-2) collections wait; afterwards (raising or not) its third threshold is
-    what it was on entry. Nothing when not `enabled`."""
+    """Inside, Python's full (generation-2) collections wait; once no thread is inside any more (raising or not),
+    its third threshold is what it was when the first entered. Nothing when not `enabled`."""
     if not enabled:
         yield
         return
-    _, _, saved = gc.get_threshold()
-    gc.set_threshold(*gc.get_threshold()[:2], _NEVER)
+    with _LOCK:
+        if _ACTIVE[0] == 0:
+            _ACTIVE[1] = gc.get_threshold()[2]
+            gc.set_threshold(*gc.get_threshold()[:2], _NEVER)
+        _ACTIVE[0] += 1
     try:
         yield
     finally:
-        gc.set_threshold(*gc.get_threshold()[:2], saved)
+        with _LOCK:
+            _ACTIVE[0] -= 1
+            if _ACTIVE[0] == 0:
+                gc.set_threshold(*gc.get_threshold()[:2], _ACTIVE[1])
