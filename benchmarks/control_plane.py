@@ -8,11 +8,12 @@ Each simulated rank is a thread with its own TCPStore client connected to one ma
 port, running one exchange of a record (a default CompileConfig and the forward schedule of a 12-layer GPT's
 per-block all-gathers). `new` is `rank_consistency.exchange`, what the backend runs per process group; `old` is the
 read pattern it replaced: every rank sets its record, polls until every peer's key exists, then reads every peer's
-record. Store operations and bytes (keys and values, both ways) are counted by wrapping each client. Per N and
-algorithm it prints the wall time of one exchange (all threads released at once, until the last returns), the
-operations and bytes in total and on the busiest rank, and the store's keys left afterwards (the median of
-`--repeat` runs). `--faults N` also runs
-N ranks with one rank's record different and with one rank absent, and checks the errors name them.
+record; `floor` makes 7 round trips per rank and nothing else, what the simulation itself costs (the clients and
+the server share this machine's cores). Store operations and bytes (keys and values, both ways) are counted by
+wrapping each client. Per N and algorithm it prints the wall time of one exchange (all threads released at once,
+until the last returns), the operations and bytes in total and on the busiest rank, and the store's keys left
+afterwards: the run of median time of `--repeat` runs. `--faults N` also runs N ranks with one rank's record
+different and with one rank absent, and checks that every rank's error names it.
 """
 
 from __future__ import annotations
@@ -129,8 +130,8 @@ _CALLS = itertools.count()
 
 
 def _connected(n: int) -> tuple[dist.TCPStore, list[dist.TCPStore]]:
-    """One master store on a free localhost port, and at least `n` clients of it (kept for later calls: a few
-    connections take seconds to be accepted, so they are made at once, on threads)."""
+    """One master store on a free localhost port, and at least `n` clients of it, kept for later calls (made at
+    once, on threads: some connections are slow to be accepted)."""
     if not _MASTER:
         _MASTER.append(dist.TCPStore("127.0.0.1", 0, 1, True, timedelta(seconds=60), wait_for_workers=False))
         threading.stack_size(1 << 20)
@@ -175,7 +176,11 @@ def simulate(
         mine = differing.get(r, record)
         start.wait()
         try:
-            if algorithm == "old":
+            if algorithm == "floor":  # 7 round trips and nothing else: what the simulation itself costs
+                for _ in range(7):
+                    clients[r].add(f"{key}/floor", 0)
+                errors[r] = None
+            elif algorithm == "old":
                 errors[r] = old_exchange(clients[r], r, ranks, key, mine, wait_s)
             else:
                 errors[r] = exchange(clients[r], r, ranks, key, mine, failure=failing.get(r), wait_s=wait_s)
@@ -192,7 +197,7 @@ def simulate(
     seconds = time.perf_counter() - began
     ops = [c.ops for c in clients.values()]
     nbytes = [c.bytes for c in clients.values()]
-    keys_left = master.num_keys() - keys_before
+    keys_left = master.num_keys() - keys_before - (algorithm == "floor")
     return Outcome(seconds, errors, ops, nbytes, keys_left)
 
 
@@ -235,7 +240,7 @@ def main() -> None:
     print("| ranks | algorithm | seconds | store ops | ops, busiest rank | MB | kB, busiest rank | keys left |")
     print("|---|---|---|---|---|---|---|---|")
     for n in args.ranks:
-        for algorithm in ("old", "new") if n <= args.old_up_to else ("new",):
+        for algorithm in ("floor", "old", "new") if n <= args.old_up_to else ("floor", "new"):
             runs = sorted((simulate(n, algorithm) for _ in range(args.repeat)), key=lambda out: out.seconds)
             print(_row(n, algorithm, runs[len(runs) // 2]), flush=True)
     if args.faults:
