@@ -157,9 +157,14 @@ def _fuse_reduce_scatters(graph: fx.Graph, members: list[fx.Node]) -> None:
 
 
 def _after_reduce_scatter(all_reduce: fx.Node) -> bool:
-    """Whether `all_reduce` reduces a reduce-scatter's result (HSDP; fused with it by `_fuse_reduce_scatters`)."""
+    """Whether `all_reduce` reduces a reduce-scatter's result (HSDP; fused with it by `_fuse_reduce_scatters`, or
+    after the kept partial shards were added), found back along the nodes the lowering inserted for it."""
     source = AllReduceArgs.of(all_reduce).input
-    return source.target is WAIT and fsdp_collective_kind(WaitArgs.of(source).tensor) == Role.REDUCE_SCATTER
+    while isinstance(source, fx.Node) and PARAMS in source.meta:
+        if source.target is WAIT and fsdp_collective_kind(WaitArgs.of(source).tensor) == Role.REDUCE_SCATTER:
+            return True
+        source = source.args[0]
+    return False
 
 
 def _fuse_all_reduces(graph: fx.Graph, members: list[fx.Node]) -> None:

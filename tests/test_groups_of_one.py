@@ -10,7 +10,7 @@ import pytest
 import torch
 from group_of_one_workers import float8_world_of_one, hsdp_meshes, world_of_one_variants
 from harness import run_ranks
-from module_api_workers import optimizer_in_backward, sum_only_reductions
+from module_api_workers import hsdp_accumulation, optimizer_in_backward, sum_only_reductions
 from torch.fx.experimental.proxy_tensor import make_fx
 from tp_workers import tp_parity
 
@@ -93,6 +93,16 @@ def test_hsdp_over_shard_groups_of_one_only_all_reduces_over_the_replicas():
     collectives = [(op, size) for op, size, _ in graphs["backward"] if size != -1]
     assert collectives == [("all_reduce.default", 2)] * 3
     assert r["eager_collectives"]["all_gather_into_tensor"] == r["eager_collectives"]["reduce_scatter_tensor"] == 0
+
+
+def test_hsdp_accumulation_over_shard_groups_of_one_matches_fully_shard_bitwise():
+    """(replicate 2, shard 1), a micro-batch with set_requires_all_reduce(False), then one with it: the first
+    backward communicates nothing; the second adds the kept gradients and all-reduces them a bucket at a time."""
+    r = run_ranks(hsdp_accumulation, 2)[0]
+    assert r["ours"] == r["fsdp2"]
+    for k, p in r["fsdp2_params"].items():
+        assert torch.equal(r["ours_params"][k], p), k
+    assert [kinds for kind, kinds in r["graphs"] if kind == "backward"] == [[], ["all_reduce"] * 3]
 
 
 def test_hsdp_with_one_replica_has_no_all_reduce():
