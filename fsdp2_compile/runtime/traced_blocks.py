@@ -67,7 +67,10 @@ _WARNED: set[str] = set()
 def _fsdp2_backend_tracing() -> bool:
     """Whether the backend Dynamo traces for is fsdp2's; run (not traced) by Dynamo, its result a constant. A
     sharded module compiled with another backend gets a warning, once per backend."""
-    from fsdp2_compile._torch_private import tracing_backend  # AOTAutograd's imports wait for a compile
+    from fsdp2_compile._torch_private import (  # AOTAutograd's imports wait for a compile
+        inductor_takes_nested_regions,
+        tracing_backend,
+    )
 
     if _AHEAD_OF_TIME.active:
         return True
@@ -76,7 +79,8 @@ def _fsdp2_backend_tracing() -> bool:
         return False
     fn = getattr(backend, "func", backend)  # make_backend's functools.partial
     if getattr(fn, TRACES_BLOCKS_ONCE, False):
-        return True
+        config = getattr(backend, "keywords", {}).get("config")
+        return inductor_takes_nested_regions or config is None or config.compiler != "inductor"
     name = getattr(fn, "__name__", repr(fn))
     if name not in _WARNED:
         _WARNED.add(name)
