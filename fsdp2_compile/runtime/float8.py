@@ -87,7 +87,8 @@ def _scale(shard: Tensor, spec: ParamSpec, cast: Float8Cast) -> Tensor:
     from torchao.float8.float8_utils import amax_to_scale
 
     amax = torch.max(torch.abs(shard)) if shard.numel() else shard.new_zeros(())
-    amax = _funcol.wait_tensor(_funcol.all_reduce(amax, "max", spec.group_name))
+    if spec.world_size > 1:  # over a group of one the shard's amax is the weight's
+        amax = _funcol.wait_tensor(_funcol.all_reduce(amax, "max", spec.group_name))
     return amax_to_scale(amax, cast.dtype)
 
 
