@@ -33,32 +33,20 @@ from torch import fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 __all__ = [
-    "storage_id",
-    "float8_weight_data",
-    "float8_weight_cast",
-    "check_torchao_version",
-    "SUPPORTED_TORCHAO_SPEC",
-    "SUPPORTED_TORCHAO",
+    "all_gather_single",
     "ALLOW_UNSUPPORTED_TORCH",
     "aot_compile_function",
     "aot_function_from_bytes",
     "aot_function_to_bytes",
-    "CheckpointPolicy",
-    "CheckpointWrapper",
-    "FakeScriptObject",
-    "FullyShardStateView",
-    "OpOverload",
-    "SUPPORTED_TORCH",
-    "SUPPORTED_TORCH_SPEC",
-    "TorchDispatchMode",
-    "UnsupportedTorchError",
-    "all_gather_single",
-    "as_boxed",
     "aot_module_simplified",
+    "as_boxed",
     "boxed_call",
     "check_torch_version",
+    "check_torchao_version",
     "checkpoint_wrapped_module",
     "checkpoint_wrapper",
+    "CheckpointPolicy",
+    "CheckpointWrapper",
     "clear_dtensor_caches",
     "compile_times",
     "concatenate_meshes",
@@ -73,11 +61,14 @@ __all__ = [
     "efficient_attention",
     "fake_output_by_meta_kernel",
     "fake_process_group",
-    "forget_compiled_code",
+    "FakeScriptObject",
     "flash_attention",
+    "float8_weight_cast",
+    "float8_weight_data",
+    "forget_compiled_code",
+    "FullyShardStateView",
     "functional_collectives",
     "group_ranks",
-    "serializable_graph",
     "group_size",
     "group_timeout",
     "has_post_accumulate_grad_hooks",
@@ -93,6 +84,7 @@ __all__ = [
     "one_thread_gloo_backend",
     "op_name",
     "op_schema",
+    "OpOverload",
     "own_buffers",
     "own_parameters",
     "post_accumulate_grad_hooks",
@@ -100,16 +92,24 @@ __all__ = [
     "register_value_type",
     "resolve_group",
     "root_mesh_groups",
+    "serializable_graph",
     "set_compiled_call_impl",
     "set_fully_shard_state",
+    "storage_id",
     "store_keys_under",
     "strided_shard",
     "subgraph_schemas_reused",
+    "SUPPORTED_TORCH",
+    "SUPPORTED_TORCH_SPEC",
+    "SUPPORTED_TORCHAO",
+    "SUPPORTED_TORCHAO_SPEC",
     "to_copy",
+    "TorchDispatchMode",
     "trace_graph_artifact",
     "tracing_backend",
     "tree_leaves",
     "unsafe_view",
+    "UnsupportedTorchError",
     "view_base",
 ]
 
@@ -132,14 +132,20 @@ def _install_hint() -> str:
 def check_torch_version(version: str) -> None:
     """Raise `UnsupportedTorchError` for a torch `version` outside `SUPPORTED_TORCH` (a warning instead with
     FSDP2_COMPILE_ALLOW_UNSUPPORTED_TORCH=1); pre-releases count as their release."""
+    _check_release("torch", version, SUPPORTED_TORCH, f"is not supported; {_install_hint()}")
+
+
+def _check_release(package: str, version: str, supported: tuple, problem: str) -> None:
+    """`version` of `package` within `supported` ((major, minor) from, to excluded), else `UnsupportedTorchError`
+    saying `problem` (a warning with FSDP2_COMPILE_ALLOW_UNSUPPORTED_TORCH=1)."""
     match = re.match(r"(\d+)\.(\d+)", version)
-    low, high = SUPPORTED_TORCH
+    low, high = supported
     if match is not None and low <= (int(match[1]), int(match[2])) < high:
         return
-    message = f"torch {version} is not supported; {_install_hint()}"
+    message = f"{package} {version} {problem}"
     if os.environ.get(ALLOW_UNSUPPORTED_TORCH) != "1":
         raise UnsupportedTorchError(f"{message}, or set {ALLOW_UNSUPPORTED_TORCH}=1 to try this one anyway")
-    warnings.warn(f"fsdp2_compile: {message} ({ALLOW_UNSUPPORTED_TORCH}=1: trying this one anyway)", stacklevel=2)
+    warnings.warn(f"fsdp2_compile: {message} ({ALLOW_UNSUPPORTED_TORCH}=1: trying this one anyway)", stacklevel=3)
 
 
 def _missing(path: str, cause: BaseException) -> UnsupportedTorchError:
@@ -787,17 +793,9 @@ SUPPORTED_TORCHAO_SPEC = ">={}.{},<{}.{}".format(*SUPPORTED_TORCHAO[0], *SUPPORT
 def check_torchao_version(version: str) -> None:
     """Raise `UnsupportedTorchError` for a torchao `version` outside `SUPPORTED_TORCHAO` (a warning instead with
     FSDP2_COMPILE_ALLOW_UNSUPPORTED_TORCH=1): float8 gathers read private attributes of torchao's weights."""
-    match = re.match(r"(\d+)\.(\d+)", version)
-    low, high = SUPPORTED_TORCHAO
-    if match is not None and low <= (int(match[1]), int(match[2])) < high:
-        return
-    message = (
-        f"torchao {version} is not supported for float8 training; fsdp2_compile supports torchao"
-        f"{SUPPORTED_TORCHAO_SPEC}: install one (pip install 'torchao{SUPPORTED_TORCHAO_SPEC}')"
-    )
-    if os.environ.get(ALLOW_UNSUPPORTED_TORCH) != "1":
-        raise UnsupportedTorchError(f"{message}, or set {ALLOW_UNSUPPORTED_TORCH}=1 to try this one anyway")
-    warnings.warn(f"fsdp2_compile: {message} ({ALLOW_UNSUPPORTED_TORCH}=1: trying this one anyway)", stacklevel=2)
+    spec = SUPPORTED_TORCHAO_SPEC
+    problem = f"is not supported for float8 training; fsdp2_compile supports torchao{spec}: install one "
+    _check_release("torchao", version, SUPPORTED_TORCHAO, problem + f"(pip install 'torchao{spec}')")
 
 
 def _torchao_attribute(obj: Any, name: str) -> Any:

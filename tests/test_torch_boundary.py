@@ -30,6 +30,10 @@ SCANNED = ("fsdp2_compile", "passes", "examples", "benchmarks")
 BOUNDARY = ROOT / "fsdp2_compile" / "_torch_private.py"
 
 
+NAMEDTUPLE_API = {"_replace", "_asdict", "_fields", "_make", "_field_defaults"}
+"""A named tuple's public methods and attributes, `_`-prefixed so as not to clash with field names."""
+
+
 def _private(component: str) -> bool:
     return component.startswith("_") and not (component.startswith("__") and component.endswith("__"))
 
@@ -168,7 +172,8 @@ def private_attribute_uses(sources: dict[str, str]) -> list[str]:
     for path, tree in trees.items():
         modules = _project_modules(tree)
         for node in ast.walk(tree):
-            if isinstance(node, ast.Attribute) and _private(node.attr) and not _on_self(node):
+            attribute = isinstance(node, ast.Attribute) and _private(node.attr) and node.attr not in NAMEDTUPLE_API
+            if attribute and not _on_self(node):
                 if isinstance(node.value, ast.Name) and node.value.id in modules:
                     continue
                 if node.attr not in members and not node.attr.startswith("_fsdp2"):
