@@ -163,7 +163,7 @@ def _after_reduce_scatter(all_reduce: fx.Node) -> bool:
     while isinstance(source, fx.Node) and PARAMS in source.meta:
         if source.target is WAIT and fsdp_collective_kind(WaitArgs.of(source).tensor) == Role.REDUCE_SCATTER:
             return True
-        source = source.args[0]
+        source = source.all_input_nodes[0] if source.all_input_nodes else None  # the data it was made from
     return False
 
 

@@ -150,8 +150,11 @@ def test_activation_checkpointing_saves_fewer_bytes_for_backward():
     logits = (GLOBAL_BATCH // WORLD_SIZE, SEQ, GPT_CFG.vocab_size)
     assert fw["saved"]["first_output_shape"] == plain["saved"]["first_output_shape"] == logits  # not counted
     # saved activations (fp32, local batch 4 x 16 tokens x d 32): a checkpointed block keeps its input (8 KiB)
-    # instead of its inner activations. Exact for this model on the pinned torch (its min-cut partitioner).
-    assert fw["saved"]["activations"] == 43_520 and plain["saved"]["activations"] == 298_624  # 0.146x
+    # instead of its inner activations. Exact for this model on each supported torch (its min-cut partitioner:
+    # 2.14's saves less of what checkpointed blocks recompute).
+    release = tuple(int(n) for n in torch.__version__.split(".")[:2])
+    expected = {(2, 13): 43_520, (2, 14): 33_408}[release]
+    assert fw["saved"]["activations"] == expected and plain["saved"]["activations"] == 298_624  # 0.146x, 0.112x
     assert fw["saved"]["total"] < plain["saved"]["total"]
 
 
