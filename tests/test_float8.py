@@ -41,6 +41,7 @@ def test_a_torchao_outside_the_tested_versions_is_named_when_float8_is_sharded(f
 
     import fsdp2_compile as fc
     from fsdp2_compile._torch_private import ALLOW_UNSUPPORTED_TORCH, SUPPORTED_TORCHAO_SPEC, UnsupportedTorchError
+    from fsdp2_compile.runtime.float8 import _check_torchao
 
     installed = importlib.metadata.version
 
@@ -48,10 +49,14 @@ def test_a_torchao_outside_the_tested_versions_is_named_when_float8_is_sharded(f
         return "0.99.0" if name == "torchao" else installed(name)
 
     monkeypatch.setattr(importlib.metadata, "version", version)
+    _check_torchao.cache_clear()  # checked once a process: here with the patched version
     monkeypatch.delenv(ALLOW_UNSUPPORTED_TORCH, raising=False)
     config = Float8LinearConfig(enable_fsdp_float8_all_gather=True)
     model = convert_to_float8_training(nn.Sequential(nn.Linear(32, 32)), config=config)
-    with pytest.raises(UnsupportedTorchError) as raised:
-        fc.shard(model, check_same_init=False)
+    try:
+        with pytest.raises(UnsupportedTorchError) as raised:
+            fc.shard(model, check_same_init=False)
+    finally:
+        _check_torchao.cache_clear()  # the next check reads the installed version again
     assert "torchao 0.99.0 is not supported" in str(raised.value)
     assert f"torchao{SUPPORTED_TORCHAO_SPEC}" in str(raised.value)

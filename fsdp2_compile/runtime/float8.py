@@ -17,6 +17,7 @@ is computed where the gather is, from the same amax, to the same value.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.metadata
 from types import SimpleNamespace
 from typing import Any
@@ -58,6 +59,12 @@ def _is_float8_weight(t: Tensor) -> bool:
     return type(t).__name__ == _FLOAT8_WEIGHT and type(t).__module__.startswith("torchao.")
 
 
+@functools.cache
+def _check_torchao() -> None:
+    """The installed torchao is one whose float8 weights this project reads (once a process: a metadata lookup)."""
+    check_torchao_version(importlib.metadata.version("torchao"))
+
+
 def float8_cast_of(fqn: str, param: Tensor, shard: Tensor | None = None) -> Float8Cast | None:
     """The cast of torchao's float8 weight `param` (None for any other parameter), whose local shard is `shard`;
     a tensor subclass with FSDP2's all-gather extensions that is not one is refused, naming parameter `fqn`."""
@@ -70,7 +77,7 @@ def float8_cast_of(fqn: str, param: Tensor, shard: Tensor | None = None) -> Floa
             "(fsdp_pre_all_gather): fsdp2_compile gathers torchao's float8 weights (WeightWithDynamicFloat8CastTensor) "
             "only; shard it with torch.distributed.fsdp.fully_shard, or pass it in ignored_params"
         )
-    check_torchao_version(importlib.metadata.version("torchao"))
+    _check_torchao()
     dtype, mm_config = float8_weight_cast(local)
     if shard is None:
         return Float8Cast(dtype, mm_config)
