@@ -15,6 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
 from fsdp2_compile._torch_private import forget_compiled_code, module_call_impl, set_compiled_call_impl
+from fsdp2_compile.compiler import first_call
 from fsdp2_compile.compiler.backend import check_input_devices, compile_sharded
 from fsdp2_compile.compiler.compile_gc import full_collections_deferred
 from fsdp2_compile.compiler.report import GraphRecord, drop_records_of, dump_requested, records_owned_by
@@ -126,12 +127,17 @@ def compile_in_place(
     warm = None
     if config.cache_dir is not None:
         warm = WarmStart(module, _call_ahead_of_time, backend, config, dynamic, compiled)
+    started = False
 
     def refreshed_call(*args, **kwargs):
+        nonlocal started
         refresh()  # eager: which parameters have post-accumulate-grad hooks now
         with records_owned_by(owner), full_collections_deferred(config.defer_full_gc):
             if warm is not None:
                 return warm(refresh.places, *args, **kwargs)
+            if not started:
+                started = True
+                first_call.start(refresh.places, config)
             return compiled(*args, **kwargs)
 
     set_compiled_call_impl(module, refreshed_call)

@@ -53,9 +53,9 @@ def test_a_compile_after_a_failed_one_and_a_dynamo_reset_trains_on_every_rank():
 def test_a_rank_raising_before_its_first_compile_is_named_after_the_bounded_wait():
     r0, r1 = _case("raise_before_compile")
     assert r1["error"] == "ValueError: data loader failed on rank 1", r1
-    words = f"rank(s) [1] did not publish their forward schedule within {WAIT_S:.0f} s (the process group times out"
-    assert f"{words} after {PG_TIMEOUT_S:.0f} s)" in r0["error"], r0
-    assert "raised or crashed before compiling" in r0["error"] and "are late" in r0["error"]
+    words = f"rank(s) [1] did not make their first call of the compiled module within {WAIT_S:.0f} s"
+    assert f"{words} (the process group times out after {PG_TIMEOUT_S:.0f} s)" in r0["error"], r0
+    assert "raised or crashed before it" in r0["error"] and "are late" in r0["error"]
     # its own message, before the process group's timeout would fire
     assert WAIT_S <= r0["seconds"] < BOUND_S, r0
 
@@ -112,7 +112,7 @@ def test_a_killed_rank_ends_the_survivor_before_the_timeout():
 def test_the_store_hosts_exit_is_named_by_the_others():
     r0, r1 = _case("store_host_raises_before_compile", "store_host_raises_before_compile")
     assert r0["error"] == "ValueError: data loader failed on rank 0", r0
-    assert "lost the process group's store while exchanging forward schedules with ranks [0, 1]" in r1["error"], r1
+    assert "lost the process group's store while exchanging first-call records with ranks [0, 1]" in r1["error"], r1
     assert "rank 0, unless a launcher such as torchrun hosts it" in r1["error"]
     assert r1["seconds"] < WAIT_S  # not the wait for a rank that never publishes
 

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from harness import run_ranks
 from torch import nn
-from warm_workers import train_cached
+from warm_workers import first_call, train_cached
 
 from fsdp2_compile.compiler.warm_start import MAGIC
 
@@ -145,3 +145,21 @@ def test_an_inductor_relaunch_loads_and_trains_bitwise_equal(tmp_path):
     for rank, [hit] in enumerate(warm):
         assert _whats(cold[rank][0]) == ["miss", "stored"]
         assert _whats(hit) == ["hit"] and _same(hit, cold[rank][0])
+
+
+def test_a_rank_without_cache_dir_is_named_at_once_on_every_rank(tmp_path):
+    """The ranks agree at the first call, before compiling: a rank that differs in `cache_dir` is named by the
+    ranks with it and by itself, without either waiting for the other until the timeout."""
+    outs = run_ranks(first_call, 2, [str(tmp_path), None])
+    for out in outs:
+        assert "rank 1 has CompileConfig.cache_dir=None, rank 0 a directory" in out["error"], out
+        assert out["seconds"] < 10, out
+    assert not list(tmp_path.glob("*.bin"))
+
+
+def test_the_link_is_measured_only_when_no_profile_is_named_and_something_compiles(tmp_path):
+    assert [o["measured"] for o in run_ranks(first_call, 2, [None, None])] == [True, True]
+    assert [o["measured"] for o in run_ranks(first_call, 2, [None, None], "cpu-gloo-loopback")] == [False, False]
+    cache = [str(tmp_path)] * 2
+    assert [o["measured"] for o in run_ranks(first_call, 2, cache)] == [True, True]  # compiled and saved
+    assert [o["measured"] for o in run_ranks(first_call, 2, cache)] == [False, False]  # loaded: nothing compiles

@@ -66,3 +66,24 @@ def train_cached(
                 out[-1]["flip_error"] = str(e)
             model.set_requires_gradient_sync(True)
     return out
+
+
+def first_call(rank: int, world_size: int, cache_dirs: list[str | None], hardware: str | None = None) -> dict:
+    """One step of a `shard_compile`d MLP, rank r with `cache_dirs[r]` and every rank with `hardware`: the error
+    its first call raised (or None), the seconds it took and whether the link of its process group was measured."""
+    import time
+
+    from fsdp2_compile.runtime.link_profile import measured_profile
+    from fsdp2_compile.runtime.param_state import infos_of
+
+    model = fc.shard_compile(
+        make_model("mlp"), compile_config=fc.CompileConfig(cache_dir=cache_dirs[rank], hardware=hardware)
+    )
+    group_name = next(info.group_name for m in model.modules() for info in infos_of(m).values())
+    start, error = time.monotonic(), None
+    try:
+        x, y = batch("mlp", 0)
+        loss_fn("mlp", model(local_slice(x, rank, world_size)), local_slice(y, rank, world_size)).backward()
+    except RuntimeError as e:
+        error = str(e)
+    return dict(error=error, seconds=time.monotonic() - start, measured=measured_profile(group_name) is not None)

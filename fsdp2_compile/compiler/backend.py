@@ -54,6 +54,7 @@ from fsdp2_compile.runtime.link_profile import measured_profile
 from fsdp2_compile.runtime.param_state import ParamInfo, infos_of_values
 from fsdp2_compile.runtime.sharding import is_known_param
 from fsdp2_compile.runtime.traced_blocks import ahead_of_time
+from fsdp2_compile.runtime.validation import default_device_type
 
 __all__ = ["check_input_devices", "compile_sharded"]
 
@@ -208,16 +209,19 @@ def _partition(joint: fx.GraphModule, joint_inputs: Any, *, config: CompileConfi
 
 
 def resolve_profile(config: CompileConfig, gm: fx.GraphModule) -> HardwareProfile:
-    """The named profile, or the one `shard` measured on the graph's process group (else the loopback one)."""
+    """The named profile, or the one measured on the graph's process group at a `shard_compile`d module's first
+    call; else (`torch.compile(backend=...)` directly) the named profile of the device: h100-nvlink with an
+    accelerator, cpu-gloo-loopback without."""
     if config.hardware is not None:
         if config.hardware not in PROFILES:
             raise ValueError(f"CompileConfig.hardware={config.hardware!r} is not one of {sorted(PROFILES)}")
         return PROFILES[config.hardware]
     op = next((n for n in gm.graph.nodes if n.target in (UNSHARD, REDUCE_GRAD)), None)
-    if op is None:
-        return PROFILES["cpu-gloo-loopback"]
-    group = (UnshardArgs if op.target is UNSHARD else ReduceGradArgs).of(op).group_name
-    return measured_profile(group) or PROFILES["cpu-gloo-loopback"]
+    measured = None
+    if op is not None:
+        measured = measured_profile((UnshardArgs if op.target is UNSHARD else ReduceGradArgs).of(op).group_name)
+    on_device = torch.distributed.is_initialized() and default_device_type() != "cpu"
+    return measured or PROFILES["h100-nvlink" if on_device else "cpu-gloo-loopback"]
 
 
 def _compiler(

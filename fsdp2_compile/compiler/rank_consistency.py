@@ -16,8 +16,9 @@ error, naming the ranks, as soon as one of these holds:
 
 The exchange costs each rank a constant number of store operations whatever the group's size, so rank 0's store
 can serve 10,000 ranks. Under the exchange's key K, each rank sets its record at K/r/<rank>, appends
-"<rank>:<sha256 of the record>;" to the digest list K/d and adds 1 to the count K/n. The rank whose add completes
-the count claims K/c, reads the digest list (one read) and writes the verdict K/v: "agreed" when the digests are
+"<rank>:<sha256 of the record>;" to the digest list K/d (a "!" after the digest votes no, as a rank that did
+not load its saved compile does in `agree_at_first_call`) and adds 1 to the count K/n. The rank whose add
+completes the count claims K/c, reads the digest list (one read) and writes the verdict K/v: "agreed" when the digests are
 equal; else it reads the records of the lowest rank of each distinct digest and the verdict carries the differing
 config fields, or the two schedules from which each rank names the first differing collective, and which ranks
 hold which record. Every other rank blocks on K/v in the store (no polling). A rank whose compilation raised
@@ -75,7 +76,7 @@ from fsdp2_compile.core.group_caches import dropped_with_groups
 from fsdp2_compile.core.ir import schema_args
 from fsdp2_compile.runtime.process_groups import attempt_token
 
-__all__ = ["check_same_schedule", "exchange", "graph_groups", "rank_check", "schedule_signature"]
+__all__ = ["agree_at_first_call", "check_same_schedule", "exchange", "graph_groups", "rank_check", "schedule_signature"]
 
 _UNNAMED: dict[str, itertools.count] = dropped_with_groups({})
 """Process group -> the counter of its checks made outside a Dynamo compilation."""
@@ -231,9 +232,10 @@ class _Exchange:
     def ranks(self) -> list[int]:
         return sorted({r for ch in self.channels for r in ch.ranks})
 
-    def publish(self, text: str) -> None:
-        """Publish this rank's record (JSON) and digest; the rank completing a group's count writes its verdict."""
-        entry = f"{self.rank}:{_digest(text)};"
+    def publish(self, text: str, vote: bool = True) -> None:
+        """Publish this rank's record (JSON) and digest, with its `vote` ("!" after the digest for no); the rank
+        completing a group's count writes its verdict."""
+        entry = f"{self.rank}:{_digest(text)}{'' if vote else '!'};"
         for ch in self.channels:
             self.store.set(ch.k(f"r/{self.rank}"), text)
             self.store.append(ch.k("d"), entry)
@@ -253,11 +255,15 @@ class _Exchange:
         """Claim the verdict of `ch` and write it from the digest list, unless another rank claimed it."""
         if self.store.compare_set(ch.k("c"), "", str(self.rank)) != str(self.rank).encode():
             return
-        digests = {}
+        digests, noes = {}, 0
         for entry in self.store.get(ch.k("d")).decode().split(";")[:-1]:
             rank, digest = entry.split(":")
-            digests[int(rank)] = digest
-        self.store.compare_set(ch.k("v"), "", json.dumps(self._verdict(ch, digests)))
+            digests[int(rank)] = digest.rstrip("!")
+            noes += digest.endswith("!")
+        verdict = self._verdict(ch, digests)
+        if "agreed" in verdict:
+            verdict["unanimous"] = noes == 0
+        self.store.compare_set(ch.k("v"), "", json.dumps(verdict))
         self.store.delete_key(ch.k("d"))
 
     def _verdict(self, ch: _Channel, digests: dict[int, str]) -> dict:
@@ -322,6 +328,13 @@ class _Exchange:
                 + "; ".join(f"rank {r} failed to compile its {self.kind} graph: {m}" for r, m in verdict["failed"])
                 + ". Fix that error (the failing rank's own traceback shows where); the other ranks stopped "
                 "here instead of waiting for it in a collective"
+            )
+        if "missing" in verdict and self.kind == "first-call":
+            return (
+                f"fsdp2_compile: rank(s) {_named(verdict['missing'])} did not make their first call of the compiled "
+                f"module within {self.wait_s:.0f} s (the process group times out after {self.pg_timeout_s:.0f} s): "
+                "they raised or crashed before it (look at their errors), or are late (e.g. slow data loading: raise "
+                "the timeout of init_process_group)"
             )
         if "missing" in verdict:
             compile_id = current_compile_id()
@@ -402,9 +415,14 @@ def _exchange(gm: fx.GraphModule, kind: str, world_if_none: bool, timeout_s: flo
     """Where and how long this compilation's records are exchanged; None when there is nothing to check."""
     if not dist.is_initialized() or dist.get_world_size() == 1 or dist.get_backend() == "fake":
         return None
-    groups = {g: group_ranks(g) for g in sorted(graph_groups(gm))}
-    if not groups and world_if_none:
-        groups = {"world": list(range(dist.get_world_size()))}
+    names = graph_groups(gm)
+    return _exchange_over(names or ({"world"} if world_if_none else set()), kind, timeout_s)
+
+
+def _exchange_over(names: set[str], kind: str, timeout_s: float | None) -> _Exchange | None:
+    """An exchange over the process groups called `names` ("world": the default group) of more than one rank."""
+    world = list(range(dist.get_world_size()))
+    groups = {g: world if g == "world" else group_ranks(g) for g in sorted(names)}
     groups = {g: ranks for g, ranks in groups.items() if len(ranks) > 1}
     if not groups:
         return None
@@ -414,13 +432,21 @@ def _exchange(gm: fx.GraphModule, kind: str, world_if_none: bool, timeout_s: flo
     return _Exchange(kind, channels, wait_s, pg_timeout, default_store(), dist.get_rank())
 
 
-def _agree(ex: _Exchange, record: dict) -> str | None:
-    """Exchange this rank's record; the error it raises, or None once the ranks agreed on it."""
+def _agree(ex: _Exchange, record: dict, vote: bool = True) -> str | None:
+    """Exchange this rank's record (and vote); the error it raises, or None once the ranks agreed on it."""
     text = json.dumps(record)
     if all(text in ch.agreed for ch in ex.channels):
         return None
-    ex.publish(text)
-    ex.await_verdicts()
+    try:
+        ex.publish(text, vote)
+        ex.await_verdicts()
+    except dist.DistNetworkError as e:
+        what = "first-call records" if ex.kind == "first-call" else f"{ex.kind} schedules"
+        raise RuntimeError(
+            f"fsdp2_compile: lost the process group's store while exchanging {what} with ranks {_named(ex.ranks)}: "
+            "the process hosting it (rank 0, unless a launcher such as torchrun hosts it) has most likely exited: "
+            f"look at its error ({str(e).strip().splitlines()[0]})"
+        ) from e
     error = ex.error(record)
     ex.finish(wait=error is not None)
     if error is None:
@@ -437,14 +463,7 @@ def _check(ex: _Exchange, gm: fx.GraphModule, config) -> None:
         else {}
     )
     compare = config is None or config.check_rank_consistency
-    try:
-        error = _agree(ex, {"config": config_fields, "schedule": schedule_signature(gm) if compare else None})
-    except dist.DistNetworkError as e:
-        raise RuntimeError(
-            f"fsdp2_compile: lost the process group's store while exchanging {ex.kind} schedules with ranks "
-            f"{_named(ex.ranks)}: the process hosting it (rank 0, unless a launcher such as torchrun hosts it) has most "
-            f"likely exited: look at its error ({str(e).strip().splitlines()[0]})"
-        ) from e
+    error = _agree(ex, {"config": config_fields, "schedule": schedule_signature(gm) if compare else None})
     if error is not None:
         raise RuntimeError(error)
 
@@ -473,6 +492,27 @@ def rank_check(gm: fx.GraphModule, kind: str, config) -> Iterator[Callable[[fx.G
             _fail(ex, e)
         ex.spend()
         raise
+
+
+def agree_at_first_call(group_names: set[str], config_fields: dict[str, str], vote: bool) -> bool:
+    """At a compiled module's first call, before anything is compiled: agree over the process groups of its
+    parameters on `config_fields` (the `CompileConfig` fields that decide how the call starts), raising on every
+    rank, naming the ranks, when they differ or a rank is missing, as the schedule exchange does; returns whether
+    every rank voted yes (every rank loaded its saved compile)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1 or dist.get_backend() == "fake":
+        return vote
+    ex = _exchange_over(group_names, "first-call", None)
+    if ex is None:
+        return vote
+    try:
+        error = _agree(ex, {"config": config_fields, "schedule": None}, vote)
+    except Exception:
+        ex.spend()
+        raise
+    if error is not None:
+        ex.spend()
+        raise RuntimeError(error)
+    return all(v.get("unanimous", True) for v in ex.verdicts)
 
 
 def check_same_schedule(gm: fx.GraphModule, kind: str, config=None, *, timeout_s: float | None = None) -> None:

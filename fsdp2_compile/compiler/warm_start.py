@@ -1,6 +1,7 @@
 """Warm restarts (`CompileConfig.cache_dir`): a module's first call is compiled through torch's ahead-of-time
 compile and saved, one file per rank; a relaunch that finds the file of the same key on every rank loads it and
-neither traces nor compiles (Dynamo, AOTAutograd, the partition and the passes all skipped).
+neither traces nor compiles (Dynamo, AOTAutograd, the partition and the passes all skipped). Whether every rank
+loaded is agreed at the first call (`first_call.py`), where a rank without `cache_dir` among ranks with it is named.
 
 The key is a digest of what the saved graphs depend on: this package's, torch's and Python's versions, the world
 size and rank, the `CompileConfig` (less `cache_dir`), the module's structure, parameters and buffers (names,
@@ -24,12 +25,10 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import importlib.metadata
-import itertools
 import logging
 import os
 import sys
 import tempfile
-import time
 import types
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -43,13 +42,11 @@ from fsdp2_compile._torch_private import (
     aot_compile_function,
     aot_function_from_bytes,
     aot_function_to_bytes,
-    default_store,
-    group_timeout,
 )
+from fsdp2_compile.compiler import first_call
 from fsdp2_compile.compiler.report import dump_requested
 from fsdp2_compile.config import CompileConfig
 from fsdp2_compile.runtime.param_state import ParamInfo, own_parameters
-from fsdp2_compile.runtime.process_groups import attempt_token
 from fsdp2_compile.runtime.traced_blocks import compiling_ahead_of_time
 
 __all__ = ["WarmStart", "cache_events", "input_guards_only"]
@@ -152,6 +149,20 @@ def _input_text(value: Any) -> str:
     )
 
 
+_PLAIN = (int, float, bool, str, type(None))
+
+
+def _module_text(module: nn.Module) -> list[str]:
+    """Each submodule's name, class, training flag and plain attributes (`in_features`, `eps`, ...): what its code
+    reads besides tensors. Not `repr(module)`, whose `extra_repr` may read a managed parameter (`nn.Linear`'s
+    `self.bias`), which gathers it: a collective, here before the ranks agreed to compile."""
+    return [
+        f"module {name} {type(m).__module__}.{type(m).__qualname__} {m.training} "
+        + repr(sorted((k, v) for k, v in vars(m).items() if not k.startswith("_") and isinstance(v, _PLAIN)))
+        for name, m in module.named_modules()
+    ]
+
+
 def cache_key(module: nn.Module, places: Places, args: tuple, kwargs: dict, config: CompileConfig) -> str:
     """The digest naming the saved compile of `module(*args, **kwargs)` on this rank."""
     world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
@@ -159,7 +170,7 @@ def cache_key(module: nn.Module, places: Places, args: tuple, kwargs: dict, conf
         f"fsdp2_compile {importlib.metadata.version('fsdp2_compile')} torch {torch.__version__} python {sys.version}",
         f"world {world} rank {rank} grad {torch.is_grad_enabled()}",
         f"config {dataclasses.replace(config, cache_dir=None)!r}",
-        f"module {module!r} training {_modes(module)}",
+        *_module_text(module),
         *(f"param {n} {_tensor_text(p)}" for n, p in module.named_parameters()),
         *(f"buffer {n} {_tensor_text(b)}" for n, b in module.named_buffers()),
         *_code_text(module),
@@ -206,35 +217,6 @@ def _write(path: str, payload: bytes) -> None:
         raise
 
 
-_STARTS = itertools.count()
-
-
-def _every_rank(hit: bool, places: Places) -> bool:
-    """Whether every rank loaded its file, agreed through the default group's store (not a collective: a rank
-    compiling without `cache_dir` publishes nothing, and is named here instead of left waiting in one). Keys carry
-    the shard group's attempt token, so a job restarted in place never reads a dead attempt's."""
-    if not dist.is_initialized() or dist.get_world_size() == 1 or dist.get_backend() == "fake":
-        return hit
-    store, rank, world = default_store(), dist.get_rank(), dist.get_world_size()
-    token = attempt_token(places[0][2].group_name) if places else ""
-    key = f"fsdp2_compile/warm/{token + '/' if token else ''}{next(_STARTS)}"
-    store.set(f"{key}/{rank}", "1" if hit else "0")
-    timeout = group_timeout()
-    wait_s = max(min(0.9 * timeout, timeout - 5), timeout / 2)
-    deadline, pause, keys = time.monotonic() + wait_s, 0.005, [f"{key}/{r}" for r in range(world)]
-    while not store.check(keys):
-        if time.monotonic() > deadline:
-            missing = [r for r, k in enumerate(keys) if not store.check([k])]
-            raise RuntimeError(
-                f"fsdp2_compile: rank(s) {missing} did not say within {wait_s:.0f} s whether they load a saved "
-                "compile (CompileConfig.cache_dir): set cache_dir on every rank or on none; else they raised or "
-                "crashed before their first call (look at their errors) or are late"
-            )
-        time.sleep(pause)
-        pause = min(2 * pause, 0.2)
-    return all(store.get(k) == b"1" for k in keys)
-
-
 class WarmStart:
     """The calls of one compiled module with `cache_dir`: the first loads or compiles (and saves) `fn(module, *args,
     **kwargs)` ahead of time; later calls run that while the inputs pass its guards and the specs and training
@@ -274,7 +256,7 @@ class WarmStart:
         dumping = self.config.keep_snapshots or dump_requested()  # a hit compiles nothing to dump: all compile
         loaded = None if dumping else _read(path)
         specs, self.modes = _specs(places), _modes(self.module)
-        if _every_rank(loaded is not None, places):
+        if first_call.start(places, self.config, loaded=loaded is not None):
             _EVENTS.append(("hit", path))
             log.info("fsdp2_compile: loaded the compiled module from %s", path)
             self.compiled, self.specs = loaded, specs

@@ -1,5 +1,6 @@
-"""The hardware profile measured on a real process group (`measure_profile`): what `shard` agrees once per group
-so that every rank's compiler schedules with the same figures.
+"""The hardware profile measured on a real process group (`measure_profile`): what the ranks agree once per group,
+at the first call of a module compiled with `CompileConfig.hardware=None`, so that every rank's compiler schedules
+with the same figures.
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ def measure_profile(
     locally; the slowest rank's figures are agreed by an all-reduce (MAX of times) over the group and then over
     each group of `agree_over` (the other dims of the mesh: HSDP's replicas, tensor parallelism), so every rank of
     the whole mesh gets the same profile and makes the same decisions — ranks whose graphs share any collective
-    must order them alike. Collective: every rank of those groups must call it (`shard` does, once per group,
-    outside any compilation)."""
+    must order them alike. Collective: every rank of those groups must call it (a compiled module's first call
+    does, once per group, outside any compilation: `compiler/first_call.py`)."""
     if group_name in _MEASURED:
         return _MEASURED[group_name]
 
@@ -55,7 +56,10 @@ def measure_profile(
         out = torch.empty(per_rank * world_size, device=device_type)
         return seconds(lambda: all_gather_single(out, inp, group=group))
 
-    small, large = 256, min(1 << 20, (16 << 20) // world_size)  # 1 KiB; 4 MiB per rank, 64 MiB gathered at most
+    # Bounded whatever the group's size: 1 KiB gathered at most (one float per rank beyond 256 ranks), and
+    # 4 MiB per rank or 64 MiB gathered, whichever is smaller
+    small = max(1, 256 // world_size)
+    large = max(small + 1, min(1 << 20, (16 << 20) // world_size))
     t_small, t_large = link(small), link(large)
     a = torch.full((384, 384), 0.5, device=device_type)  # no random draw: the user's generators stay as they are
     mm_s = seconds(lambda: a @ a)
@@ -72,7 +76,7 @@ def measure_profile(
         beta_s_per_byte=max(t_large - t_small, 1e-9) / wire,
         flops_per_s=2 * 384**3 / mm_s,
         mem_bytes_per_s=2 * buf.nbytes / copy_s,
-        source=f"measured on the process group (all-gather 1 KiB and {large >> 8} KiB per rank, 384^3 matmul, "
+        source=f"measured on the process group (all-gathers of {4 * small} and {4 * large} bytes per rank, 384^3 matmul, "
         "8 MiB copy; max over ranks)",
     )
     return _MEASURED[group_name]

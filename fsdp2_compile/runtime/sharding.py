@@ -37,7 +37,6 @@ from fsdp2_compile._torch_private import (
     nested_regions_take_blocks,
     own_buffers,
     own_parameters,
-    root_mesh_groups,
     strided_shard,
 )
 from fsdp2_compile.config import MixedPrecisionPolicy
@@ -47,7 +46,6 @@ from fsdp2_compile.runtime.eager_reshard import register_reshard_hooks
 from fsdp2_compile.runtime.float8 import float8_cast_of, high_precision
 from fsdp2_compile.runtime.forward_hooks import add_forward_hooks
 from fsdp2_compile.runtime.fsdp_module import FSDPModule
-from fsdp2_compile.runtime.link_profile import measure_profile
 from fsdp2_compile.runtime.param_state import (
     IGNORED_ATTR,
     INFOS_ATTR,
@@ -215,8 +213,7 @@ def shard(
 
     Call it on each block first and on the root last: parameters already taken over by an earlier call stay in
     that call's group. A list of modules (e.g. `[model.norm, model.output]`) is one group: one all-gather and one
-    reduce-scatter for all of them. Like `fully_shard`, it is collective: every rank of the mesh must call it (the
-    first call on a process group measures the link and compute speed for the scheduler, agreed across ranks).
+    reduce-scatter for all of them. Like `fully_shard`, it is collective: every rank of the mesh must call it.
     `mesh=None` means a 1-D mesh over the default process group. Parameters in `ignored_params` are left as they
     are (not sharded, not gathered, their gradients not reduced). Every module given becomes an `FSDPModule`.
     `reshard_after_forward`: True frees gathered parameters after forward and gathers them again in backward;
@@ -247,11 +244,8 @@ def shard(
     reshard, post_forward_size, post_forward_group_name = resolve_reshard(
         reshard_after_forward, mesh.get_group(mesh.ndim - 1).group_name, world_size
     )
-    if mesh.size() > 1 and torch.distributed.get_backend(mesh.get_group(mesh.ndim - 1)) != "fake":
-        if check_same_init:
-            check_same_values(members, mesh, ignored)
-        if world_size > 1:  # for the scheduler's cost model; measured once per process group, agreed over the mesh
-            measure_profile(group_name, world_size, mesh.device_type, agree_over=root_mesh_groups(mesh))
+    if check_same_init and mesh.size() > 1 and torch.distributed.get_backend(mesh.get_group(mesh.ndim - 1)) != "fake":
+        check_same_values(members, mesh, ignored)
     for p in ignored.values():
         setattr(p, IGNORED_ATTR, True)
 

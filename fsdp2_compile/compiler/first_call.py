@@ -1,0 +1,48 @@
+"""A compiled module's first call, on every rank, before anything is compiled: the ranks of its parameters'
+process groups agree on how the call starts — whether each has `CompileConfig.cache_dir` (a rank that differs is
+named at once on every rank) and whether every one loaded its saved compile (`warm_start.py`) — through one store
+exchange costing each rank a constant number of operations (`rank_consistency.agree_at_first_call`). When they
+compile and `CompileConfig.hardware` names no profile, each of those groups has its link measured once
+(`link_profile.measure_profile`, bounded in bytes), so the scheduler's figures are agreed before the first graph.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch.distributed as dist
+from torch import nn
+
+from fsdp2_compile._torch_private import own_parameters, resolve_group, root_mesh_groups
+from fsdp2_compile.compiler.rank_consistency import agree_at_first_call
+from fsdp2_compile.config import CompileConfig
+from fsdp2_compile.runtime.link_profile import measure_profile
+from fsdp2_compile.runtime.param_state import ParamInfo
+
+__all__ = ["start"]
+
+Places = Sequence[tuple[nn.Module, str, ParamInfo]]
+
+
+def start(places: Places, config: CompileConfig, loaded: bool = False) -> bool:
+    """What every rank runs at a compiled module's first call (`loaded`: this rank loaded its saved compile);
+    returns whether every rank did, i.e. nothing is compiled."""
+    groups = {name for _, _, info in places for name in (info.group_name, info.replicate_group_name) if name}
+    every_rank_loaded = agree_at_first_call(
+        groups, {"cache_dir": "None" if config.cache_dir is None else "a directory"}, vote=loaded
+    )
+    if not every_rank_loaded and config.hardware is None:
+        _measure_links(places)
+    return every_rank_loaded
+
+
+def _measure_links(places: Places) -> None:
+    """The link profile of each shard group of more than one rank, in the same order on every rank."""
+    meshes = {}
+    for mod, name, info in places:
+        if info.world_size > 1 and info.group_name not in meshes:
+            meshes[info.group_name] = (info.world_size, own_parameters(mod)[name].device_mesh)
+    for group_name in sorted(meshes):
+        world_size, mesh = meshes[group_name]
+        if dist.get_backend(resolve_group(group_name)) != "fake":
+            measure_profile(group_name, world_size, mesh.device_type, agree_over=root_mesh_groups(mesh))
