@@ -5,8 +5,8 @@
 
 For each parameter dtype (fp32; bf16 params with fp32 reduction) it trains the GPT of `examples/gpt.py` from the same
 initial weights and batches with: `fully_shard` (eager, blocks then root), `fully_shard` again (the control: is the
-reference itself reproducible on this device?), and ours (`fc.shard` blocks, `fc.shard_compile` root) once per
-`CompileConfig(compiler=...)`. Every rank's loss at every step is compared bitwise with `fully_shard`'s; the step time
+reference itself reproducible on this device?), `fully_shard` with each block `torch.compile`d first (torchtitan's
+recipe, Inductor), and ours (`fc.shard` blocks, `fc.shard_compile` root) once per `CompileConfig(compiler=...)`. Every rank's loss at every step is compared bitwise with `fully_shard`'s; the step time
 is the median after warm-up (the slowest rank's), memory is the peak `max_memory_allocated` per rank on CUDA, counted
 from the sharded model and optimizer on (on CPU: peak RSS sampled after forward, backward and step; it only grows
 within the process, so it depends on the order of the runs). "Host issues the step in" is the time until the step's
@@ -168,6 +168,8 @@ def run_one(
 
         mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
         for block in model.blocks:
+            if system == "fully_shard + compile":  # torchtitan's recipe: each block compiled, then sharded
+                block.compile()
             fully_shard(block, mesh=mesh, mp_policy=mp)
         fully_shard(model, mesh=mesh, mp_policy=mp)
     else:
@@ -350,6 +352,9 @@ def main() -> int:
     p.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=list(DTYPES))
     p.add_argument("--compilers", nargs="+", choices=["aot_eager", "inductor"], default=["aot_eager", "inductor"])
     p.add_argument("--no-control", action="store_true", help="skip the second fully_shard run")
+    p.add_argument(
+        "--no-compiled-baseline", action="store_true", help="skip fully_shard with each block torch.compile'd"
+    )
     p.add_argument("--inductor-rtol", type=float, default=5e-2, help="largest relative loss difference of Inductor")
     p.add_argument("--budget-s", type=float, default=400, help="start no new run after this many seconds")
     p.add_argument("--no-deterministic", action="store_true", help="do not call torch.use_deterministic_algorithms")
@@ -396,6 +401,7 @@ def main() -> int:
     systems = [
         "fully_shard",
         *([] if args.no_control else ["fully_shard (control)"]),
+        *([] if args.no_compiled_baseline else ["fully_shard + compile"]),
         *(f"ours {c}" for c in args.compilers),
     ]
     results, skipped = [], []

@@ -20,7 +20,7 @@ from fsdp2_compile.compiler.backend import check_input_devices, compile_sharded
 from fsdp2_compile.compiler.compile_gc import full_collections_deferred
 from fsdp2_compile.compiler.report import GraphRecord, drop_records_of, dump_requested, records_owned_by
 from fsdp2_compile.compiler.warm_start import WarmStart
-from fsdp2_compile.config import CompileConfig, MixedPrecisionPolicy
+from fsdp2_compile.config import CompileConfig, MixedPrecisionPolicy, compiler_for
 from fsdp2_compile.runtime.free_memory import resolve_memory_budget
 from fsdp2_compile.runtime.param_state import GradDeliveryRefresh
 from fsdp2_compile.runtime.sharding import shard
@@ -87,8 +87,10 @@ def shard_compile(
         shard_placement_fn=shard_placement_fn,
         check_same_init=check_same_init,
     )
+    mesh = resolve_mesh(mesh)
     if compile_config.memory_budget_fraction is not None:
-        compile_config = resolve_memory_budget(compile_config, resolve_mesh(mesh))
+        compile_config = resolve_memory_budget(compile_config, mesh)
+    compile_config = dataclasses.replace(compile_config, compiler=compiler_for(compile_config, mesh.device_type))
     backend = make_backend(dataclasses.replace(compile_config, cache_dir=None))  # WarmStart reads cache_dir
     compile_in_place(module, backend, dynamic=dynamic, config=compile_config)
     return module

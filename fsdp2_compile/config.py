@@ -55,9 +55,10 @@ class MixedPrecisionPolicy:
 class CompileConfig:
     """How the backend turns captured graphs into executable sharded graphs."""
 
-    compiler: str = "aot_eager"
+    compiler: str | None = None
     """What runs the final graphs: "aot_eager" (the FX graphs as they are) or "inductor" (Inductor compiles them,
-    the collectives staying where the scheduler put them)."""
+    the collectives staying where the scheduler put them); None chooses by the mesh's device (`compiler_for`):
+    Inductor on CUDA, aot_eager on the CPU, whose first step Inductor's C++ compile makes far slower."""
     buckets: str | int | tuple[str, ...] = "shard_calls"
     """How collectives are fused: "shard_calls" (one bucket per module `shard` was called on, as FSDP2 groups
     parameters), "none" (one collective per parameter), an int (consecutive parameters packed up to that many
@@ -105,8 +106,8 @@ class CompileConfig:
     def __post_init__(self) -> None:
         if self.cache_dir is not None and not isinstance(self.cache_dir, (str, os.PathLike)):
             raise TypeError(f"CompileConfig.cache_dir={self.cache_dir!r}: use a directory path (str) or None")
-        if self.compiler not in ("aot_eager", "inductor"):
-            raise ValueError(f"CompileConfig.compiler={self.compiler!r} is not one of: 'aot_eager', 'inductor'")
+        if self.compiler not in (None, "aot_eager", "inductor"):
+            raise ValueError(f"CompileConfig.compiler={self.compiler!r} is not one of: None, 'aot_eager', 'inductor'")
         ok = (
             self.buckets in ("shard_calls", "none")
             or (_is_int(self.buckets) and self.buckets > 0)
@@ -158,3 +159,11 @@ class CompileConfig:
 def _is_int(value: object) -> bool:
     """An int that is not a bool (True would otherwise pass as 1)."""
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def compiler_for(config: CompileConfig, device_type: str) -> str:
+    """The compiler `config` runs on a mesh of `device_type`: the one it names, else Inductor on CUDA and aot_eager
+    elsewhere."""
+    if config.compiler is not None:
+        return config.compiler
+    return "inductor" if device_type == "cuda" else "aot_eager"

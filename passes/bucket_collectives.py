@@ -1,7 +1,8 @@
 """Fuse the per-parameter collectives of a bucket into one.
 
 All-gathers: copy-in (each padded shard flattened, concatenated) → one `all_gather_into_tensor` → wait → copy-out
-(each parameter's columns of the `[world, total]` result, made contiguous, viewed as the padded parameter).
+(each parameter's columns of the `[world, total]` result made contiguous — by one `split_with_sizes_copy`, as
+`fully_shard` does, or for Inductor a clone each — and viewed as the padded parameter).
 Reduce-scatters: each padded gradient viewed as `[world, rows * rest]`, concatenated on dim 1 → one
 `reduce_scatter_tensor` → wait → [HSDP: one `all_reduce` of the reduced shards over the replicate group → wait]
 → per-parameter slices viewed as shards. HSDP over a shard group of one rank (no reduce-scatter): the gradients
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import math
+import operator
 from collections import defaultdict
 
 import torch
@@ -79,8 +81,10 @@ def _wait_of(collective: fx.Node) -> fx.Node:
     return wait
 
 
-def _fuse_all_gathers(graph: fx.Graph, members: list[fx.Node], hoist: dict[fx.Node, fx.Node]) -> None:
-    """Fuse `members`; record in `hoist` the later members' copy-in nodes, to start with the fused copy-in."""
+def _fuse_all_gathers(graph: fx.Graph, members: list[fx.Node], hoist: dict[fx.Node, fx.Node], one_copy: bool) -> None:
+    """Fuse `members`; record in `hoist` the later members' copy-in nodes, to start with the fused copy-in.
+    `one_copy`: the copy-out as one `split_with_sizes_copy` (one op for the bucket); else a slice and a clone per
+    member (what Inductor, which decomposes the former and fuses the copies itself, is given)."""
     first, call = members[0], AllGatherArgs.of(members[0])
     world = call.group_size
     params = tuple(p for m in members for p in m.meta[PARAMS])
@@ -98,13 +102,18 @@ def _fuse_all_gathers(graph: fx.Graph, members: list[fx.Node], hoist: dict[fx.No
             gathered.meta[PREFETCH] = prefetch
         waited = insert_op(graph, WaitArgs(gathered), tag(Role.WAIT))
         table = insert_call(graph, aten.view.default, (waited, [world, sum(sizes)]), tag(Role.COPY_OUT))
+        if one_copy:
+            columns = insert_call(graph, aten.split_with_sizes_copy.default, (table, sizes, 1), tag(Role.COPY_OUT))
         offset = 0
-        for m, shard, size in zip(members, shards, sizes):
+        for i, (m, shard, size) in enumerate(zip(members, shards, sizes)):
             rows, *rest = val(shard).shape
-            cols = insert_call(graph, aten.slice.Tensor, (table, 1, offset, offset + size), tag(Role.COPY_OUT))
-            dense = insert_call(
-                graph, aten.clone.default, (cols,), tag(Role.COPY_OUT), {"memory_format": torch.contiguous_format}
-            )
+            if one_copy:
+                dense = insert_call(graph, operator.getitem, (columns, i), tag(Role.COPY_OUT))
+            else:
+                cols = insert_call(graph, aten.slice.Tensor, (table, 1, offset, offset + size), tag(Role.COPY_OUT))
+                dense = insert_call(
+                    graph, aten.clone.default, (cols,), tag(Role.COPY_OUT), {"memory_format": torch.contiguous_format}
+                )
             full = insert_call(graph, aten.view.default, (dense, [world * rows, *rest]), tag(Role.COPY_OUT))
             _wait_of(m).replace_all_uses_with(full)
             offset += size
@@ -142,14 +151,13 @@ def _fuse_reduce_scatters(graph: fx.Graph, members: list[fx.Node]) -> None:
         if all_reduces:
             replicated = insert_op(graph, AllReduceArgs.of(all_reduces[0]).replace(input=waited), tag(Role.ALL_REDUCE))
             waited = insert_op(graph, WaitArgs(replicated), tag(Role.WAIT))
-        offset = 0
-        for final, g, width in zip(all_reduces or members, grads, widths):
-            part = insert_call(graph, aten.slice.Tensor, (waited, 0, offset, offset + width), tag(Role.COPY_OUT))
+        parts = insert_call(graph, aten.split_with_sizes.default, (waited, widths), tag(Role.COPY_OUT))
+        for i, (final, g) in enumerate(zip(all_reduces or members, grads)):
+            part = insert_call(graph, operator.getitem, (parts, i), tag(Role.COPY_OUT))
             shard = insert_call(
                 graph, aten.view.default, (part, [val(g).shape[0] // world, *val(g).shape[1:]]), tag(Role.COPY_OUT)
             )
             _wait_of(final).replace_all_uses_with(shard)
-            offset += width
     for collective in [*all_reduces, *members]:
         wait = _wait_of(collective)
         graph.erase_node(wait)
@@ -179,13 +187,13 @@ def _fuse_all_reduces(graph: fx.Graph, members: list[fx.Node]) -> None:
         packed = insert_call(graph, aten.cat.default, (flat,), tag(Role.COPY_IN))
         reduced = insert_op(graph, AllReduceArgs.of(members[0]).replace(input=packed), tag(Role.ALL_REDUCE))
         waited = insert_op(graph, WaitArgs(reduced), tag(Role.WAIT))
-        offset = 0
-        for m, g in zip(members, grads):
-            size = math.prod(val(g).shape)
-            part = insert_call(graph, aten.slice.Tensor, (waited, 0, offset, offset + size), tag(Role.COPY_OUT))
+        parts = insert_call(
+            graph, aten.split_with_sizes.default, (waited, [math.prod(val(g).shape) for g in grads]), tag(Role.COPY_OUT)
+        )
+        for i, (m, g) in enumerate(zip(members, grads)):
+            part = insert_call(graph, operator.getitem, (parts, i), tag(Role.COPY_OUT))
             out = insert_call(graph, aten.view.default, (part, list(val(g).shape)), tag(Role.COPY_OUT))
             _wait_of(m).replace_all_uses_with(out)
-            offset += size
     for m in members:
         graph.erase_node(_wait_of(m))
         graph.erase_node(m)
@@ -215,7 +223,7 @@ def bucket_collectives(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     hoist: dict[fx.Node, fx.Node] = {}
     for members in _group([n for n in graph.nodes if fsdp_collective_kind(n) == Role.ALL_GATHER], buckets):
         _log_bucket(ctx, Role.ALL_GATHER, members)
-        _fuse_all_gathers(graph, members, hoist)
+        _fuse_all_gathers(graph, members, hoist, one_copy=ctx.config.compiler != "inductor")
     for members in _group([n for n in graph.nodes if fsdp_collective_kind(n) == Role.REDUCE_SCATTER], buckets):
         _log_bucket(ctx, Role.REDUCE_SCATTER, members)
         _fuse_reduce_scatters(graph, members)

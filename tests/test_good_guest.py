@@ -89,3 +89,27 @@ def test_deferred_full_collections_leave_the_threshold_as_it_was_when_threads_ov
         t.join(20)
     assert len(seen_by_b_after_a_left) == 1 and seen_by_b_after_a_left[0] > before[2]  # still deferred for b
     assert gc.get_threshold() == before
+
+
+def test_a_parameter_whose_hooks_were_removed_leaves_no_gradient_receiver():
+    import torch.distributed as dist
+    from torch import nn
+
+    import fsdp2_compile as fc
+    from fsdp2_compile._torch_private import clear_dtensor_caches, fake_process_group
+    from fsdp2_compile.core.ops import GRAD_RECEIVERS
+
+    fake_process_group(rank=0, world_size=2)
+    try:
+        before = set(GRAD_RECEIVERS)
+        model = fc.shard_compile(nn.Linear(8, 8), compile_config=fc.CompileConfig(check_rank_consistency=False))
+        weight = dict(model.named_parameters())["weight"]  # the sharded parameter (model.weight gathers it)
+        handle = weight.register_post_accumulate_grad_hook(lambda p: None)  # an optimizer in backward
+        model(torch.randn(2, 8)).sum().backward()
+        assert len(set(GRAD_RECEIVERS) - before) == 2  # the weight's receiver, and its after-backward variant
+        handle.remove()
+        model(torch.randn(2, 8)).sum().backward()
+        assert set(GRAD_RECEIVERS) == before
+    finally:
+        dist.destroy_process_group()
+        clear_dtensor_caches()

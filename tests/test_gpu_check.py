@@ -1,6 +1,6 @@
-"""benchmarks/gpu_check.py's whole logic on CPU/gloo (2 ranks, the tiny GPT, aot_eager, fp32 and bf16): it compares
-losses and final parameters with `fully_shard` bitwise and checks the collectives; its report fails on a difference;
-benchmarks/gpu_check.sh skips cleanly without CUDA."""
+"""benchmarks/gpu_check.py's whole logic on CPU/gloo (2 ranks, the tiny GPT, aot_eager and the compiled `fully_shard`
+baseline, fp32 and bf16): it compares losses and final parameters with `fully_shard` bitwise and checks the
+collectives; its report fails on a difference; benchmarks/gpu_check.sh skips cleanly without CUDA."""
 
 from __future__ import annotations
 
@@ -60,6 +60,10 @@ def test_cpu_mode_on_two_ranks_reports_bitwise_parity_with_fully_shard():
         # gathered, as fully_shard's), 3 reduce-scatters
         assert r["runtime_collectives"] == {"all_gather": 5, "reduce_scatter": 3}
         assert r["median_s"] > 0 and r["peak_bytes"] > 0
+    for r in (r for r in report["results"] if r["system"] == "fully_shard + compile"):  # the compiled baseline
+        ref = next(x for x in report["results"] if x["system"] == "fully_shard" and x["dtype"] == r["dtype"])
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref["losses"]), rtol=5e-2, atol=0)
+    assert {r["dtype"] for r in report["results"] if r["system"] == "fully_shard + compile"} == {"bf16", "fp32"}
 
 
 def _fake_result(system: str, losses, params_bitwise=True, diff=0.0) -> dict:

@@ -55,11 +55,14 @@ def _saved_gathered_params(fw: torch.fx.GraphModule) -> list[str]:
         torch.ops.aten.alias.default,
         torch.ops.aten.clone.default,
     }
+    split = {torch.ops.aten.split_with_sizes_copy.default, torch.ops.aten.split_with_sizes.default}
 
     def origin(node):
         while isinstance(node, torch.fx.Node) and node.op == "call_function":
             if node.target in passthrough:
                 node = node.args[0]
+            elif node.target is operator.getitem and node.args[0].target in split:  # a bucket's copy-out
+                node = node.args[0].args[0]
             elif node.target is operator.getitem and node.args[0].target is torch.ops.higher_order.invoke_subgraph:
                 call, index = node.args
                 body = getattr(fw, call.args[0].target)

@@ -7,6 +7,7 @@ or MUST_SAVE (`False`: gathered once, kept until backward).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import operator
@@ -45,7 +46,7 @@ from fsdp2_compile.compiler.report import GraphRecord, collectives, record_graph
 from fsdp2_compile.compiler.selective_unshard import KEPT_META, KeptGathered, buckets_to_keep
 from fsdp2_compile.compiler.unsharded_after_backward import keep_unsharded_after_backward
 from fsdp2_compile.compiler.unsynced_backward import BackwardBySync
-from fsdp2_compile.config import CompileConfig
+from fsdp2_compile.config import CompileConfig, compiler_for
 from fsdp2_compile.core.graph import nodes_calling
 from fsdp2_compile.core.hardware import PROFILES, HardwareProfile
 from fsdp2_compile.core.ir import REDUCE_GRAD, UNSHARD, ReduceGradArgs, UnshardArgs
@@ -303,6 +304,8 @@ def compile_sharded(
             "CompileConfig.memory_budget_fraction is measured and agreed over the ranks by "
             "fsdp2_compile.shard_compile; with torch.compile(model, backend=...) use CompileConfig.memory_budget_bytes"
         )
+    device_type = default_device_type() if torch.distributed.is_initialized() else "cpu"
+    config = dataclasses.replace(config, compiler=compiler_for(config, device_type))
     with full_collections_deferred(config.defer_full_gc):
         return _compile(gm, example_inputs, config, on_record)
 

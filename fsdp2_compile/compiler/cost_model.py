@@ -14,6 +14,7 @@ from torch import fx
 from torch.utils.flop_counter import flop_registry
 
 from fsdp2_compile._torch_private import OpOverload
+from fsdp2_compile.core.graph import VIEW_OPS
 from fsdp2_compile.core.hardware import HardwareProfile
 from fsdp2_compile.core.ir import (
     KEEP_ALIVE,
@@ -34,26 +35,6 @@ __all__ = [
     "node_time",
     "simulate",
 ]
-
-_VIEWS = {
-    "view",
-    "_unsafe_view",
-    "slice",
-    "t",
-    "transpose",
-    "permute",
-    "expand",
-    "alias",
-    "select",
-    "split",
-    "split_with_sizes",
-    "unsqueeze",
-    "squeeze",
-    "as_strided",
-    "detach",
-    "unbind",
-    "reshape",
-}
 
 
 def _val(a):
@@ -76,7 +57,7 @@ def compute_time(node: fx.Node, profile: HardwareProfile) -> float:
         return _body_time(call.module(), profile)
     if node.op != "call_function" or not isinstance(node.target, OpOverload):
         return 0.0
-    if node.target.overloadpacket.__name__ in _VIEWS or node.target is KEEP_ALIVE:
+    if node.target.overloadpacket.__name__ in VIEW_OPS or node.target is KEEP_ALIVE:
         return 0.0
     out = node.meta.get("val")
     moved = nbytes(out) + sum(nbytes(_val(a)) for a in node.all_input_nodes)
@@ -165,7 +146,7 @@ def simulate(gm: fx.GraphModule, profile: HardwareProfile) -> Timeline:
         is_view = (
             n.op == "call_function"
             and getattr(n.target, "overloadpacket", None) is not None
-            and (n.target.overloadpacket.__name__ in _VIEWS or n.target is WAIT)
+            and (n.target.overloadpacket.__name__ in VIEW_OPS or n.target is WAIT)
         )
         if n.op == "call_function" and not is_view:
             owned[n] = nbytes(n.meta.get("val"))

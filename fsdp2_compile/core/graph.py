@@ -20,6 +20,7 @@ __all__ = [
     "BUCKET",
     "PARAMS",
     "ROLE",
+    "VIEW_OPS",
     "ancestors_after",
     "insert_call",
     "insert_contiguous",
@@ -29,6 +30,29 @@ __all__ = [
     "stable_topological_sort",
     "val",
 ]
+
+VIEW_OPS = frozenset(
+    {
+        "view",
+        "_unsafe_view",
+        "slice",
+        "t",
+        "transpose",
+        "permute",
+        "expand",
+        "alias",
+        "select",
+        "split",
+        "split_with_sizes",
+        "unsqueeze",
+        "squeeze",
+        "as_strided",
+        "detach",
+        "unbind",
+        "reshape",
+    }
+)
+"""Aten ops, by overload packet name, whose outputs share their input's storage: no compute, no memory traffic."""
 
 
 def nodes_calling(graph: fx.Graph, target: Any) -> list[fx.Node]:

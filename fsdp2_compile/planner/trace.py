@@ -25,29 +25,13 @@ from torch.utils.checkpoint import set_checkpoint_early_stop
 from torch.utils.flop_counter import flop_registry
 
 from fsdp2_compile._torch_private import TorchDispatchMode, storage_id, tree_leaves
+from fsdp2_compile.core.graph import VIEW_OPS
 from fsdp2_compile.planner.attention import AttentionMode, is_attention, is_causal
 
 __all__ = ["OpRecord", "StepTrace", "tp_gather", "trace_step"]
 
 MATMULS = {"mm", "bmm", "addmm", "baddbmm", "convolution", "convolution_backward", "_scaled_mm", "linear"}
-VIEWS = {
-    "view",
-    "_unsafe_view",
-    "slice",
-    "t",
-    "transpose",
-    "permute",
-    "expand",
-    "alias",
-    "select",
-    "split",
-    "split_with_sizes",
-    "unsqueeze",
-    "squeeze",
-    "as_strided",
-    "detach",
-    "unbind",
-    "reshape",
+VIEWS = VIEW_OPS | {
     "_reshape_alias",
     "view_as_real",
     "view_as_complex",

@@ -228,6 +228,8 @@ class ParamInfo:
         if not hooked and not self.grad_key:
             return
         if hooked != bool(self.grad_key):
+            if not hooked:  # the hooks were removed: its receiver (sharing the shard's storage) goes too
+                self._drop_receiver()
             self.grad_key = f"{self.fqn}@{id(self):x}/grad" if hooked else ""
         # what a compiled forward gathers from (`self.__dict__`: not a field, changes no spec)
         self.__dict__["grad_source"] = receive_grads(self.grad_key, param) if hooked else None
@@ -283,6 +285,9 @@ class ParamInfo:
         """Drop all this parameter's state kept outside it (its module is gone): `discard_iteration`'s, and the
         receiver of its delivered gradients."""
         self.discard_iteration()
+        self._drop_receiver()
+
+    def _drop_receiver(self) -> None:
         if self.grad_key:
             GRAD_RECEIVERS.pop(self.grad_key, None)
             GRAD_RECEIVERS.pop(self.grad_key + HOOKS_AFTER_BACKWARD, None)

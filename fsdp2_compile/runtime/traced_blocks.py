@@ -71,6 +71,8 @@ def _fsdp2_backend_tracing() -> bool:
         inductor_takes_nested_regions,
         tracing_backend,
     )
+    from fsdp2_compile.config import CompileConfig, compiler_for
+    from fsdp2_compile.runtime.validation import default_device_type
 
     if _AHEAD_OF_TIME.active:
         return True
@@ -79,8 +81,9 @@ def _fsdp2_backend_tracing() -> bool:
         return False
     fn = getattr(backend, "func", backend)  # make_backend's functools.partial
     if getattr(fn, TRACES_BLOCKS_ONCE, False):
-        config = getattr(backend, "keywords", {}).get("config")
-        return inductor_takes_nested_regions or config is None or config.compiler != "inductor"
+        config = getattr(backend, "keywords", {}).get("config") or CompileConfig()
+        device_type = default_device_type() if torch.distributed.is_initialized() else "cpu"
+        return inductor_takes_nested_regions or compiler_for(config, device_type) != "inductor"
     name = getattr(fn, "__name__", repr(fn))
     if name not in _WARNED:
         _WARNED.add(name)
