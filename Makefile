@@ -11,7 +11,7 @@ READY := $(VENV)/.ready
 BOUNDARY_TESTS := tests/test_torch_boundary.py tests/test_shard.py tests/test_training.py tests/test_module_api.py \
 	tests/test_tensor_parallel.py tests/test_pipeline.py tests/test_float8.py tests/test_checkpoint.py tests/test_docs.py
 
-.PHONY: demo test test-boundary wheel-check lint format install clean
+.PHONY: demo test test-boundary wheel-check docs lint format install clean
 
 install: $(READY)
 
@@ -40,6 +40,9 @@ wheel-check: $(READY)
 	build/wheel-venv/bin/pip install --quiet torch==$(TORCH)
 	build/wheel-venv/bin/pip install --quiet build/wheel/*.whl
 	bash tests/wheel_check.sh build/wheel-venv $(TORCH)
+
+docs: $(READY)
+	$(VENV)/bin/mkdocs build --strict --quiet
 
 lint: $(READY)
 	$(VENV)/bin/ruff check .

@@ -65,9 +65,13 @@ def shard_compile(
     compile_config: CompileConfig = CompileConfig(),
     dynamic: bool | None = None,
 ) -> nn.Module:
-    """Shard `module` in place (see `shard`) and compile its forward with the fsdp2 backend; returns `module`.
+    """Shard `module` in place (see `shard`, whose options it takes) and compile its forward with the fsdp2 backend;
+    returns `module`.
 
     The module is compiled in place (`module.compile`), so parameter names and `state_dict()` keys are unchanged.
+    `compile_config`: how the backend compiles (`CompileConfig`; its `compiler` None chooses by the mesh's device).
+    `dynamic`: passed to `torch.compile` (None: Dynamo's default, one dynamic recompile when a size changes).
+    Its first call, on every rank, agrees on how the ranks start and measures the link (`compiler/first_call.py`).
     """
     if not isinstance(compile_config, CompileConfig):
         raise TypeError(

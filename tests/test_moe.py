@@ -49,3 +49,26 @@ def test_token_all_to_alls_trace_into_the_compiled_graphs_next_to_fsdp_collectiv
                 assert fsdp == ["all_gather"] * 5
             else:
                 assert fsdp.count("reduce_scatter") == 5
+
+
+def test_token_all_to_alls_of_other_sizes_on_another_rank_compile_the_same_schedule():
+    """Dropless routing sends a different number of tokens from each rank: the rank-consistency check compares the
+    order and kind of a model's own all-to-alls, not their data-dependent sizes."""
+    from torch import fx
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fsdp2_compile.compiler.rank_consistency import schedule_signature
+
+    def dispatch_graph(tokens: int) -> fx.GraphModule:
+        graph = fx.Graph()
+        x = graph.placeholder("x")
+        with FakeTensorMode():
+            x.meta["val"] = torch.empty(tokens, 4)
+            out = graph.call_function(
+                torch.ops._c10d_functional.all_to_all_single.default, (x, [tokens - 1, 1], [tokens - 1, 1], "ep")
+            )
+            out.meta["val"] = torch.empty(tokens, 4)
+        graph.output(out)
+        return fx.GraphModule(torch.nn.Module(), graph)
+
+    assert schedule_signature(dispatch_graph(7)) == schedule_signature(dispatch_graph(9)) == "all_to_all:float32:*:"

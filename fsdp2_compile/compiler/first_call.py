@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch.distributed as dist
 from torch import nn
 
-from fsdp2_compile._torch_private import own_parameters, resolve_group, root_mesh_groups
+from fsdp2_compile._torch_private import own_parameters, resolve_group
 from fsdp2_compile.compiler.rank_consistency import agree_at_first_call
 from fsdp2_compile.config import CompileConfig
 from fsdp2_compile.runtime.link_profile import measure_profile
@@ -37,12 +37,17 @@ def start(places: Places, config: CompileConfig, loaded: bool = False) -> bool:
 
 
 def _measure_links(places: Places) -> None:
-    """The link profile of each shard group of more than one rank, in the same order on every rank."""
-    meshes = {}
+    """The link profile of each shard group of more than one rank, in the order the module holds them (the same on
+    every rank), agreed over every dim of the meshes its parameters span (HSDP's replicas, tensor parallelism:
+    ranks whose graphs share collectives), not over the rest of the device mesh (pipeline stages make their
+    first calls at other times)."""
+    groups: dict[str, tuple[int, str, dict[str, None]]] = {}
     for mod, name, info in places:
-        if info.world_size > 1 and info.group_name not in meshes:
-            meshes[info.group_name] = (info.world_size, own_parameters(mod)[name].device_mesh)
-    for group_name in sorted(meshes):
-        world_size, mesh = meshes[group_name]
+        if info.world_size > 1:
+            mesh = own_parameters(mod)[name].device_mesh
+            _, _, spanned = groups.setdefault(info.group_name, (info.world_size, mesh.device_type, {}))
+            if mesh.ndim > 1:
+                spanned.update(dict.fromkeys(mesh.get_group(i).group_name for i in range(mesh.ndim)))
+    for group_name, (world_size, device_type, spanned) in groups.items():
         if dist.get_backend(resolve_group(group_name)) != "fake":
-            measure_profile(group_name, world_size, mesh.device_type, agree_over=root_mesh_groups(mesh))
+            measure_profile(group_name, world_size, device_type, agree_over=list(spanned))

@@ -73,7 +73,7 @@ from torch import fx
 from fsdp2_compile._torch_private import current_compile_id, default_store, group_ranks, group_timeout
 from fsdp2_compile.compiler.report import collectives
 from fsdp2_compile.core.group_caches import dropped_with_groups
-from fsdp2_compile.core.ir import schema_args
+from fsdp2_compile.core.ir import Role, schema_args
 from fsdp2_compile.runtime.process_groups import attempt_token
 
 __all__ = ["agree_at_first_call", "check_same_schedule", "exchange", "graph_groups", "rank_check", "schedule_signature"]
@@ -97,9 +97,13 @@ _LISTED = 8
 
 
 def schedule_signature(gm: fx.GraphModule) -> str:
-    """The collectives of `gm` in order, one `kind:dtype:bytes:param,param,...` per line."""
+    """The collectives of `gm` in order, one `kind:dtype:bytes:param,param,...` per line; bytes "*" for the model's
+    own all-to-alls (no parameter: a mixture of experts' dispatch and combine), whose sizes depend on the routing
+    of each rank's tokens by design."""
     return "\n".join(
-        f"{c.kind}:{str(c.dtype).removeprefix('torch.')}:{c.nbytes}:{','.join(c.params)}" for c in collectives(gm)
+        f"{c.kind}:{str(c.dtype).removeprefix('torch.')}:"
+        f"{'*' if c.kind == Role.ALL_TO_ALL and not c.params else c.nbytes}:{','.join(c.params)}"
+        for c in collectives(gm)
     )
 
 
