@@ -312,6 +312,18 @@ def test_fully_shard_and_shard_in_one_model(fake_pg):
     assert not fc.is_sharded(model)
 
 
+def test_a_sharded_model_is_not_pickled_or_deep_copied_whole(fake_pg):
+    import copy
+    import io
+
+    model = fc.shard(Net())
+    for attempt in (lambda: torch.save(model, io.BytesIO()), lambda: copy.deepcopy(model)):
+        with raises(TypeError, "a sharded module (ShardedNet) cannot be pickled", "fc.save_checkpoint"):
+            attempt()
+    with fc.sharded_parameters():  # its state is saved as usual
+        torch.save(model.state_dict(), io.BytesIO())
+
+
 @pytest.mark.parametrize(
     "kwargs, text",
     [

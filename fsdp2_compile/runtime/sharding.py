@@ -152,6 +152,16 @@ def _install_properties(
     module.__class__ = _sharded_class(base, tuple(sorted(existing)), fsdp_module, compiled_once)
 
 
+def _not_copied(module: nn.Module, *_args) -> None:
+    """What pickling (`torch.save(model)`) or deep-copying a sharded module does, as `fully_shard`'s refuses."""
+    raise TypeError(
+        f"fsdp2_compile: a sharded module ({type(module).__name__}) cannot be pickled (torch.save(model)) or "
+        "deep-copied: its parameters are this rank's shards, its state lives with its process group. Save its state "
+        "instead (fc.save_checkpoint, torch.distributed.checkpoint, or torch.save(model.state_dict()) inside "
+        "fc.sharded_parameters()), and copy a model before sharding it"
+    )
+
+
 @functools.cache
 def _sharded_class(base: type, names: tuple[str, ...], fsdp_module: bool, compiled_once: bool) -> type:
     def gathered(name: str) -> property:
@@ -159,6 +169,7 @@ def _sharded_class(base: type, names: tuple[str, ...], fsdp_module: bool, compil
 
     namespace = {name: gathered(name) for name in names}
     namespace.update(_fsdp2_generated=True, _fsdp2_compiled_once=compiled_once, __module__=base.__module__)
+    namespace.update(__reduce_ex__=_not_copied, __deepcopy__=_not_copied)
     if compiled_once:
         namespace["forward"] = traced_once(base.forward)
     bases = (base, FSDPModule) if fsdp_module else (base,)
