@@ -51,6 +51,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.checkpoint.stateful import Stateful
 
 from fsdp2_compile._torch_private import resolve_group, stop_dcp_checkpoint_process
+from fsdp2_compile.compiler.rank_consistency import agree_to_call
 from fsdp2_compile.core.group_caches import dropped_with_groups, forget_destroyed_groups
 from fsdp2_compile.runtime.param_state import sharded_parameters
 from fsdp2_compile.runtime.process_groups import serial_gloo_group
@@ -319,6 +320,7 @@ def save_checkpoint(
     path = _check_arguments("save_checkpoint", path, model, optimizer, extra_state)
     process = _check_checkpointer_type(async_save, async_checkpointer_type)
     wait_for_saves()
+    agree_to_call("save_checkpoint")  # a rank that does not call it is named, not waited for in a collective
     folder = _on_rank0(_new_save_folder, path)
     state = _state(model, optimizer, extra_state)
     if not async_save:
@@ -506,6 +508,7 @@ def load_checkpoint(
     against the commit record and the model's entries against the checkpoint's. Collective."""
     path = _check_arguments("load_checkpoint", path, model, optimizer, extra_state)
     wait_for_saves()
+    agree_to_call("load_checkpoint")
     folder, files = _on_rank0(_read_record, path)
     _verify(path, folder, files)
     check_compatible(folder, model, optimizer, extra_state)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 import time
 import traceback
@@ -263,3 +264,23 @@ def sub_meshes(rank: int, world_size: int) -> dict:
         "pipeline_stages": stages | {"losses": stage_losses, "mesh": mesh.mesh.tolist()},
         "hsdp": hsdp | {"losses": hsdp_losses},
     }
+
+
+def checkpoint_faults(rank: int, world_size: int) -> dict:
+    """On 2 ranks: rank 0 saves while rank 1 loads the same folder, then (last: it leaves rank 0 one exchange
+    ahead) rank 0 saves while rank 1 does not call `save_checkpoint` at all."""
+    from fsdp2_compile.checkpoint import load_checkpoint, save_checkpoint
+
+    path = os.path.join(tempfile.gettempdir(), f"fsdp2-checkpoint-faults-{os.environ['MASTER_PORT']}")
+    torch.manual_seed(0)
+    model = fc.shard(nn.Linear(8, 8))
+    dist.barrier()
+    save_checkpoint(path, model)  # a checkpoint to load
+    call = load_checkpoint if rank == 1 else save_checkpoint
+    outcomes = {
+        "save_against_load": _case(lambda: call(path, model)),
+        "save_on_rank_0_only": _case(lambda: save_checkpoint(path, model) if rank == 0 else None),
+    }
+    if rank == 0:
+        shutil.rmtree(path, ignore_errors=True)
+    return outcomes

@@ -133,3 +133,15 @@ def test_hsdp_exchanges_over_both_groups_of_each_rank():
     for outcome in outcomes:
         assert outcome["error"] is None, outcome
         assert all(math.isfinite(x) for x in outcome["losses"]) and outcome["losses"][-1] < outcome["losses"][0]
+
+
+def test_a_rank_calling_another_checkpoint_function_or_none_is_named():
+    r0, r1 = _case("save_against_load", "checkpoint_faults")
+    for r in (r0, r1):  # at once, on both ranks
+        words = "the ranks called different collective functions: rank 0 called save_checkpoint; rank 1 called"
+        assert f"{words} load_checkpoint" in r["error"] and r["seconds"] < 5, r
+    r0, r1 = _case("save_on_rank_0_only", "checkpoint_faults")
+    assert r1["error"] is None
+    words = f"rank(s) [1] did not call save_checkpoint within {WAIT_S:.0f} s (the process group times out after"
+    assert words in r0["error"] and "not under `if rank == 0:`" in r0["error"], r0
+    assert WAIT_S <= r0["seconds"] < BOUND_S, r0  # before gloo's own timeout, naming the rank

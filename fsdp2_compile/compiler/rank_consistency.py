@@ -76,7 +76,15 @@ from fsdp2_compile.core.group_caches import dropped_with_groups
 from fsdp2_compile.core.ir import Role, schema_args
 from fsdp2_compile.runtime.process_groups import attempt_token
 
-__all__ = ["agree_at_first_call", "check_same_schedule", "exchange", "graph_groups", "rank_check", "schedule_signature"]
+__all__ = [
+    "agree_at_first_call",
+    "agree_to_call",
+    "check_same_schedule",
+    "exchange",
+    "graph_groups",
+    "rank_check",
+    "schedule_signature",
+]
 
 _UNNAMED: dict[str, itertools.count] = dropped_with_groups({})
 """Process group -> the counter of its checks made outside a Dynamo compilation."""
@@ -170,6 +178,16 @@ def _config_error(records: dict[int, dict]) -> str | None:
     return (
         f"fsdp2_compile: the ranks compile with different CompileConfigs: {'; '.join(diffs)}. "
         "Give every rank the same CompileConfig"
+    )
+
+
+def _call_error(records: dict[int, dict]) -> str:
+    """The ranks that called another collective function than the lowest rank (`agree_to_call`)."""
+    (low, base), *rest = sorted(records.items())
+    calls = "; ".join(f"rank {r} called {record['config']['call']}" for r, record in rest)
+    return (
+        f"fsdp2_compile: the ranks called different collective functions: rank {low} called "
+        f"{base['config']['call']}; {calls}. Every rank must call them, in the same order"
     )
 
 
@@ -284,7 +302,7 @@ class _Exchange:
         holders = _holders(classes) if len(ch.ranks) > 2 else ""
         firsts = [ranks[0] for ranks in classes[:_EXPLAINED]]
         records = {r: json.loads(v) for r, v in zip(firsts, self.store.multi_get([ch.k(f"r/{r}") for r in firsts]))}
-        error = _config_error(records)
+        error = _call_error(records) if self.kind == "call" else _config_error(records)
         if error is not None:
             return {"error": _with(error, holders)}
         base = firsts[0]
@@ -332,6 +350,13 @@ class _Exchange:
                 + "; ".join(f"rank {r} failed to compile its {self.kind} graph: {m}" for r, m in verdict["failed"])
                 + ". Fix that error (the failing rank's own traceback shows where); the other ranks stopped "
                 "here instead of waiting for it in a collective"
+            )
+        if "missing" in verdict and self.kind == "call":
+            return (
+                f"fsdp2_compile: rank(s) {_named(verdict['missing'])} did not call {record['config']['call']} within "
+                f"{self.wait_s:.0f} s (the process group times out after {self.pg_timeout_s:.0f} s): every rank must "
+                "call it (not under `if rank == 0:`); else they raised or crashed before it (look at their errors) "
+                "or are late"
             )
         if "missing" in verdict and self.kind == "first-call":
             return (
@@ -517,6 +542,20 @@ def agree_at_first_call(group_names: set[str], config_fields: dict[str, str], vo
         ex.spend()
         raise RuntimeError(error)
     return all(v.get("unanimous", True) for v in ex.verdicts)
+
+
+def agree_to_call(what: str) -> None:
+    """Before the first collective of the library's collective function `what` (`save_checkpoint`, ...): every rank
+    of the default process group says so through the store (a constant number of operations per rank), so that a
+    rank calling another one is named at once on every rank, and one that does not come is named within the
+    bounded wait, instead of the collective hanging until the process group's timeout."""
+    if not dist.is_initialized() or dist.get_world_size() == 1 or dist.get_backend() == "fake":
+        return
+    ex = _exchange_over({"world"}, "call", None)
+    error = _agree(ex, {"config": {"call": what}, "schedule": None})
+    if error is not None:
+        ex.spend()
+        raise RuntimeError(error)
 
 
 def check_same_schedule(gm: fx.GraphModule, kind: str, config=None, *, timeout_s: float | None = None) -> None:
