@@ -180,7 +180,8 @@ def plan_row(name: str):
 
     from fsdp2_compile.cli.model_loading import call_factory, fake_group
     from fsdp2_compile.config import MixedPrecisionPolicy
-    from fsdp2_compile.planner.plan import Layout, make_plan
+    from fsdp2_compile.planner.layout import Layout
+    from fsdp2_compile.planner.plan import make_plan
 
     desc, source, target, kwargs, world, profile, opts, *_ = ROWS[name]
     module, attr = target.split(":")

@@ -178,8 +178,9 @@ def block_bytes(dims: dict) -> int:
 def predict(dims: dict, profile: str, configs: list[dict]) -> list[float]:
     """The planner's step seconds of each configuration on `profile`, planned by the search's own stages."""
     from fsdp2_compile.cli.model_loading import fake_group
-    from fsdp2_compile.planner.plan import Layout
-    from fsdp2_compile.planner.search import Candidate, plan_candidates
+    from fsdp2_compile.planner.candidates import Candidate
+    from fsdp2_compile.planner.layout import Layout
+    from fsdp2_compile.planner.search import plan_candidates
 
     cands = [
         Candidate(

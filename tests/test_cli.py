@@ -16,7 +16,8 @@ import torch
 
 from fsdp2_compile.compiler.pipeline import PASSES
 from fsdp2_compile.debug.sizes import size_text
-from fsdp2_compile.planner.plan import analytical_bytes, shard_for_plan, sharded_bytes
+from fsdp2_compile.planner.block_sharding import shard_for_plan
+from fsdp2_compile.planner.param_bytes import analytical_bytes, sharded_bytes
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -283,7 +284,8 @@ def test_plan_hsdp_shards_over_n_over_r_and_adds_the_all_reduces():
 
 
 def test_plan_text_names_the_mesh():
-    from fsdp2_compile.planner.plan import Plan, format_plan
+    from fsdp2_compile.planner.format import format_plan
+    from fsdp2_compile.planner.plan import Plan
 
     bytes_ = {"params": 10, "grads": 10, "optimizer": 20, "gathered_peak": 1, "activations": 1, "total": 42}
     analytical = {"params": 10.0, "grads": 10.0, "optimizer": 20.0}
@@ -564,7 +566,8 @@ def test_seq_len_and_local_batch_are_passed_to_the_factory(capsys):
 
     from fsdp2_compile.cli.main import main
     from fsdp2_compile.cli.model_loading import call_factory, fake_group, sized_call
-    from fsdp2_compile.planner.plan import Layout, make_plan
+    from fsdp2_compile.planner.layout import Layout
+    from fsdp2_compile.planner.plan import make_plan
 
     args = ["plan", "tests/cli_factories.py:llama_small", "--world-size", "2", "--hardware", "h100-nvlink"]
     assert main([*args, "--seq-len", "48", "--local-batch", "3", "--json", "-q"]) == 0

@@ -18,7 +18,8 @@ import cli_factories  # noqa: E402
 from fsdp2_compile.cli.model_loading import call_factory, fake_group  # noqa: E402
 from fsdp2_compile.core.hardware import PROFILES  # noqa: E402
 from fsdp2_compile.debug.sizes import size_text  # noqa: E402
-from fsdp2_compile.planner.plan import Layout, make_plan  # noqa: E402
+from fsdp2_compile.planner.layout import Layout  # noqa: E402
+from fsdp2_compile.planner.plan import make_plan  # noqa: E402
 from fsdp2_compile.planner.trace import trace_step  # noqa: E402
 
 T, D, H = 8, 8, 32  # tokens (batch 2 x seq 4), width, hidden width
@@ -299,7 +300,8 @@ def test_selective_unsharding_plans_what_the_pipeline_compiles():
     from fsdp2_compile.api import make_backend
     from fsdp2_compile.compiler.report import clear_compiled_graphs, compiled_graphs
     from fsdp2_compile.config import CompileConfig
-    from fsdp2_compile.planner.plan import shard_for_plan, wire_bytes
+    from fsdp2_compile.planner.block_sharding import shard_for_plan
+    from fsdp2_compile.planner.model_copies import wire_bytes
 
     plain, kept = _plan(tiny_layers), _plan(tiny_layers, keep_gathered=0.25)
     with fake_group(8):

@@ -20,8 +20,10 @@ from search_workers import recipe_step  # noqa: E402
 from fsdp2_compile.cli.main import main  # noqa: E402
 from fsdp2_compile.cli.model_loading import call_factory, fake_group  # noqa: E402
 from fsdp2_compile.config import MixedPrecisionPolicy  # noqa: E402
-from fsdp2_compile.planner.plan import Layout, make_plan  # noqa: E402
-from fsdp2_compile.planner.search import Candidate, enumerate_candidates, plan_candidates, search  # noqa: E402
+from fsdp2_compile.planner.candidates import Candidate, enumerate_candidates  # noqa: E402
+from fsdp2_compile.planner.layout import Layout  # noqa: E402
+from fsdp2_compile.planner.plan import make_plan  # noqa: E402
+from fsdp2_compile.planner.search import plan_candidates, search  # noqa: E402
 
 BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 TARGET = "tests/cli_factories.py:llama_small"

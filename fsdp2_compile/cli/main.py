@@ -274,7 +274,7 @@ def cmd_dump(ns: argparse.Namespace) -> int:
         from fsdp2_compile.config import CompileConfig
         from fsdp2_compile.core.hardware import PROFILES
         from fsdp2_compile.debug.dump import write_dump
-        from fsdp2_compile.planner.plan import shard_blocks
+        from fsdp2_compile.planner.block_sharding import shard_blocks
         from fsdp2_compile.planner.reduced_depth import block_list
         from fsdp2_compile.planner.tensor_parallel import apply_tp, plan_meshes, plan_text, tp_plan_for
 
@@ -350,7 +350,9 @@ def cmd_plan(ns: argparse.Namespace) -> int:
         from fsdp2_compile.cli.model_loading import fake_group, load_target, sized_call
         from fsdp2_compile.core.hardware import PROFILES
         from fsdp2_compile.planner.devices import device_for
-        from fsdp2_compile.planner.plan import Layout, format_plan, make_plan
+        from fsdp2_compile.planner.format import format_plan
+        from fsdp2_compile.planner.layout import Layout
+        from fsdp2_compile.planner.plan import make_plan
 
         factory = load_target(ns.target)
         call = sized_call(factory, ns.seq_len, ns.local_batch)
@@ -407,9 +409,10 @@ def cmd_search(ns: argparse.Namespace) -> int:
         import json
 
         from fsdp2_compile.cli.model_loading import fake_group, load_target, sized_call
-        from fsdp2_compile.planner.plan import Layout
+        from fsdp2_compile.planner.format import format_search
+        from fsdp2_compile.planner.layout import Layout
         from fsdp2_compile.planner.recipe import recipe_of, write_recipe
-        from fsdp2_compile.planner.search import format_search, search
+        from fsdp2_compile.planner.search import search
 
         factory = load_target(ns.target)
         call = sized_call(factory, ns.seq_len, ns.local_batch)

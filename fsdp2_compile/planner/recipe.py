@@ -14,7 +14,8 @@ from torch import nn
 
 from fsdp2_compile.config import CompileConfig, MixedPrecisionPolicy
 from fsdp2_compile.planner.activation_checkpointing import apply_ac
-from fsdp2_compile.planner.plan import Layout, shard_blocks
+from fsdp2_compile.planner.block_sharding import shard_blocks
+from fsdp2_compile.planner.layout import Layout
 from fsdp2_compile.planner.reduced_depth import block_list
 
 __all__ = ["RECIPE_VERSION", "build_from_recipe", "layout_of", "load_recipe", "mesh_of", "recipe_of", "write_recipe"]
