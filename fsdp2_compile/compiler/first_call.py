@@ -43,8 +43,8 @@ def _measure_links(places: Places) -> None:
     first calls at other times)."""
     groups: dict[str, tuple[int, str, dict[str, None]]] = {}
     for mod, name, info in places:
-        if info.world_size > 1:
-            mesh = own_parameters(mod)[name].device_mesh
+        mesh = getattr(own_parameters(mod)[name], "device_mesh", None)  # None: replaced since (the backend names it)
+        if info.world_size > 1 and mesh is not None:
             _, _, spanned = groups.setdefault(info.group_name, (info.world_size, mesh.device_type, {}))
             if mesh.ndim > 1:
                 spanned.update(dict.fromkeys(mesh.get_group(i).group_name for i in range(mesh.ndim)))
