@@ -221,8 +221,7 @@ def resolve_profile(config: CompileConfig, gm: fx.GraphModule) -> HardwareProfil
     measured = None
     if op is not None:
         measured = measured_profile((UnshardArgs if op.target is UNSHARD else ReduceGradArgs).of(op).group_name)
-    on_device = torch.distributed.is_initialized() and default_device_type() != "cpu"
-    return measured or PROFILES["h100-nvlink" if on_device else "cpu-gloo-loopback"]
+    return measured or PROFILES["cpu-gloo-loopback" if default_device_type() == "cpu" else "h100-nvlink"]
 
 
 def _compiler(
@@ -304,8 +303,7 @@ def compile_sharded(
             "CompileConfig.memory_budget_fraction is measured and agreed over the ranks by "
             "fsdp2_compile.shard_compile; with torch.compile(model, backend=...) use CompileConfig.memory_budget_bytes"
         )
-    device_type = default_device_type() if torch.distributed.is_initialized() else "cpu"
-    config = dataclasses.replace(config, compiler=compiler_for(config, device_type))
+    config = dataclasses.replace(config, compiler=compiler_for(config, default_device_type()))
     with full_collections_deferred(config.defer_full_gc):
         return _compile(gm, example_inputs, config, on_record)
 

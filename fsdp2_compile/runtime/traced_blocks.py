@@ -82,8 +82,7 @@ def _fsdp2_backend_tracing() -> bool:
     fn = getattr(backend, "func", backend)  # make_backend's functools.partial
     if getattr(fn, TRACES_BLOCKS_ONCE, False):
         config = getattr(backend, "keywords", {}).get("config") or CompileConfig()
-        device_type = default_device_type() if torch.distributed.is_initialized() else "cpu"
-        return inductor_takes_nested_regions or compiler_for(config, device_type) != "inductor"
+        return inductor_takes_nested_regions or compiler_for(config, default_device_type()) != "inductor"
     name = getattr(fn, "__name__", repr(fn))
     if name not in _WARNED:
         _WARNED.add(name)

@@ -37,9 +37,14 @@ __all__ = [
 
 
 def default_device_type() -> str:
-    """The device type of the default process group's mesh: the CPU for gloo or without a usable accelerator (a
-    CUDA build of torch on a machine without a GPU has an accelerator type but none available)."""
-    if torch.distributed.get_backend() == "gloo" or not torch.accelerator.is_available():
+    """The device type of the default process group's mesh: the CPU without a process group, for gloo, or without a
+    usable accelerator (a CUDA build of torch on a machine without a GPU has an accelerator type but none
+    available)."""
+    if (
+        not torch.distributed.is_initialized()
+        or torch.distributed.get_backend() == "gloo"
+        or not torch.accelerator.is_available()
+    ):
         return "cpu"
     return torch.accelerator.current_accelerator().type
 
