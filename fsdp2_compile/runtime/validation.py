@@ -160,7 +160,7 @@ def check_new_params(
     shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
 ) -> dict[int, int]:
     """`_check_param` on every parameter this `shard` call will take over (not ignored, not taken by an earlier
-    call), before `shard` measures the link or creates any group: bad input fails on every rank alike. With CPU
+    call), before `shard` checks the initial weights or creates any group: bad input fails on every rank alike. With CPU
     offload, parameters may be on the CPU whatever the mesh's device. Returns the dim each is sharded on, by id
     (`shard_placement_fn`'s `Shard(dim)`, else 0)."""
     if shard_placement_fn is not None and not callable(shard_placement_fn):
