@@ -18,8 +18,8 @@ The exchange costs each rank a constant number of store operations whatever the 
 can serve 10,000 ranks. Under the exchange's key K, each rank sets its record at K/r/<rank>, appends
 "<rank>:<sha256 of the record>;" to the digest list K/d (a "!" after the digest votes no, as a rank that did
 not load its saved compile does in `agree_at_first_call`) and adds 1 to the count K/n. The rank whose add
-completes the count claims K/c, reads the digest list (one read) and writes the verdict K/v: "agreed" when the digests are
-equal; else it reads the records of the lowest rank of each distinct digest and the verdict carries the differing
+completes the count claims K/c, reads the digest list (one read) and writes the verdict K/v: "agreed" when the
+digests are equal; else it reads the records of the lowest rank of each distinct digest and the verdict carries the differing
 config fields, or the two schedules from which each rank names the first differing collective, and which ranks
 hold which record. Every other rank blocks on K/v in the store (no polling). A rank whose compilation raised
 appends its failure to K/f and writes the verdict itself, which ends every wait at once. The first rank whose wait
