@@ -523,25 +523,32 @@ def rank_check(gm: fx.GraphModule, kind: str, config) -> Iterator[Callable[[fx.G
         raise
 
 
-def agree_at_first_call(group_names: set[str], config_fields: dict[str, str], vote: bool) -> bool:
-    """At a compiled module's first call, before anything is compiled: agree over the process groups of its
-    parameters on `config_fields` (the `CompileConfig` fields that decide how the call starts), raising on every
-    rank, naming the ranks, when they differ or a rank is missing, as the schedule exchange does; returns whether
-    every rank voted yes (every rank loaded its saved compile)."""
+def _agree_outside_compile(names: set[str], kind: str, fields: dict[str, str], vote: bool = True) -> list[dict]:
+    """Exchange `fields` (and `vote`) over the process groups `names`, outside any compilation; raise on every rank
+    naming the ranks that differ or are missing. The verdicts read ([] when there was no one to agree with)."""
     if not dist.is_initialized() or dist.get_world_size() == 1 or dist.get_backend() == "fake":
-        return vote
-    ex = _exchange_over(group_names, "first-call", None)
+        return []
+    ex = _exchange_over(names, kind, None)
     if ex is None:
-        return vote
+        return []
     try:
-        error = _agree(ex, {"config": config_fields, "schedule": None}, vote)
+        error = _agree(ex, {"config": fields, "schedule": None}, vote)
     except Exception:
         ex.spend()
         raise
     if error is not None:
         ex.spend()
         raise RuntimeError(error)
-    return all(v.get("unanimous", True) for v in ex.verdicts)
+    return ex.verdicts
+
+
+def agree_at_first_call(group_names: set[str], config_fields: dict[str, str], vote: bool) -> bool:
+    """At a compiled module's first call, before anything is compiled: agree over the process groups of its
+    parameters on `config_fields` (the `CompileConfig` fields that decide how the call starts), raising on every
+    rank, naming the ranks, when they differ or a rank is missing, as the schedule exchange does; returns whether
+    every rank voted yes (every rank loaded its saved compile)."""
+    verdicts = _agree_outside_compile(group_names, "first-call", config_fields, vote)
+    return all(v.get("unanimous", True) for v in verdicts) if verdicts else vote
 
 
 def agree_to_call(what: str) -> None:
@@ -549,13 +556,7 @@ def agree_to_call(what: str) -> None:
     of the default process group says so through the store (a constant number of operations per rank), so that a
     rank calling another one is named at once on every rank, and one that does not come is named within the
     bounded wait, instead of the collective hanging until the process group's timeout."""
-    if not dist.is_initialized() or dist.get_world_size() == 1 or dist.get_backend() == "fake":
-        return
-    ex = _exchange_over({"world"}, "call", None)
-    error = _agree(ex, {"config": {"call": what}, "schedule": None})
-    if error is not None:
-        ex.spend()
-        raise RuntimeError(error)
+    _agree_outside_compile({"world"}, "call", {"call": what})
 
 
 def check_same_schedule(gm: fx.GraphModule, kind: str, config=None, *, timeout_s: float | None = None) -> None:
