@@ -19,13 +19,14 @@ from fsdp2_compile.compiler import first_call
 from fsdp2_compile.compiler.backend import check_input_devices, compile_sharded
 from fsdp2_compile.compiler.compile_gc import full_collections_deferred
 from fsdp2_compile.compiler.report import GraphRecord, drop_records_of, dump_requested, records_owned_by
+from fsdp2_compile.compiler.step_errors import note_step_error
 from fsdp2_compile.compiler.warm_start import WarmStart
 from fsdp2_compile.config import CompileConfig, MixedPrecisionPolicy, compiler_for
 from fsdp2_compile.runtime.free_memory import resolve_memory_budget
 from fsdp2_compile.runtime.param_state import GradDeliveryRefresh
 from fsdp2_compile.runtime.sharding import shard
 from fsdp2_compile.runtime.traced_blocks import TRACES_BLOCKS_ONCE
-from fsdp2_compile.runtime.validation import resolve_mesh
+from fsdp2_compile.runtime.validation import check_no_new_params, resolve_mesh
 
 __all__ = ["fsdp2_backend", "make_backend", "shard_compile"]
 
@@ -138,13 +139,19 @@ def compile_in_place(
     def refreshed_call(*args, **kwargs):
         nonlocal started
         refresh()  # eager: which parameters have post-accumulate-grad hooks now
-        with records_owned_by(owner), full_collections_deferred(config.defer_full_gc):
-            if warm is not None:
-                return warm(refresh.places, *args, **kwargs)
-            if not started:
-                started = True
-                first_call.start(refresh.places, config)
-            return compiled(*args, **kwargs)
+        try:
+            with records_owned_by(owner), full_collections_deferred(config.defer_full_gc):
+                if not started:
+                    started = True
+                    check_no_new_params(module)  # before the first call's exchange: on every rank alike
+                    if warm is None:
+                        first_call.start(refresh.places, config)
+                if warm is not None:
+                    return warm(refresh.places, *args, **kwargs)
+                return compiled(*args, **kwargs)
+        except Exception as e:
+            note_step_error(e, module, [*_named_leaves("args", args), *_named_leaves("kwargs", kwargs)])
+            raise
 
     set_compiled_call_impl(module, refreshed_call)
 

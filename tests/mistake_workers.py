@@ -135,6 +135,26 @@ def _adamw_steps(model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
     return [p.full_tensor() for p in model.parameters()]
 
 
+def _full_state_dict_loaded() -> None:
+    """`load_state_dict` of an unsharded model's state dict is refused saying how; `set_model_state_dict` with
+    `full_state_dict=True`, the way it names, loads it. Raises what the user was told."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    full = _net().state_dict()
+    torch.manual_seed(1)
+    model = fc.shard(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2)))
+    try:
+        model.load_state_dict(full)
+    except RuntimeError as e:
+        told = str(e)
+    else:
+        raise AssertionError("a plain full state dict loaded into DTensor parameters")
+    set_model_state_dict(model, dict(full), options=StateDictOptions(full_state_dict=True))
+    for name, value in full.items():
+        assert torch.equal(model.state_dict()[name].full_tensor(), value), name
+    raise RuntimeError(told)
+
+
 def silent_mistakes(rank: int, world_size: int) -> dict:
     """Each case in turn (a barrier between them): the error each rank got, or None."""
     cases = {
@@ -148,6 +168,7 @@ def silent_mistakes(rank: int, world_size: int) -> dict:
         ),
         "regularised_over_parameters": lambda: _same_as_fully_shard(rank, _Blocks, _regularised_over_parameters),
         "complex_parameter": lambda: _same_as_fully_shard(rank, _WithComplex, _adamw_steps),
+        "full_state_dict_loaded": _full_state_dict_loaded,
     }
     out = {}
     for name, case in cases.items():

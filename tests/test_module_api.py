@@ -164,7 +164,7 @@ def test_explicit_prefetch_lists_steer_the_scheduler(fake_pg):
     blocks[0].set_modules_to_forward_prefetch([blocks[2], blocks[3]])
     blocks[3].set_modules_to_backward_prefetch([blocks[0]])
     model(torch.randint(0, 33, (2, 4))).sum().backward()
-    with pytest.raises(TypeError, match=r"modules\[0\] \(ShardedLinear\) was not passed to fsdp2_compile.shard"):
+    with pytest.raises(TypeError, match=r"modules\[0\] \(Linear\) was not passed to fsdp2_compile.shard"):
         blocks[0].set_modules_to_forward_prefetch([blocks[0].fc])
 
     def issue_order(gm) -> list[str]:

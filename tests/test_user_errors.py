@@ -139,6 +139,12 @@ def _silent_mistakes() -> list[dict]:
             "ValueError: parameter '0.weight' (and 3 more) has different values on different ranks of the mesh: "
             "sharding would mix the rows of each rank's model. Build the model the same way on every rank",
         ),
+        (
+            "full_state_dict_loaded",
+            "'0.weight', '0.bias' are plain tensors in the state dict, but the sharded model holds DTensors (each rank "
+            "its shard). Load a full state dict with torch.distributed.checkpoint.state_dict.set_model_state_dict(model, "
+            "state_dict, options=StateDictOptions(full_state_dict=True))",
+        ),
     ],
 )
 def test_mistakes_that_trained_silently_wrong_are_refused_on_every_rank(case, words):
@@ -529,3 +535,55 @@ def test_optimizer_in_backward_with_sync_off_through_the_backend_route(fake_pg):
     ):
         compiled(torch.randn(2, 8))
     torch._dynamo.reset()
+
+
+def _compiled_net() -> nn.Module:
+    return fc.shard_compile(Net(), compile_config=fc.CompileConfig(check_rank_consistency=False))
+
+
+@pytest.mark.parametrize(
+    "x, torch_words, note",
+    [
+        (
+            torch.randn(2, 8, dtype=torch.float64),
+            "mat1 and mat2 must have the same dtype",
+            "raised in the compiled step of ShardedNet, called with args[0] float64 (2, 8). args[0] is not float32, "
+            "the dtype the parameters compute in: cast the input",
+        ),
+        (torch.randn(2, 7), "a and b must have same reduction dim", "called with args[0] float32 (2, 7)."),
+    ],
+)
+def test_an_error_inside_the_compiled_step_keeps_torchs_message_and_names_the_call(fake_pg, x, torch_words, note):
+    torch._dynamo.reset()
+    with pytest.raises(Exception) as info:
+        _compiled_net()(x)
+    assert torch_words in str(info.value)
+    (added,) = info.value.__notes__
+    assert note in added and 'torch.compiler.set_stance("force_eager")' in added, added
+
+
+def test_our_own_errors_get_no_note(fake_pg):
+    torch._dynamo.reset()
+    model = _compiled_net()
+    model.head.weight = nn.Parameter(torch.zeros(3, 8))
+    with raises(TypeError, "parameter 'head.weight' was replaced by a Parameter after shard()") as info:
+        model(torch.randn(2, 8))
+    assert not getattr(info.value, "__notes__", None)
+
+
+def test_a_parameter_added_after_shard_compile(fake_pg):
+    torch._dynamo.reset()
+    model = _compiled_net()
+    model.norm.scale = nn.Parameter(torch.ones(8))
+    with raises(
+        ValueError, "parameter 'norm.scale' of ShardedNet was added after fsdp2_compile.shard", "Add it before"
+    ):
+        model(torch.randn(2, 8))
+
+
+def test_a_sparse_embedding(fake_pg):
+    model = nn.Sequential(nn.Embedding(10, 8, sparse=True), nn.Linear(8, 2))
+    with raises(ValueError, "module '0' (Embedding) has sparse=True", "Build it with sparse=False"):
+        fc.shard(model)
+    ignored = nn.Sequential(nn.Embedding(10, 8, sparse=True), nn.Linear(8, 2))
+    fc.shard(ignored, ignored_params={ignored[0].weight})  # kept whole: its sparse gradient stays on each rank

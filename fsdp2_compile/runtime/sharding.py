@@ -145,11 +145,28 @@ def _install_properties(
     that Dynamo sees identical blocks as instances of one class."""
     cls = type(module)
     base = cls.__bases__[0] if getattr(cls, "_fsdp2_generated", False) else cls
+    if base is cls:  # the first managed names of this module
+        module.register_load_state_dict_pre_hook(_refuse_plain_tensors)
     existing = {**infos_of(module), **infos}
     object.__setattr__(module, INFOS_ATTR, existing)
     fsdp_module = fsdp_module or isinstance(module, FSDPModule)
     compiled_once = compiled_once or getattr(cls, "_fsdp2_compiled_once", False)
     module.__class__ = _sharded_class(base, tuple(sorted(existing)), fsdp_module, compiled_once)
+
+
+def _refuse_plain_tensors(module: nn.Module, state_dict: dict, prefix: str, *_args) -> None:
+    """`load_state_dict`: a plain tensor for a managed (DTensor) parameter is the full state dict of an unsharded
+    model, which DTensor's copy refuses without saying what to do; say it first (the last argument: torch's list of
+    error messages)."""
+    plain = [prefix + n for n in infos_of(module) if type(state_dict.get(prefix + n)) in (torch.Tensor, nn.Parameter)]
+    if plain:
+        _args[-1].append(
+            f"{', '.join(repr(n) for n in plain)} {'is a plain tensor' if len(plain) == 1 else 'are plain tensors'} "
+            "in the state dict, but the sharded model holds DTensors (each rank its shard). Load a full state dict "
+            "with torch.distributed.checkpoint.state_dict.set_model_state_dict(model, state_dict, "
+            "options=StateDictOptions(full_state_dict=True)), or a sharded one (a sharded model's state_dict(), "
+            "fsdp2_compile.load_checkpoint)"
+        )
 
 
 def _not_copied(module: nn.Module, *_args) -> None:
@@ -172,8 +189,9 @@ def _sharded_class(base: type, names: tuple[str, ...], fsdp_module: bool, compil
     namespace.update(__reduce_ex__=_not_copied, __deepcopy__=_not_copied)
     if compiled_once:
         namespace["forward"] = traced_once(base.forward)
-    bases = (base, FSDPModule) if fsdp_module else (base,)
-    return type(f"Sharded{base.__name__}", bases, namespace)
+    if fsdp_module:  # named as fully_shard names its FSDP{class}; a submodule under one keeps its class's name
+        return type(f"Sharded{base.__name__}", (base, FSDPModule), namespace)
+    return type(base.__name__, (base,), namespace)
 
 
 def _group_path(root: nn.Module, mod_name: str, paths: dict[int, str]) -> str:

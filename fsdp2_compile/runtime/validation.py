@@ -19,7 +19,14 @@ from fsdp2_compile._torch_private import concatenate_meshes, own_parameters
 from fsdp2_compile.config import MixedPrecisionPolicy
 from fsdp2_compile.core.ops import pending_grad_keys
 from fsdp2_compile.runtime.float8 import float8_cast_of, high_precision
-from fsdp2_compile.runtime.param_state import REPLACED, infos_of, infos_of_values, is_sharded, state_of
+from fsdp2_compile.runtime.param_state import (
+    REPLACED,
+    infos_of,
+    infos_of_values,
+    is_known_param,
+    is_sharded,
+    state_of,
+)
 
 __all__ = [
     "check_ignored",
@@ -168,6 +175,7 @@ def check_new_params(
             f"shard(shard_placement_fn=...) takes a function of a parameter returning Shard(dim) or None, got "
             f"{type(shard_placement_fn).__name__}"
         )
+    _check_no_sparse_grads(members, ignored)
     dims = {}
     for fqn, param in _params_to_take(members, ignored):
         _check_param(fqn, param, mesh, offload)
@@ -176,6 +184,19 @@ def check_new_params(
         if float8_cast_of(fqn, param) is not None:
             _check_float8_param(fqn, param, dims.get(id(param), 0), offload)
     return dims
+
+
+def _check_no_sparse_grads(members: list[nn.Module], ignored: dict[int, nn.Parameter]) -> None:
+    """An embedding with `sparse=True` gives its weight a sparse gradient, which no reduce-scatter takes."""
+    for member in members:
+        for name, mod in member.named_modules():
+            weight = getattr(mod, "weight", None)
+            if isinstance(mod, (nn.Embedding, nn.EmbeddingBag)) and mod.sparse and id(weight) not in ignored:
+                raise ValueError(
+                    f"module '{name or type(member).__name__}' ({type(mod).__name__}) has sparse=True: its weight's "
+                    "gradient is a sparse tensor, which cannot be reduce-scattered (nor can fully_shard's). Build it "
+                    "with sparse=False, or pass its weight in ignored_params to keep it whole on every rank"
+                )
 
 
 def _params_to_take(members: list[nn.Module], ignored: dict[int, nn.Parameter]) -> Iterator[tuple[str, nn.Parameter]]:
@@ -397,6 +418,18 @@ def warn_on_mixed_param_dtypes(module: nn.Module, mp: MixedPrecisionPolicy) -> N
 
 _CHECKED_OPTIMIZERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 """Optimizer -> number of param groups already checked by `_check_optimizer`."""
+
+
+def check_no_new_params(module: nn.Module) -> None:
+    """At a compiled module's first call: every parameter is one `shard` took over or was told to ignore."""
+    for name, param in module.named_parameters():
+        owner, _, pname = name.rpartition(".")
+        if not is_known_param(param) and pname not in infos_of(module.get_submodule(owner)):  # replaced: named later
+            raise ValueError(
+                f"parameter '{name}' of {type(module).__name__} was added after fsdp2_compile.shard: it is not sharded "
+                "and its gradient would not be reduced over the ranks. Add it before calling shard / shard_compile (in ignored_params to keep "
+                "it whole on every rank)"
+            )
 
 
 def check_no_unsynced_grads(optimizer: torch.optim.Optimizer) -> None:
