@@ -1,4 +1,4 @@
-"""The planner against published and measured runs: prints docs/planner.md's table (run, source, published or
+"""The planner against published and measured runs: prints docs/results.md's table (run, source, published or
 measured, predicted, ratio). Runs `make_plan` in this process under the fake process group (about 15 s a row).
 
     .venv/bin/python benchmarks/plan_check.py [--rows tt8 tt8c ...] [--json]
@@ -150,7 +150,7 @@ ROWS = {
     ),
     "gpt-lo": (
         "GPT 29.5M, 2 ranks gloo loopback, full pipeline",
-        "benchmarks/run.py, full, mean of 3 runs (2026-12-01)",
+        "benchmarks/run.py, full, mean of 3 runs",
         "cli_factories:gpt_bench",
         {},
         2,
@@ -162,7 +162,7 @@ ROWS = {
     ),
     "gpt-1g": (
         "GPT 29.5M, 2 ranks gloo 1 Gbit/s, full pipeline",
-        "benchmarks/run.py, full, mean of 3 runs (2026-12-01)",
+        "benchmarks/run.py, full, mean of 3 runs",
         "cli_factories:gpt_bench",
         {},
         2,

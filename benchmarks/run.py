@@ -171,9 +171,10 @@ def _commit() -> str:
 
 
 def render_markdown(report: dict, compile_table: bool = True) -> str:
-    """The results of one run as Markdown: a caption naming the command and the commit, the step table with
-    ratios against FSDP2 eager and against the floor, and the compile times (unless `compile_table` is False)."""
-    lines = [f"Measured at {report['commit']} ({report['date']}) with `{report['command']}`"]
+    """The results of one run as Markdown: a caption naming the command and the commit (no date: the commit dates
+    it), the step table with ratios against FSDP2 eager and against the floor, and the compile times (unless
+    `compile_table` is False)."""
+    lines = [f"Measured at {report['commit']} with `{report['command']}`"]
     if report.get("params"):
         lines[0] += (
             f": GPT of {report['params'] / 1e6:.1f} M parameters, {report['world']} ranks on gloo, median of "

@@ -185,7 +185,7 @@ def test_markdown_rendering_of_a_small_results_file(tmp_path):
         ],
     )
     text = _run_py().render_markdown(report)
-    assert text.startswith("Measured at abc1234 (2026-01-01) with `benchmarks/run.py --modes fsdp2 full`: GPT of 2.0 M")
+    assert text.startswith("Measured at abc1234 with `benchmarks/run.py --modes fsdp2 full`: GPT of 2.0 M")
     # loopback: the floor is the compute alone; 8 Mbit/s = 1 MB/s, so 3 MB a step floors at 3 s (fsdp2 rows use full's)
     assert "| loopback | full | 1.500 s | 0.75x | 1.000 s | 1.50x | 300 MiB | 0.75x | 6 | 3.0 |" in text
     assert "| 8mbit | fsdp2 | 4.000 s | 1.00x | 3.000 s | 1.33x | 400 MiB | 1.00x | - | - |" in text

@@ -1,4 +1,4 @@
-"""The process groups the library creates (docs/reliability.md lists them): on gloo, one one-thread twin per mesh
+"""The process groups the library creates (docs/architecture.md lists them): on gloo, one one-thread twin per mesh
 group that FSDP's collectives use, made once; none per `shard` call, compile, step or save after that (4 gloo
 ranks); none at all on any other backend."""
 

@@ -1,7 +1,7 @@
 """Memory safety over many steps: 150 training steps of the default pipeline with glibc filling every
 freed byte (MALLOC_PERTURB_) and checking its heap (MALLOC_CHECK_=3), compared bitwise with `fully_shard` under the
 same settings. A collective reading a freed buffer would send the pattern (the losses stop matching); a write
-after free aborts the rank. The long version is `benchmarks/soak.py` (its figures are in docs/reliability.md)."""
+after free aborts the rank. The long version is `benchmarks/soak.py` (its figures are in docs/results.md)."""
 
 from __future__ import annotations
 
