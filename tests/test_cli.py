@@ -546,7 +546,7 @@ def test_dump_shows_which_buckets_selective_unsharding_keeps_and_the_bytes_saved
     assert size_text(total) == kept_bytes
 
 
-def test_keep_gathered_usage_errors(capsys):
+def test_keep_gathered_and_memory_plot_usage_errors(capsys):
     from fsdp2_compile.cli.main import main
 
     for bad in ("1.5", "-3", "lots"):
@@ -555,6 +555,9 @@ def test_keep_gathered_usage_errors(capsys):
     for bad in ("0", "-3", "lots"):
         assert main(["dump", f"{FACTORIES}:tiny", "--world-size", "2", "--memory-budget", bad]) == 2
         assert "--memory-budget" in capsys.readouterr().err
+    for bad in ("memory.pdf", "sub/memory.svg"):
+        assert main(["dump", f"{FACTORIES}:tiny", "--world-size", "2", "--memory-plot", bad]) == 2
+        assert "--memory-plot" in capsys.readouterr().err
 
 
 def test_seq_len_and_local_batch_are_passed_to_the_factory(capsys):

@@ -90,6 +90,21 @@ def test_svg_labels_fit_their_boxes(fake_pg, tmp_path):
     assert dot.startswith("digraph") and dot.count("  r") - dot.count(" -> ") == len(rows) and "legend_wait" in dot
 
 
+def test_memory_chart_is_svg_when_the_path_says_so(tmp_path):
+    """write_memory_plot to a .svg path: valid SVG, its labels kept as text, the same file when written again."""
+    pytest.importorskip("matplotlib")
+    from fsdp2_compile.debug.dump import write_memory_plot
+
+    points = [(0.0, 0), (0.001, 2**20), (0.002, 512)]
+    for name in ("a.svg", "b.svg"):
+        assert write_memory_plot(points, [("forward", 0.0, 0.001), ("backward", 0.001, 0.002)], str(tmp_path / name))
+    root = ET.parse(tmp_path / "a.svg").getroot()
+    assert root.tag == f"{SVG}svg"
+    shown = " ".join("".join(t.itertext()) for t in root.iter(f"{SVG}text"))
+    assert "forward" in shown and "backward" in shown and "peak 1.00 MiB" in shown
+    assert (tmp_path / "a.svg").read_bytes() == (tmp_path / "b.svg").read_bytes()
+
+
 def test_compile_logs_one_line_at_start_and_end(fake_pg, caplog):
     caplog.set_level(logging.INFO, logger="fsdp2_compile")
     compile_tiny()

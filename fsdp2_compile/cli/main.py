@@ -201,6 +201,8 @@ def check_args(ns: argparse.Namespace) -> None:
             raise UsageError(f"--hardware {ns.hardware!r} is not one of: {', '.join(PROFILES)}")
     if ns.command == "dump":
         check_out_folder(ns.out)
+        if os.path.basename(ns.memory_plot) != ns.memory_plot or not ns.memory_plot.endswith((".png", ".svg")):
+            raise UsageError(f"--memory-plot {ns.memory_plot!r}: a file name ending in .png or .svg")
     if ns.command == "plan":
         _check_search_args(ns)
     if ns.world_size > LARGE_WORLD:
@@ -330,7 +332,7 @@ def cmd_dump(ns: argparse.Namespace) -> int:
             if not records:
                 raise RunError("nothing was compiled (did the model run any sharded parameter?)")
             progress.step(f"simulating the step and writing {len(records)} graphs to {ns.out}")
-            summary = write_dump(records, ns.out, PROFILES[hardware])
+            summary = write_dump(records, ns.out, PROFILES[hardware], memory_plot=ns.memory_plot)
     print(f"sharded over {where}")
     if tp_text:
         print(f"tensor parallel {ns.tp}: {tp_text}")
@@ -552,7 +554,7 @@ def build_parser() -> argparse.ArgumentParser:
         "  <graph>/NN_<pass>.txt   the graph after every pass, collectives annotated with params/bucket\n"
         "  <graph>/graph.svg, .dot the final graph, collectives / waits / casts highlighted\n"
         "  trace.json              simulated schedule (open in ui.perfetto.dev or chrome://tracing)\n"
-        "  memory.png              estimated live bytes over the step\n"
+        "  memory.png              estimated live bytes over the step (--memory-plot memory.svg: SVG)\n"
         "  summary.txt             the table also printed on stdout\n"
         "Blocks of the model's longest nn.ModuleList are sharded first (FSDP2's pattern), then the root.\n"
         "In a real run, FSDP2_COMPILE_DUMP=DIR writes the same artefacts to DIR/rank<r>.",
@@ -566,6 +568,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_keep_gathered(dump)
     dump.add_argument("--hardware", help="cost-model profile for the trace (default cpu-gloo-loopback)")
     dump.add_argument("--out", default="fsdp2_dump", help="output folder (default ./fsdp2_dump)")
+    dump.add_argument(
+        "--memory-plot",
+        default="memory.png",
+        metavar="NAME",
+        help="file name of the memory chart in --out; its extension picks the format, .png or .svg (default memory.png)",
+    )
     dump.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
     dump.set_defaults(run=cmd_dump)
 

@@ -6,7 +6,8 @@
                                   cast run and compute region, parameter names on inputs
     forward/subgraphs/<name>.txt  the subgraph of each kind of identical block traced once (block_gathers.py)
     trace.json                    the simulated schedule (cost_model.simulate) as a Perfetto / Chrome trace
-    memory.csv, memory.png        estimated live bytes over the step (the plot needs matplotlib, the `plots` extra)
+    memory.csv, memory.png        estimated live bytes over the step (the plot needs matplotlib, the `plots` extra;
+                                  the CLI's --memory-plot memory.svg writes SVG)
     summary.txt                   the table `summarize` returns (also printed by `fsdp2-compile dump`)
 
 `dump_from_env(record)` (called by the backend for every compiled graph) writes them to `$FSDP2_COMPILE_DUMP/rank<r>`.
@@ -274,7 +275,9 @@ def write_memory_csv(points: list[tuple[float, int]], path: str) -> None:
 
 def write_memory_plot(points: list[tuple[float, int]], graphs: list[tuple[str, float, float]], path: str) -> bool:
     """A step chart of estimated live bytes over the step, one shaded band per graph (forward / backward), axes in ms
-    and the byte unit that fits, the peak marked. Drawn with matplotlib (the `plots` extra); False when not installed."""
+    and the byte unit that fits, the peak marked. Drawn with matplotlib (the `plots` extra); False when not installed.
+    The format follows `path`'s extension (.png, .svg: text kept as text and no date, so the same curve writes the
+    same file)."""
     try:
         import matplotlib
 
@@ -309,7 +312,8 @@ def write_memory_plot(points: list[tuple[float, int]], graphs: list[tuple[str, f
     ax.set_ylim(0, max(mib) * 1.15 or 1)
     ax.grid(True, color="#e0e0e0")
     fig.tight_layout()
-    fig.savefig(path)
+    with plt.rc_context({"svg.fonttype": "none", "svg.hashsalt": "fsdp2_compile"}):  # read only when saving SVG
+        fig.savefig(path, metadata={"Date": None} if path.endswith(".svg") else None)
     plt.close(fig)
     return True
 
@@ -341,9 +345,14 @@ def _subgraph_calls(record: GraphRecord) -> dict[str, list[SubgraphCall]]:
 
 
 def write_dump(
-    records: list[GraphRecord], out_dir: str, profile: HardwareProfile | None = None, graphs: bool = True
+    records: list[GraphRecord],
+    out_dir: str,
+    profile: HardwareProfile | None = None,
+    graphs: bool = True,
+    memory_plot: str = "memory.png",
 ) -> str:
-    """Write every artefact for `records` into `out_dir` and return the summary text."""
+    """Write every artefact for `records` into `out_dir` and return the summary text; the memory chart is
+    `memory_plot` in `out_dir` (.png or .svg)."""
     os.makedirs(out_dir, exist_ok=True)
     if graphs:
         for label, record in zip(_labels(records), records):
@@ -353,7 +362,7 @@ def write_dump(
         json.dump(trace_events(records, timelines), f)
     points, _ = _memory_curve(records, timelines)
     write_memory_csv(points, os.path.join(out_dir, "memory.csv"))
-    write_memory_plot(points, _graph_spans(records, timelines), os.path.join(out_dir, "memory.png"))
+    write_memory_plot(points, _graph_spans(records, timelines), os.path.join(out_dir, memory_plot))
     summary = summarize(records, profile)
     with open(os.path.join(out_dir, "summary.txt"), "w") as f:
         f.write(summary)
