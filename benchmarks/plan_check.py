@@ -1,7 +1,10 @@
 """The planner against published and measured runs: prints docs/results.md's table (run, source, published or
 measured, predicted, ratio). Runs `make_plan` in this process under the fake process group (about 15 s a row).
 
-    .venv/bin/python benchmarks/plan_check.py [--rows tt8 tt8c ...] [--json]
+    .venv/bin/python benchmarks/plan_check.py [--rows tt8 tt8c ...] [--json PATH]
+
+--json PATH also writes the table's figures (as numbers: tokens/s, seconds, bytes) and each row's whole plan to
+PATH; benchmarks/figures.py plots the committed benchmarks/plan_check.json.
 """
 
 from __future__ import annotations
@@ -213,11 +216,11 @@ def torch_f32():
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", nargs="+", default=list(ROWS))
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", metavar="PATH", help="also write the table's figures and the plans to PATH")
     args = p.parse_args()
     print("| run | source | quantity | published / measured | predicted | ratio |")
     print("|---|---|---|---|---|---|")
-    raw = {}
+    raw, table = {}, []
     for name in args.rows:
         desc, source, _, _, _, profile, _, tps, peak, step = ROWS[name]
         plan = plan_row(name)
@@ -226,11 +229,14 @@ def main() -> None:
         if tps:
             got = plan.tokens_per_s_per_rank[profile]
             rows.append(("tokens/s per rank", f"{tps:,}", f"{got:,.0f}", got / tps))
+            table.append(dict(row=name, run=desc, quantity="tokens/s per rank", published=tps, predicted=got))
         if step:
             got = plan.step_time_s[profile]
             rows.append(("step time", f"{step:.3f} s", f"{got:.3f} s", got / step))
+            table.append(dict(row=name, run=desc, quantity="step time", published=step, predicted=got))
         if peak:
             got = plan.peak_reserved_bytes[profile]
+            table.append(dict(row=name, run=desc, quantity="peak memory", published=peak, predicted=got))
             unit, div = ("GiB", GIB) if peak > GIB * 4 else ("MiB", MIB)
             rows.append(
                 ("peak memory (reserved / RSS)", f"{peak / div:.1f} {unit}", f"{got / div:.1f} {unit}", got / peak)
@@ -244,7 +250,9 @@ def main() -> None:
             flush=True,
         )
     if args.json:
-        print(json.dumps(raw, indent=1))
+        with open(args.json, "w") as f:
+            json.dump(dict(command=" ".join(["benchmarks/plan_check.py", *sys.argv[1:]]), table=table, plans=raw), f)
+            f.write("\n")
 
 
 if __name__ == "__main__":
