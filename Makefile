@@ -11,7 +11,7 @@ READY := $(VENV)/.ready
 BOUNDARY_TESTS := tests/test_torch_boundary.py tests/test_shard.py tests/test_training.py tests/test_module_api.py \
 	tests/test_tensor_parallel.py tests/test_pipeline.py tests/test_float8.py tests/test_checkpoint.py tests/test_docs.py
 
-.PHONY: demo test test-boundary wheel-check docs lint format install clean
+.PHONY: demo test test-boundary wheel-check docs figures lint format install clean
 
 install: $(READY)
 
@@ -43,6 +43,10 @@ wheel-check: $(READY)
 
 docs: $(READY)
 	$(VENV)/bin/mkdocs build --strict --quiet
+
+# The docs' SVG figures into docs/img (benchmarks/figures.py; root and iproute2 for the shaped link, a few minutes).
+figures: $(READY)
+	$(VENV)/bin/python benchmarks/figures.py
 
 lint: $(READY)
 	$(VENV)/bin/ruff check .

@@ -221,6 +221,24 @@ def test_the_pages_tables_are_run_py_output():
     assert found >= 2
 
 
+def test_the_data_flow_figure_lists_the_pass_list(tmp_path):
+    """docs/img/data_flow.svg (benchmarks/figures.py) names every pass of the pass list, in its order: a pass added,
+    renamed or moved makes the committed figure stale (`make figures` draws it again)."""
+    pytest.importorskip("matplotlib")
+    import xml.etree.ElementTree as ET
+
+    spec = importlib.util.spec_from_file_location("figures", os.path.join(ROOT, "benchmarks", "figures.py"))
+    figures = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(figures)
+    names = [p.__name__ for p in figures.pass_list()]
+    figures.draw_data_flow(str(tmp_path / "data_flow.svg"))
+    for path in (tmp_path / "data_flow.svg", os.path.join(ROOT, "docs", "img", "data_flow.svg")):
+        texts = [
+            "".join(t.itertext()).strip() for t in ET.parse(path).getroot().iter("{http://www.w3.org/2000/svg}text")
+        ]
+        assert [t for t in texts if t in names] == names, path
+
+
 def test_no_tracked_file_speaks_of_sessions_or_issue_numbers():
     files = subprocess.run(["git", "ls-files"], capture_output=True, text=True, cwd=ROOT).stdout.split()
     words = re.compile(r"\bsessions?\b|\bissue [0-9]+|\bhelper-[0-9]", re.I)
