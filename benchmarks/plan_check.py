@@ -3,7 +3,7 @@ measured, predicted, ratio). Runs `make_plan` in this process under the fake pro
 
     .venv/bin/python benchmarks/plan_check.py [--rows tt8 tt8c ...] [--json PATH]
 
---json PATH also writes the table's figures (as numbers: tokens/s, seconds, bytes) and each row's whole plan to
+--json PATH also writes the table's figures (as numbers: tokens/s, seconds, bytes) to
 PATH; benchmarks/figures.py plots the committed benchmarks/plan_check.json.
 """
 
@@ -216,15 +216,14 @@ def torch_f32():
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", nargs="+", default=list(ROWS))
-    p.add_argument("--json", metavar="PATH", help="also write the table's figures and the plans to PATH")
+    p.add_argument("--json", metavar="PATH", help="also write the table's figures to PATH")
     args = p.parse_args()
     print("| run | source | quantity | published / measured | predicted | ratio |")
     print("|---|---|---|---|---|---|")
-    raw, table = {}, []
+    table = []
     for name in args.rows:
         desc, source, _, _, _, profile, _, tps, peak, step = ROWS[name]
         plan = plan_row(name)
-        raw[name] = plan.to_json()
         rows = []
         if tps:
             got = plan.tokens_per_s_per_rank[profile]
@@ -251,7 +250,7 @@ def main() -> None:
         )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(command=" ".join(["benchmarks/plan_check.py", *sys.argv[1:]]), table=table, plans=raw), f)
+            json.dump(dict(command=" ".join(["benchmarks/plan_check.py", *sys.argv[1:]]), table=table), f)
             f.write("\n")
 
 
