@@ -70,6 +70,18 @@ def test_a_result_read_before_its_wait_is_refused(fake_pg):
         check_collectives_safe(gm)
 
 
+def test_a_read_of_the_result_size_before_its_wait_is_safe(fake_pg):
+    """A dynamic shape makes the graph read a variable-split all-to-all's output size (metadata, not data) before
+    its wait, e.g. to save it for backward: allowed."""
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    started = graph.call_function(funcol.all_to_all_single.default, (x, [3, 5], [4, 4], fake_pg))
+    size = graph.call_function(torch.ops.aten.sym_size.int, (started, 0))
+    done = graph.call_function(funcol.wait_tensor.default, (started,))
+    graph.output((done, size))
+    check_collectives_safe(torch.fx.GraphModule(torch.nn.Module(), graph))
+
+
 @pytest.mark.parametrize(
     "config",
     [CompileConfig(), CompileConfig(buckets="none"), CompileConfig(prefetch_depth=3), CompileConfig(schedule=False)],

@@ -83,3 +83,17 @@ def test_no_fsdp_op_or_collective_is_read_by_position():
         if re.search(r"\.args\[-?[0-9]+\]", line)
     ]
     assert found == []
+
+
+def test_sizes_read_from_data_count_at_a_hint_the_same_on_every_rank():
+    """A size traced from data (an unbacked symbol, e.g. `.tolist()` of token counts) has no recorded value: the
+    cost model counts it at `UNBACKED_HINT`, whatever this rank's data, so every rank schedules the graph alike."""
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from fsdp2_compile.core.ir import UNBACKED_HINT, concrete, nbytes
+
+    env = ShapeEnv()
+    tokens = env.create_unbacked_symint()
+    assert concrete(tokens + 1) == UNBACKED_HINT + 1
+    with torch._subclasses.fake_tensor.FakeTensorMode(shape_env=env):
+        assert nbytes(torch.empty(tokens, 16)) == UNBACKED_HINT * 16 * 4

@@ -185,12 +185,21 @@ class Tags:
 # ---------------------------------------------------------------------------------------------- bytes
 
 
+UNBACKED_HINT = 8192
+"""The value `concrete` gives an unbacked symbol (a size read from data, e.g. `.tolist()` of token counts under
+`capture_scalar_outputs`), as inductor's `unbacked_symint_fallback`: the same on every rank, so the cost model
+schedules every rank's graph alike whatever its data."""
+
+
 def concrete(x: Any) -> int | float:
-    """A size as a number: SymInts are evaluated with sympy at the values the shape environment recorded."""
+    """A size as a number: SymInts are evaluated with sympy at the values the shape environment recorded, unbacked
+    symbols at `UNBACKED_HINT`."""
     if isinstance(x, (torch.SymInt, torch.SymFloat)):
         node = x.node
         expr = sympy.sympify(node.expr)
-        return int(expr.xreplace({s: sympy.Integer(v) for s, v in node.shape_env.backed_var_to_val.items()}))
+        values = {s: sympy.Integer(v) for s, v in node.shape_env.backed_var_to_val.items()}
+        values.update({s: sympy.Integer(UNBACKED_HINT) for s in expr.free_symbols if s not in values})
+        return int(expr.xreplace(values))
     return x
 
 
