@@ -21,13 +21,12 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from moe_workers import Attention
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single, all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_module, distribute_tensor
-from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 import fsdp2_compile as fc
 from fsdp2_compile.compiler.report import clear_compiled_graphs, collectives, compile_counts, compiled_graphs
@@ -163,6 +162,21 @@ def update_expert_bias(model: nn.Module, dp_group: dist.ProcessGroup) -> list[li
     return local
 
 
+class Attention(nn.Module):
+    """Causal self-attention, 2 heads, with torchtitan's projections (`wq`, `wk`, `wv`, `wo`): column- and row-wise
+    under tensor parallelism, each rank then holding whole heads."""
+
+    def __init__(self):
+        super().__init__()
+        self.wq, self.wk, self.wv = (nn.Linear(DIM, DIM, bias=False) for _ in range(3))
+        self.wo = nn.Linear(DIM, DIM, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = (w(x).view(b, s, -1, DIM // 2).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        return self.wo(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, -1))
+
+
 class Block(nn.Module):
     def __init__(self, top_k: int = TOP_K):
         super().__init__()
@@ -197,6 +211,12 @@ def parallelize(
     (gradients divided by the whole dp size), each block over dp, the root last."""
     shard = fully_shard if system == "fsdp2" else fc.shard
     for block in model.layers:
+        if "tp" in mesh.mesh_dim_names:
+            parallelize_module(
+                block.attn,
+                mesh["tp"],
+                {**dict.fromkeys(("wq", "wk", "wv"), ColwiseParallel()), "wo": RowwiseParallel()},
+            )
         experts = block.moe.experts
         parallelize_module(experts, mesh["ep"], ExpertParallel(exchange_counts))
         shard(experts, mesh=mesh["dp_shard_mod_ep"])
@@ -221,7 +241,7 @@ def train(
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     counts: list[list[list[int]]] = []
     opt.register_step_pre_hook(lambda *_: counts.append(update_expert_bias(model, dp_mesh.get_group())))
-    gen = torch.Generator().manual_seed(100 + rank)
+    gen = torch.Generator().manual_seed(100 + dp_mesh.get_local_rank())  # tensor-parallel peers: the same batch
     losses, times, after_first = [], [], None
     for step in range(steps):
         tokens = torch.randint(VOCAB, (BATCH, SEQ + 1), generator=gen)
@@ -237,7 +257,10 @@ def train(
         if step == 0 and system == "ours":
             after_first = compile_counts()
     params = dict(model.named_parameters())
-    w1 = params["layers.0.moe.experts.w1"]
+    w1, wq, wo = (
+        params[f"layers.0.{name}.weight" if "." in name else f"layers.0.moe.experts.{name}"]
+        for name in ("w1", "attn.wq", "attn.wo")
+    )
     out = {
         "losses": losses,
         "counts": counts,
@@ -245,6 +268,7 @@ def train(
         "params": {n: p.full_tensor() for n, p in params.items()},
         "buffers": {n: b.clone() for n, b in model.named_buffers()},
         "experts": (w1.device_mesh.mesh_dim_names, tuple(str(p) for p in w1.placements)),
+        "attention": tuple((p.device_mesh.mesh_dim_names, tuple(map(str, p.placements))) for p in (wq, wo)),
     }
     if system == "ours":
         out["graphs"] = [(r.kind, [(c.kind, bool(c.params)) for c in collectives(r.gm)]) for r in compiled_graphs()]
@@ -252,15 +276,24 @@ def train(
     return out
 
 
-def meshes(world_size: int, ep: int = 2) -> tuple[DeviceMesh, DeviceMesh]:
-    mesh = init_device_mesh("cpu", (world_size // ep, ep), mesh_dim_names=("dp_shard_mod_ep", "ep"))
-    return mesh, init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
+def meshes(world_size: int, ep: int = 2, tp: int = 1) -> tuple[DeviceMesh, DeviceMesh]:
+    """The (dp_shard_mod_ep, ep) mesh of the experts (with a last dim tp when `tp` > 1) and the dp mesh of the
+    rest: all ranks, or the flattened (dp_shard_mod_ep, ep) dims beside tp."""
+    if tp == 1:
+        mesh = init_device_mesh("cpu", (world_size // ep, ep), mesh_dim_names=("dp_shard_mod_ep", "ep"))
+        return mesh, init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
+    dims = ("dp_shard_mod_ep", "ep", "tp")
+    mesh = init_device_mesh("cpu", (world_size // (ep * tp), ep, tp), mesh_dim_names=dims)
+    return mesh, mesh["dp_shard_mod_ep", "ep"]._flatten("dp")
 
 
-def dropless_training(rank: int, world_size: int, steps: int = STEPS, capture_scalars: bool = True) -> dict:
+def dropless_training(
+    rank: int, world_size: int, steps: int = STEPS, capture_scalars: bool = True, tp: int = 1
+) -> dict:
     """Both systems on the same layout and batches; ours under `capture_scalar_outputs` (the `.tolist()` of the
-    counts traced as unbacked sizes instead of breaking the graph), patched for these steps only."""
-    mesh, dp_mesh = meshes(world_size)
+    counts traced as unbacked sizes instead of breaking the graph), patched for these steps only. `tp` > 1: the
+    attention tensor-parallel over a last mesh dim."""
+    mesh, dp_mesh = meshes(world_size, tp=tp)
     out = {"fsdp2": train("fsdp2", mesh, dp_mesh, rank, steps)}
     with torch._dynamo.config.patch(capture_scalar_outputs=capture_scalars):
         out["ours"] = train("ours", mesh, dp_mesh, rank, steps)

@@ -18,6 +18,14 @@ def results() -> list[dict]:
     return run_ranks(dropless_training, 4)
 
 
+TP_STEPS = 2
+
+
+@functools.cache
+def results_with_tp() -> list[dict]:
+    return run_ranks(dropless_training, 8, TP_STEPS, True, 2)
+
+
 def test_dropless_moe_matches_fully_shard_bitwise():
     for r in results():
         ours, fsdp2 = r["ours"], r["fsdp2"]
@@ -25,6 +33,7 @@ def test_dropless_moe_matches_fully_shard_bitwise():
         assert ours["losses"] == fsdp2["losses"]  # bitwise, every step
         assert ours["counts"] == fsdp2["counts"]  # the same routing, step by step
         assert ours["experts"] == fsdp2["experts"] == (("dp_shard_mod_ep", "ep"), ("_S(0, 2)", "S(0)"))
+        assert ours["attention"] == fsdp2["attention"] == ((("dp",), ("S(0)",)),) * 2
         assert ours["params"].keys() == fsdp2["params"].keys()
         for name, p in ours["params"].items():
             assert torch.equal(p, fsdp2["params"][name]), name
@@ -68,3 +77,22 @@ def test_a_rank_whose_routing_differs_is_named():
     assert r0 is not None and "rank 0 and rank 1 compiled different forward schedules" in r0, r0
     assert r1 is not None and "rank 1 and rank 0 compiled different forward schedules" in r1, r1
     assert "all_to_all:int64:* here vs all_to_all:float32:* on rank 1" in r0, r0
+
+
+def test_expert_and_tensor_parallel_on_8_ranks_match_fully_shard_bitwise():
+    """EP + TP: a (dp_shard_mod_ep 2, ep 2, tp 2) mesh; the experts as on 4 ranks, the attention's projections
+    column- and row-wise over tp, the rest of each block and the root over the flattened dp dims (4 ranks, each
+    pair of tensor-parallel peers with one batch)."""
+    runs = results_with_tp()
+    for r in runs:
+        ours, fsdp2 = r["ours"], r["fsdp2"]
+        assert len(ours["losses"]) == TP_STEPS and ours["losses"] == fsdp2["losses"]
+        assert ours["counts"] == fsdp2["counts"]
+        assert ours["experts"] == fsdp2["experts"] == (("dp_shard_mod_ep", "ep"), ("_S(0, 2)", "S(0)"))
+        assert ours["attention"] == fsdp2["attention"]
+        assert ours["attention"][0][0] == ("dp", "tp")
+        for name, p in ours["params"].items():
+            assert torch.equal(p, fsdp2["params"][name]), name
+        assert ours["compile_counts"][1].recompiles == 0
+    assert len({tuple(r["ours"]["losses"]) for r in runs}) == 4  # one batch per dp rank
+    assert len({tuple(map(tuple, r["ours"]["counts"][0])) for r in runs}) == 4
