@@ -309,3 +309,27 @@ def routing_differs_on_rank_1(rank: int, world_size: int) -> str | None:
     except Exception as e:  # noqa: BLE001 - the message is what the test checks
         return str(e)
     return None
+
+
+MODES = ("fsdp2", "graph-breaks", "unbacked")
+"""benchmarks/dropless_moe.py's modes: `fully_shard`; ours under Dynamo's defaults; ours under
+`capture_scalar_outputs`."""
+
+
+def compile_modes(rank: int, world_size: int, steps: int) -> dict:
+    """`train` in each of `MODES`, each compiling afresh, with Dynamo's graph breaks and the sizes the compiled
+    graphs read from data (unbacked) added."""
+    from torch._dynamo.utils import counters
+
+    mesh, dp_mesh = meshes(world_size)
+    out = {}
+    for mode in MODES:
+        torch._dynamo.reset()
+        counters.clear()
+        with torch._dynamo.config.patch(capture_scalar_outputs=mode == "unbacked"):
+            r = train("fsdp2" if mode == "fsdp2" else "ours", mesh, dp_mesh, rank, steps)
+        r["graph_breaks"] = sum(counters["graph_break"].values())
+        scalar = torch.ops.aten._local_scalar_dense.default
+        r["unbacked"] = sum(n.target is scalar for g in compiled_graphs() for n in g.gm.graph.nodes)
+        out[mode] = r
+    return out
