@@ -375,7 +375,9 @@ def test_help_does_not_import_torch():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
     assert (
         r.stdout.splitlines()[-1]
-        == "['fsdp2_compile.cli', 'fsdp2_compile.cli.main', 'fsdp2_compile.cli.model_loading']"
+        == "['fsdp2_compile.cli', 'fsdp2_compile.cli.arguments', 'fsdp2_compile.cli.dump_command', "
+        "'fsdp2_compile.cli.footprint', 'fsdp2_compile.cli.main', 'fsdp2_compile.cli.model_loading', "
+        "'fsdp2_compile.cli.plan_command', 'fsdp2_compile.cli.progress']"
     )
 
 
@@ -390,7 +392,8 @@ def test_unwritable_out_fails_before_compiling(tmp_path):
 
 
 def test_large_world_size_warns_with_the_memory(capsys):
-    from fsdp2_compile.cli.main import BYTES_PER_RANK, main, memory_estimate
+    from fsdp2_compile.cli.footprint import BYTES_PER_RANK, memory_estimate
+    from fsdp2_compile.cli.main import main
 
     code = main(["plan", "no_such_module_xyz:make", "--world-size", "1000000"])  # warns, then the bad TARGET
     err = capsys.readouterr().err
@@ -409,7 +412,7 @@ class _Terminal(io.StringIO):
 @pytest.mark.parametrize("terminal", [False, True], ids=["pipe", "terminal"])
 def test_progress(terminal):
     """Plain lines with elapsed seconds on a pipe; a tqdm bar on a terminal (when tqdm is installed)."""
-    from fsdp2_compile.cli.main import Progress
+    from fsdp2_compile.cli.progress import Progress
 
     if terminal:
         pytest.importorskip("tqdm")
