@@ -141,10 +141,8 @@ def memory(out_dir: str) -> None:
 
 def pass_list() -> list:
     """The compiler's pass list, as the backend runs it."""
-    try:
-        from fsdp2_compile.compiler.pass_list import PASSES
-    except ImportError:
-        from fsdp2_compile.compiler.pipeline import PASSES
+    from fsdp2_compile.compiler.pass_list import PASSES
+
     return list(PASSES)
 
 

@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from gpt import GPT, GPTConfig, gpt_loss, make_batch  # noqa: E402
 
 import fsdp2_compile as fc  # noqa: E402
-from fsdp2_compile.compiler.report import clear_compiled_graphs, collectives, compiled_graphs  # noqa: E402
+from fsdp2_compile.compiler.graph_records import clear_compiled_graphs, collectives, compiled_graphs  # noqa: E402
 
 SIZES = {  # layers, d_model, heads, vocab, seq, batch per rank
     "gpu": dict(layers=8, d_model=1024, heads=16, vocab=32768, seq=1024, batch=8),  # 135 M parameters

@@ -33,8 +33,8 @@ from gpt import GPT, GPTConfig, gpt_loss, make_batch  # noqa: E402
 
 import fsdp2_compile as fc  # noqa: E402
 from fsdp2_compile._torch_private import fake_process_group  # noqa: E402
-from fsdp2_compile.compiler.report import compiled_graphs  # noqa: E402
-from fsdp2_compile.core.graph import VIEW_OPS  # noqa: E402
+from fsdp2_compile.compiler.graph_records import compiled_graphs  # noqa: E402
+from fsdp2_compile.core.fx_edit import VIEW_OPS  # noqa: E402
 from fsdp2_compile.core.ir import ROLE, Role  # noqa: E402
 
 SYSTEMS = ("fsdp2", "fsdp2-compiled", "ours", "ours-inductor")

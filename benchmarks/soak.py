@@ -60,7 +60,7 @@ def _build(system: str, config: dict):
 def _counts(system: str) -> tuple[int, ...]:
     if system == "fsdp2":
         return ()
-    from fsdp2_compile.compiler.report import compile_counts
+    from fsdp2_compile.compiler.graph_records import compile_counts
 
     c = compile_counts()
     return (c.forward, c.backward, c.inference)

@@ -34,7 +34,7 @@ from gpt import GPT, GPTConfig, gpt_loss, make_batch  # noqa: E402
 
 import fsdp2_compile as fc  # noqa: E402
 from fsdp2_compile.api import make_backend  # noqa: E402
-from fsdp2_compile.compiler.report import collectives, compiled_graphs  # noqa: E402
+from fsdp2_compile.compiler.graph_records import collectives, compiled_graphs  # noqa: E402
 from fsdp2_compile.compiler.warm_start import cache_events  # noqa: E402
 
 CONFIGS = {

@@ -34,7 +34,7 @@ from gpt import GPT, GPTConfig, gpt_loss  # noqa: E402
 
 import fsdp2_compile as fc  # noqa: E402
 from fsdp2_compile.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
-from fsdp2_compile.compiler.report import collectives, compiled_graphs  # noqa: E402
+from fsdp2_compile.compiler.graph_records import collectives, compiled_graphs  # noqa: E402
 
 
 class TrainState:

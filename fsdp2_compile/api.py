@@ -18,7 +18,7 @@ from fsdp2_compile._torch_private import forget_compiled_code, module_call_impl,
 from fsdp2_compile.compiler import first_call
 from fsdp2_compile.compiler.backend import check_input_devices, compile_sharded
 from fsdp2_compile.compiler.compile_gc import full_collections_deferred
-from fsdp2_compile.compiler.report import GraphRecord, drop_records_of, dump_requested, records_owned_by
+from fsdp2_compile.compiler.graph_records import GraphRecord, drop_records_of, dump_requested, records_owned_by
 from fsdp2_compile.compiler.step_errors import note_step_error
 from fsdp2_compile.compiler.warm_start import WarmStart
 from fsdp2_compile.config import CompileConfig, MixedPrecisionPolicy, compiler_for

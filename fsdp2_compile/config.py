@@ -91,7 +91,7 @@ class CompileConfig:
     check_rank_consistency: bool = True
     """At compile time, compare a hash of every schedule across ranks and raise on a mismatch."""
     keep_snapshots: bool = field(default=False, metadata={"rank_local": True})
-    """Keep the graph after every pass in the report (`report.compiled_graphs()[i].snapshots`), for dumps; also
+    """Keep the graph after every pass in the report (`graph_records.compiled_graphs()[i].snapshots`), for dumps; also
     on when $FSDP2_COMPILE_DUMP is set. A debugging switch: it changes no decision, so ranks may differ in it."""
     defer_full_gc: bool = field(default=True, metadata={"rank_local": True})
     """While the fsdp2 backend compiles (for a `shard_compile`d module: its whole call, Dynamo's tracing included),

@@ -1,4 +1,4 @@
-"""Graph passes, one per file, each `(gm, ctx) -> gm`. The order is fixed in `fsdp2_compile.compiler.pipeline.PASSES`."""
+"""Graph passes, one per file, each `(gm, ctx) -> gm`. The order is fixed in `fsdp2_compile.compiler.pass_list.PASSES`."""
 
 from .bucket_collectives import bucket_collectives
 from .combine_tied_grads import combine_tied_grads

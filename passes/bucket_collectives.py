@@ -26,7 +26,7 @@ import torch
 from torch import fx
 
 from fsdp2_compile.compiler.pass_api import Fact, PassContext, contract
-from fsdp2_compile.core.graph import ancestors_after, insert_call, insert_op, positions, stable_topological_sort, val
+from fsdp2_compile.core.fx_edit import ancestors_after, insert_call, insert_op, positions, stable_topological_sort, val
 from fsdp2_compile.core.ir import (
     BUCKET,
     PARAMS,

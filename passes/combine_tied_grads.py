@@ -16,7 +16,7 @@ from torch import fx
 
 from fsdp2_compile._torch_private import unsafe_view
 from fsdp2_compile.compiler.pass_api import Fact, PassContext, contract
-from fsdp2_compile.core.graph import insert_call, insert_op, nodes_calling, val
+from fsdp2_compile.core.fx_edit import insert_call, insert_op, nodes_calling, val
 from fsdp2_compile.core.ir import ADD_PENDING_GRAD, REDUCE_GRAD, AddPendingGradArgs, ReduceGradArgs, schema_args
 
 aten = torch.ops.aten

@@ -15,7 +15,7 @@ import torch
 from torch import fx
 
 from fsdp2_compile.compiler.pass_api import Fact, PassContext, contract
-from fsdp2_compile.core.graph import insert_call, tags_of
+from fsdp2_compile.core.fx_edit import insert_call, tags_of
 from fsdp2_compile.core.ir import WAIT, CollectiveArgs, collective_kind
 
 

@@ -20,7 +20,7 @@ from torch import fx
 
 from fsdp2_compile._torch_private import to_copy
 from fsdp2_compile.compiler.pass_api import Fact, PassContext, contract
-from fsdp2_compile.core.graph import insert_call, insert_contiguous, insert_op, nodes_calling, val
+from fsdp2_compile.core.fx_edit import insert_call, insert_contiguous, insert_op, nodes_calling, val
 from fsdp2_compile.core.ir import (
     REDUCE_GRAD,
     AddPendingGradArgs,

@@ -18,7 +18,7 @@ from torch import fx
 
 from fsdp2_compile._torch_private import to_copy
 from fsdp2_compile.compiler.pass_api import Fact, PassContext, contract
-from fsdp2_compile.core.graph import (
+from fsdp2_compile.core.fx_edit import (
     fold_repeated_unshards,
     insert_call,
     insert_contiguous,

@@ -20,7 +20,7 @@ from torch import fx
 
 from fsdp2_compile._torch_private import one_thread_gloo_backend, resolve_group
 from fsdp2_compile.compiler.pass_api import Fact, PassContext, contract
-from fsdp2_compile.core.graph import insert_call, insert_op, tags_of, val
+from fsdp2_compile.core.fx_edit import insert_call, insert_op, tags_of, val
 from fsdp2_compile.core.ir import ROLE, WAIT, AllToAllArgs, ReduceScatterArgs, Role, fsdp_collective_kind
 
 aten = torch.ops.aten

@@ -22,7 +22,7 @@ from fsdp2_compile.compiler.cost_model import compute_time, node_time, simulate
 from fsdp2_compile.compiler.overlap import anchors_at, emit_order, find_units, graph_start, memory_budget
 from fsdp2_compile.compiler.pass_api import Fact, PassContext, contract
 from fsdp2_compile.compiler.selective_unshard import KEPT_META
-from fsdp2_compile.core.graph import positions, stable_topological_sort
+from fsdp2_compile.core.fx_edit import positions, stable_topological_sort
 from fsdp2_compile.core.ir import Role
 
 log = logging.getLogger("fsdp2_compile")

@@ -17,7 +17,7 @@ from workers import _full_state, _gpt_steps, remake_process_group
 import fsdp2_compile as fc
 from fsdp2_compile import checkpoint
 from fsdp2_compile.checkpoint import load_checkpoint, save_checkpoint
-from fsdp2_compile.compiler.report import compiled_graphs
+from fsdp2_compile.compiler.graph_records import compiled_graphs
 from fsdp2_compile.runtime.param_state import ParamInfo
 from fsdp2_compile.runtime.process_groups import attempt_token
 

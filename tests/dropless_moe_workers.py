@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_module, distribu
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 import fsdp2_compile as fc
-from fsdp2_compile.compiler.report import clear_compiled_graphs, collectives, compile_counts, compiled_graphs
+from fsdp2_compile.compiler.graph_records import clear_compiled_graphs, collectives, compile_counts, compiled_graphs
 
 DIM, HIDDEN, VOCAB, SEQ, BATCH, TOP_K, EXPERTS, STEPS = 16, 32, 64, 8, 2, 2, 4, 3
 BIAS_RATE = 0.05

@@ -128,39 +128,39 @@ def _case(fn: Callable[[], object]) -> dict:
 
 def _raise_in_compile(rank: int) -> None:
     """Rank 1's pass pipeline raises (an extra pass appended on rank 1 only)."""
-    from fsdp2_compile.compiler import pipeline
+    from fsdp2_compile.compiler import pass_list
 
     def broken_pass(gm, ctx):
         raise ValueError(f"injected failure in a pass on rank {rank}\nsecond line, not published")
 
     if rank == 1:
-        pipeline.PASSES.append(broken_pass)
+        pass_list.PASSES.append(broken_pass)
     try:
         _steps(_compiled(Net()), rank)
     finally:
         if rank == 1:
-            pipeline.PASSES.remove(broken_pass)
+            pass_list.PASSES.remove(broken_pass)
 
 
 def _compile_after_reset(rank: int) -> None:
     """Rank 1's pass pipeline raises at the first compile of a model; then Dynamo's caches are reset and the same
     model trains (the failure fixed), rank 1 coming back to it 2 s after rank 0 (so rank 0's new exchange finds
     what rank 1 published for the failed one, if it reads the same keys)."""
-    from fsdp2_compile.compiler import pipeline
+    from fsdp2_compile.compiler import pass_list
 
     def broken_pass(gm, ctx):
         raise ValueError("injected failure")
 
     model = _compiled(Net())
     if rank == 1:
-        pipeline.PASSES.append(broken_pass)
+        pass_list.PASSES.append(broken_pass)
     try:
         _steps(model, rank)
     except Exception:  # noqa: BLE001 - both ranks raise (rank 1 its own error, rank 0 naming it)
         pass
     finally:
         if rank == 1:
-            pipeline.PASSES.remove(broken_pass)
+            pass_list.PASSES.remove(broken_pass)
     torch._dynamo.reset()
     if rank == 1:
         time.sleep(2)

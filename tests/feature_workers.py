@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 from torch.fx.experimental.symbolic_shapes import optimization_hint
 
 import fsdp2_compile as fc
-from fsdp2_compile.compiler.report import clear_compiled_graphs, collectives, compiled_graphs
+from fsdp2_compile.compiler.graph_records import clear_compiled_graphs, collectives, compiled_graphs
 
 STEPS = 4
 EVAL_STEPS = (50, 51)

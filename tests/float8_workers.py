@@ -11,7 +11,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import fsdp2_compile as fc
-from fsdp2_compile.compiler import report
+from fsdp2_compile.compiler import graph_records
 
 STEPS = 3
 
@@ -41,7 +41,7 @@ def _train(system: str, bf16: bool, precompute: bool, rank: int, world_size: int
         for block in model.blocks:
             fc.shard(block, mesh, **({"mp_policy": mp} if mp else {}))
         model = fc.shard_compile(model, mesh, **({"mp_policy": mp} if mp else {}))
-        report.clear_compiled_graphs()
+        graph_records.clear_compiled_graphs()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
     for step in range(STEPS):
@@ -58,8 +58,8 @@ def _train(system: str, bf16: bool, precompute: bool, rank: int, world_size: int
     if system == "ours":
         out["gathers"] = [
             (c.params, c.dtype, c.nbytes)
-            for record in report.compiled_graphs()
-            for c in report.collectives(record.gm)
+            for record in graph_records.compiled_graphs()
+            for c in graph_records.collectives(record.gm)
             if c.kind.value == "all_gather"
         ]
     return out

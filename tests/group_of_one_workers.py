@@ -12,7 +12,7 @@ from workers import _gpt_steps
 
 import fsdp2_compile as fc
 from fsdp2_compile._torch_private import functional_collectives
-from fsdp2_compile.compiler.report import clear_compiled_graphs, compiled_graphs
+from fsdp2_compile.compiler.graph_records import clear_compiled_graphs, compiled_graphs
 from fsdp2_compile.core.ir import PARAMS, CollectiveArgs, collective_kind
 
 STEPS = 4

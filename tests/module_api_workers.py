@@ -9,7 +9,7 @@ from models import batch, local_slice, loss_fn, make_model, make_optimizer
 from workers import _gpt_steps
 
 import fsdp2_compile as fc
-from fsdp2_compile.compiler.report import clear_compiled_graphs, collectives, compiled_graphs
+from fsdp2_compile.compiler.graph_records import clear_compiled_graphs, collectives, compiled_graphs
 from fsdp2_compile.core.ir import PARAMS, CollectiveArgs, fsdp_collective_kind, nbytes, val
 
 STEPS = 4

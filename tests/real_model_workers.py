@@ -20,7 +20,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 import fsdp2_compile as fc
-from fsdp2_compile.compiler.report import (
+from fsdp2_compile.compiler.graph_records import (
     clear_compiled_graphs,
     collectives,
     compile_counts,

@@ -35,7 +35,7 @@ def test_backend_by_name_without_importing_the_package():
         compiled(x).sum().backward(); ref(x).sum().backward()
         grad = dict(model.named_parameters())["0.weight"].grad
         torch.testing.assert_close(grad.full_tensor(), ref[0].weight.grad)
-        from fsdp2_compile.compiler.report import compiled_graphs
+        from fsdp2_compile.compiler.graph_records import compiled_graphs
         print("graphs", sorted(r.kind for r in compiled_graphs()))
         """
     )
@@ -63,7 +63,7 @@ def test_every_compiled_module_gets_its_own_dynamo_cache():
         from torch import nn
         import fsdp2_compile as fc
         from fsdp2_compile._torch_private import fake_process_group
-        from fsdp2_compile.compiler.report import compile_counts
+        from fsdp2_compile.compiler.graph_records import compile_counts
         fake_process_group(rank=0, world_size=2)
         for i in range(10):
             model = fc.shard_compile(nn.Linear(4, 4), compile_config=fc.CompileConfig(check_rank_consistency=False))
@@ -85,7 +85,7 @@ def test_inductor_keeps_the_collectives_where_the_scheduler_put_them(fake_pg):
     from torch._inductor.utils import run_and_get_code
 
     import fsdp2_compile as fc
-    from fsdp2_compile.compiler.report import clear_compiled_graphs, compiled_graphs
+    from fsdp2_compile.compiler.graph_records import clear_compiled_graphs, compiled_graphs
 
     clear_compiled_graphs()
     model, (idx,) = cli_factories.tiny()

@@ -14,7 +14,7 @@ import xml.etree.ElementTree as ET
 import pytest
 import torch
 
-from fsdp2_compile.compiler.pipeline import PASSES
+from fsdp2_compile.compiler.pass_list import PASSES
 from fsdp2_compile.debug.sizes import size_text
 from fsdp2_compile.planner.block_sharding import shard_for_plan
 from fsdp2_compile.planner.param_bytes import analytical_bytes, sharded_bytes
@@ -100,7 +100,7 @@ def test_summary_counts_match_the_compiled_graphs(fake_pg, tmp_path, monkeypatch
     import cli_factories
 
     import fsdp2_compile as fc
-    from fsdp2_compile.compiler.report import clear_compiled_graphs, collectives, compiled_graphs
+    from fsdp2_compile.compiler.graph_records import clear_compiled_graphs, collectives, compiled_graphs
     from fsdp2_compile.debug.dump import pass_stats
     from fsdp2_compile.planner.tensor_parallel import hsdp_mesh
 
@@ -147,7 +147,7 @@ def test_snapshots_carry_exact_provenance_and_bytes(fake_pg):
     import cli_factories
 
     import fsdp2_compile as fc
-    from fsdp2_compile.compiler.report import clear_compiled_graphs, compiled_graphs
+    from fsdp2_compile.compiler.graph_records import clear_compiled_graphs, compiled_graphs
     from fsdp2_compile.debug.dump import annotate, pass_stats
 
     world = 4  # the fake group's size

@@ -17,7 +17,7 @@ def compile_tiny(mp: bool = False):
     import torch
 
     import fsdp2_compile as fc
-    from fsdp2_compile.compiler.report import clear_compiled_graphs, compiled_graphs
+    from fsdp2_compile.compiler.graph_records import clear_compiled_graphs, compiled_graphs
 
     clear_compiled_graphs()
     model, (idx,) = cli_factories.tiny()
@@ -119,7 +119,7 @@ def test_compile_logs_one_line_at_start_and_end(fake_pg, caplog):
 
 
 def test_unwritable_dump_folder_warns_once_and_training_goes_on(fake_pg, tmp_path, monkeypatch, caplog):
-    from fsdp2_compile.compiler.report import dump_requested
+    from fsdp2_compile.compiler.graph_records import dump_requested
 
     blocker = tmp_path / "a_file"
     blocker.write_text("not a folder")
@@ -162,7 +162,7 @@ def compile_tp():
 
     import fsdp2_compile as fc
     from fsdp2_compile._torch_private import clear_dtensor_caches
-    from fsdp2_compile.compiler.report import clear_compiled_graphs, compiled_graphs
+    from fsdp2_compile.compiler.graph_records import clear_compiled_graphs, compiled_graphs
     from fsdp2_compile.planner.tensor_parallel import apply_tp, default_tp_plan
 
     clear_compiled_graphs()
@@ -189,7 +189,7 @@ def compile_tp():
 def test_tp_collectives_have_their_own_colour_rows_and_summary_column(fake_pg, tmp_path):
     """A real FSDP + TP graph: TP's all-reduces (one per block each way) are drawn in their own colour with their own
     legend entry, and counted in the summary's tp column, never in FSDP's all_reduce column."""
-    from fsdp2_compile.compiler.report import collectives, is_tp
+    from fsdp2_compile.compiler.graph_records import collectives, is_tp
     from fsdp2_compile.debug.dump import pass_stats, summarize, write_graph
     from fsdp2_compile.debug.graph_view import COLOURS, compact_rows
 

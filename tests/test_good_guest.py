@@ -28,7 +28,7 @@ def test_what_a_compiled_model_leaves_dies_with_it():
         from torch.distributed.device_mesh import init_device_mesh
         import fsdp2_compile as fc
         from fsdp2_compile._torch_private import fake_process_group
-        from fsdp2_compile.compiler.report import compiled_graphs
+        from fsdp2_compile.compiler.graph_records import compiled_graphs
 
         fake_process_group(rank=0, world_size=2)
         mesh = init_device_mesh("cpu", (2,))

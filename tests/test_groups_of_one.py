@@ -15,7 +15,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from tp_workers import tp_parity
 
 from fsdp2_compile.compiler.pass_api import PassContext
-from fsdp2_compile.core.graph import ROLE
+from fsdp2_compile.core.fx_edit import ROLE
 from fsdp2_compile.core.ir import Role, collective_kind
 from fsdp2_compile.core.ops import REDUCE_GRAD, UNSHARD, ParamSpec, divide_factors
 from fsdp2_compile.passes import bucket_collectives, drop_collectives_of_one, lower_reduce_grad, lower_unshard

@@ -8,7 +8,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from fsdp2_compile.compiler.invariants import UnsafeGraphError, check_collectives_safe
-from fsdp2_compile.compiler.pipeline import PassContext, run_pipeline
+from fsdp2_compile.compiler.pass_list import PassContext, run_pipeline
 from fsdp2_compile.config import CompileConfig
 from fsdp2_compile.core.ops import KEEP_ALIVE, REDUCE_GRAD, UNSHARD, ParamSpec
 from fsdp2_compile.passes import keep_inputs_until_wait

@@ -152,7 +152,7 @@ def test_explicit_prefetch_lists_steer_the_scheduler(fake_pg):
     asking block's first use."""
     import cli_factories
 
-    from fsdp2_compile.compiler.report import clear_compiled_graphs, compiled_graphs
+    from fsdp2_compile.compiler.graph_records import clear_compiled_graphs, compiled_graphs
 
     clear_compiled_graphs()
     torch.manual_seed(0)

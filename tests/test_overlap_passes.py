@@ -6,10 +6,10 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from fsdp2_compile.compiler.pipeline import PassContext, run_pipeline
-from fsdp2_compile.compiler.report import collectives
+from fsdp2_compile.compiler.graph_records import collectives
+from fsdp2_compile.compiler.pass_list import PassContext, run_pipeline
 from fsdp2_compile.config import CompileConfig
-from fsdp2_compile.core.graph import PARAMS
+from fsdp2_compile.core.fx_edit import PARAMS
 from fsdp2_compile.core.ops import REDUCE_GRAD, UNSHARD, ParamSpec
 from fsdp2_compile.passes import bucket_collectives, lower_reduce_grad, lower_unshard, reorder_for_overlap, schedule
 

@@ -9,12 +9,12 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from fsdp2_compile.compiler.graph_records import collectives
 from fsdp2_compile.compiler.pass_api import Fact, PassOrderError, check_contracts, provides, requires
-from fsdp2_compile.compiler.pipeline import PASSES, PassContext, run_pipeline
+from fsdp2_compile.compiler.pass_list import PASSES, PassContext, run_pipeline
 from fsdp2_compile.compiler.rank_consistency import graph_groups
-from fsdp2_compile.compiler.report import collectives
 from fsdp2_compile.config import CompileConfig
-from fsdp2_compile.core.graph import PARAMS, ROLE
+from fsdp2_compile.core.fx_edit import PARAMS, ROLE
 from fsdp2_compile.core.ir import (
     AllGatherArgs,
     CollectiveArgs,
@@ -321,14 +321,14 @@ def test_unshard_spec_is_a_constant_guarded_by_equality(fake_pg):
 
 
 def test_inserted_nodes_get_the_fake_values_the_fake_mode_would_give():
-    """`graph.insert_call` makes the fake outputs of collectives, copy-in / copy-out views, casts, pads, scalings and
+    """`fx_edit.insert_call` makes the fake outputs of collectives, copy-in / copy-out views, casts, pads, scalings and
     `fsdp2::reduce_grad` on the meta kernels
     (`_META_OUTPUTS`): the same shape, strides, offset, dtype, device and mode as the op run under the fake mode,
     a view sharing its input's fake storage, anything else a fresh one."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from fsdp2_compile._torch_private import fake_output_by_meta_kernel
-    from fsdp2_compile.core.graph import _META_OUTPUTS
+    from fsdp2_compile.core.fx_edit import _META_OUTPUTS
 
     aten, c10d = torch.ops.aten, torch.ops._c10d_functional
     mode = FakeTensorMode()

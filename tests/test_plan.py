@@ -298,7 +298,7 @@ def test_selective_unsharding_plans_what_the_pipeline_compiles():
     compiler keeps when it compiles the whole model with the same setting, and its bytes per step are that
     compile's; the bytes it saves are the kept buckets' backward all-gathers, and the step is no slower."""
     from fsdp2_compile.api import make_backend
-    from fsdp2_compile.compiler.report import clear_compiled_graphs, compiled_graphs
+    from fsdp2_compile.compiler.graph_records import clear_compiled_graphs, compiled_graphs
     from fsdp2_compile.config import CompileConfig
     from fsdp2_compile.planner.block_sharding import shard_for_plan
     from fsdp2_compile.planner.model_copies import wire_bytes

@@ -45,7 +45,7 @@ def test_aotautograd_derives_a_block_subgraphs_schema_once_not_at_every_call(fak
     from torch._higher_order_ops.invoke_subgraph import InvokeSubgraphHOP
 
     import fsdp2_compile as fc
-    from fsdp2_compile.compiler.report import clear_compiled_graphs, compiled_graphs
+    from fsdp2_compile.compiler.graph_records import clear_compiled_graphs, compiled_graphs
 
     derived = []
     derive = InvokeSubgraphHOP.gen_schema
@@ -88,7 +88,7 @@ def test_aotautograd_traces_one_gather_op_per_block_call_and_the_passes_see_one_
 
     import fsdp2_compile as fc
     from fsdp2_compile.compiler import backend
-    from fsdp2_compile.compiler.report import clear_compiled_graphs, collectives, compiled_graphs
+    from fsdp2_compile.compiler.graph_records import clear_compiled_graphs, collectives, compiled_graphs
     from fsdp2_compile.core.grouped_unshard import REDUCE_GROUP, UNSHARD_GROUP
     from fsdp2_compile.core.ir import REDUCE_GRAD, UNSHARD
 

@@ -18,7 +18,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 import fsdp2_compile as fc
-from fsdp2_compile.compiler.report import clear_compiled_graphs, collectives, compiled_graphs
+from fsdp2_compile.compiler.graph_records import clear_compiled_graphs, collectives, compiled_graphs
 
 STEPS = 3
 LLAMA_PLAN = {

@@ -11,7 +11,7 @@ from models import batch, local_slice, loss_fn, make_model, make_optimizer
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import fsdp2_compile as fc
-from fsdp2_compile.compiler.report import clear_compiled_graphs, collectives, compiled_graphs
+from fsdp2_compile.compiler.graph_records import clear_compiled_graphs, collectives, compiled_graphs
 
 _funcol = torch.ops._c10d_functional
 

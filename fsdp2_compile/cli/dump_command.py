@@ -18,7 +18,7 @@ def cmd_dump(ns: argparse.Namespace) -> int:
         progress.step(f"importing torch, the compiler and {ns.target}")
         from fsdp2_compile.api import shard_compile
         from fsdp2_compile.cli.model_loading import fake_group, load_target, sized_call
-        from fsdp2_compile.compiler.report import clear_compiled_graphs, compiled_graphs
+        from fsdp2_compile.compiler.graph_records import clear_compiled_graphs, compiled_graphs
         from fsdp2_compile.config import CompileConfig
         from fsdp2_compile.core.hardware import PROFILES
         from fsdp2_compile.debug.dump import write_dump

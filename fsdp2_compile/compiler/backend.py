@@ -38,16 +38,16 @@ from fsdp2_compile._torch_private import (
 )
 from fsdp2_compile.compiler.block_gathers import gather_again_in_backward, gather_outside_blocks
 from fsdp2_compile.compiler.compile_gc import full_collections_deferred
+from fsdp2_compile.compiler.graph_records import GraphRecord, collectives, record_graph, record_owner
 from fsdp2_compile.compiler.group_split import split_reduce_groups, split_unshard_groups
-from fsdp2_compile.compiler.pipeline import PassContext, run_pipeline
+from fsdp2_compile.compiler.pass_list import PassContext, run_pipeline
 from fsdp2_compile.compiler.post_forward import gather_backward_from_post_forward_shards
 from fsdp2_compile.compiler.rank_consistency import rank_check
-from fsdp2_compile.compiler.report import GraphRecord, collectives, record_graph, record_owner
 from fsdp2_compile.compiler.selective_unshard import KEPT_META, KeptGathered, buckets_to_keep
 from fsdp2_compile.compiler.unsharded_after_backward import keep_unsharded_after_backward
 from fsdp2_compile.compiler.unsynced_backward import BackwardBySync
 from fsdp2_compile.config import CompileConfig, compiler_for
-from fsdp2_compile.core.graph import nodes_calling
+from fsdp2_compile.core.fx_edit import nodes_calling
 from fsdp2_compile.core.hardware import PROFILES, HardwareProfile
 from fsdp2_compile.core.ir import REDUCE_GRAD, UNSHARD, ReduceGradArgs, UnshardArgs
 from fsdp2_compile.runtime.grad_delivery import one_unshard_per_delivered_param

@@ -14,7 +14,7 @@ from torch import fx
 from torch.utils.flop_counter import flop_registry
 
 from fsdp2_compile._torch_private import OpOverload
-from fsdp2_compile.core.graph import VIEW_OPS
+from fsdp2_compile.core.fx_edit import VIEW_OPS
 from fsdp2_compile.core.hardware import HardwareProfile
 from fsdp2_compile.core.ir import (
     KEEP_ALIVE,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from torch import fx
 
-from fsdp2_compile.core.graph import insert_call, tags_of
+from fsdp2_compile.core.fx_edit import insert_call, tags_of
 from fsdp2_compile.core.grouped_unshard import GROUPS, REDUCE_GROUP, REDUCTIONS, UNSHARD_GROUP
 from fsdp2_compile.core.ir import UNSHARD, ReduceGroupArgs, UnshardGroupArgs, output_of
 from fsdp2_compile.core.ops import shard_grad

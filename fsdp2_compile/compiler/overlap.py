@@ -20,7 +20,7 @@ from enum import IntEnum
 from torch import fx
 
 from fsdp2_compile.compiler.selective_unshard import KeptGathered
-from fsdp2_compile.core.graph import positions, stable_topological_sort
+from fsdp2_compile.core.fx_edit import positions, stable_topological_sort
 from fsdp2_compile.core.ir import (
     BUCKET,
     DELIVER_GRAD,

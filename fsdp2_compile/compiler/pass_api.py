@@ -1,7 +1,7 @@
 """What a pass is: a function `(gm, ctx: PassContext) -> gm` with a declared contract.
 
 A pass declares the facts about the graph it needs (`requires`) and the ones it establishes (`provides`) with
-`@contract(...)`; `check_contracts(passes)` (run by `pipeline.run_pipeline` before any pass) refuses a list in
+`@contract(...)`; `check_contracts(passes)` (run by `pass_list.run_pipeline` before any pass) refuses a list in
 which a pass comes before what it requires, naming the pass, the missing fact and who provides it. A function
 without a declared contract requires and provides nothing.
 """
@@ -15,7 +15,7 @@ from enum import StrEnum
 from torch import fx
 
 from fsdp2_compile.compiler.cost_model import Timeline
-from fsdp2_compile.compiler.report import Snapshot
+from fsdp2_compile.compiler.graph_records import Snapshot
 from fsdp2_compile.config import CompileConfig
 from fsdp2_compile.core.hardware import PROFILES, HardwareProfile
 

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import fx
 
 from fsdp2_compile._torch_private import group_ranks
-from fsdp2_compile.core.graph import insert_call, nodes_calling, val
+from fsdp2_compile.core.fx_edit import insert_call, nodes_calling, val
 from fsdp2_compile.core.ir import UNSHARD, UnshardArgs
 from fsdp2_compile.core.ops import padded_rows
 

@@ -71,7 +71,7 @@ import torch.distributed as dist
 from torch import fx
 
 from fsdp2_compile._torch_private import current_compile_id, default_store, group_ranks, group_timeout
-from fsdp2_compile.compiler.report import collectives
+from fsdp2_compile.compiler.graph_records import collectives
 from fsdp2_compile.core.group_caches import dropped_with_groups
 from fsdp2_compile.core.ir import Role, schema_args
 from fsdp2_compile.runtime.process_groups import attempt_token

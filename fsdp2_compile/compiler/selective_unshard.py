@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from torch import fx
 
-from fsdp2_compile.core.graph import nodes_calling
+from fsdp2_compile.core.fx_edit import nodes_calling
 from fsdp2_compile.core.ir import UNSHARD, UnshardArgs, nbytes, val
 
 __all__ = ["KEPT_META", "KeptGathered", "buckets_to_keep", "choose_kept", "keep_amount"]

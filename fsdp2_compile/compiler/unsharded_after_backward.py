@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from torch import fx
 
-from fsdp2_compile.core.graph import insert_op, nodes_calling
+from fsdp2_compile.core.fx_edit import insert_op, nodes_calling
 from fsdp2_compile.core.ir import UNSHARD, KeepUnshardedArgs, Tags, UnshardArgs
 
 __all__ = ["keep_unsharded_after_backward"]

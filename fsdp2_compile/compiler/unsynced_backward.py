@@ -17,7 +17,7 @@ from collections.abc import Callable
 from torch import fx
 
 from fsdp2_compile._torch_private import current_compile_context, in_compile_context
-from fsdp2_compile.core.graph import insert_call, nodes_calling, tags_of, val
+from fsdp2_compile.core.fx_edit import insert_call, nodes_calling, tags_of, val
 from fsdp2_compile.core.ir import (
     ADD_PENDING_GRAD,
     REDUCE_GRAD,

@@ -44,7 +44,7 @@ from fsdp2_compile._torch_private import (
     aot_function_to_bytes,
 )
 from fsdp2_compile.compiler import first_call
-from fsdp2_compile.compiler.report import dump_requested
+from fsdp2_compile.compiler.graph_records import dump_requested
 from fsdp2_compile.config import CompileConfig
 from fsdp2_compile.runtime.param_state import ParamInfo, own_parameters
 from fsdp2_compile.runtime.traced_blocks import compiling_ahead_of_time

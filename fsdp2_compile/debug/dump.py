@@ -1,4 +1,4 @@
-"""Debugging artefacts of the graphs the fsdp2 backend compiled (`report.compiled_graphs()`), written to a folder:
+"""Debugging artefacts of the graphs the fsdp2 backend compiled (`graph_records.compiled_graphs()`), written to a folder:
 
     forward/00_captured.txt ...   the graph after every pass; collective / wait / cast lines annotated with their
                                   parameters and bucket (provenance)
@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fsdp2_compile.compiler.cost_model import Timeline, simulate
-from fsdp2_compile.compiler.report import (
+from fsdp2_compile.compiler.graph_records import (
     DUMP_ENV,
     UNWRITABLE_DUMP_FOLDERS,
     GraphRecord,

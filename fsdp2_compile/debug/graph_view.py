@@ -19,7 +19,7 @@ from xml.sax.saxutils import escape
 import torch
 from torch import fx
 
-from fsdp2_compile.compiler.report import is_tp
+from fsdp2_compile.compiler.graph_records import is_tp
 from fsdp2_compile.core.ir import BUCKET, PARAMS, ROLE, WAIT, Role, collective, collective_kind
 from fsdp2_compile.debug.sizes import size_text
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.distributed.tensor import DTensor
 
-from fsdp2_compile.compiler.report import clear_compiled_graphs, collective, compiled_graphs, is_tp
+from fsdp2_compile.compiler.graph_records import clear_compiled_graphs, collective, compiled_graphs, is_tp
 from fsdp2_compile.config import CompileConfig
 from fsdp2_compile.core.ir import BUCKET, CollectiveArgs, Role
 from fsdp2_compile.planner.activation_checkpointing import unwrap_checkpointing

@@ -25,7 +25,7 @@ from torch.utils.checkpoint import set_checkpoint_early_stop
 from torch.utils.flop_counter import flop_registry
 
 from fsdp2_compile._torch_private import TorchDispatchMode, storage_id, tree_leaves
-from fsdp2_compile.core.graph import VIEW_OPS
+from fsdp2_compile.core.fx_edit import VIEW_OPS
 from fsdp2_compile.planner.attention import AttentionMode, is_attention, is_causal
 
 __all__ = ["OpRecord", "StepTrace", "tp_gather", "trace_step"]

@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from fsdp2_compile._torch_private import post_accumulate_grad_hooks, queue_at_backward_end
-from fsdp2_compile.core.graph import fold_repeated_unshards
+from fsdp2_compile.core.fx_edit import fold_repeated_unshards
 from fsdp2_compile.core.ops import GRAD_RECEIVERS
 
 __all__ = ["GRAD_ANCHORS", "HOOKS_AFTER_BACKWARD", "one_unshard_per_delivered_param", "receive_grads"]

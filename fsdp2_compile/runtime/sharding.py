@@ -64,7 +64,7 @@ from fsdp2_compile.runtime.param_state import (
     sharded_parameters,
     state_of,
 )
-from fsdp2_compile.runtime.pipelining import register_state_views
+from fsdp2_compile.runtime.pipeline_stages import register_state_views
 from fsdp2_compile.runtime.process_groups import fsdp_group, resolve_reshard
 from fsdp2_compile.runtime.traced_blocks import traced_once
 from fsdp2_compile.runtime.validation import (
@@ -335,7 +335,7 @@ def shard(
             register_read_scope(member, taken[0].bucket)  # eager: a parameter read twice is gathered once
         object.__setattr__(member, STATE_ATTR, state)
         SHARDED_MODULES.add(member)
-    register_state_views(state)  # what torch's pipeline schedules reach (`pipelining.py`)
+    register_state_views(state)  # what torch's pipeline schedules reach (`pipeline_stages.py`)
     _hook_optimizers_while_alive(members, state.infos)
     _trace_blocks_once(members)
     return module

@@ -1,4 +1,4 @@
-"""The pass pipeline: one ordered list, run on every graph the backend (or the CLI) produces.
+"""The passes in order: one list (`PASSES`), run by `run_pipeline` on every graph the backend (or the CLI) produces.
 
 Each pass declares what it requires and provides (`pass_api.contract`); `run_pipeline` checks the list first.
 """
@@ -10,9 +10,9 @@ from collections.abc import Sequence
 from torch import fx
 
 from fsdp2_compile._torch_private import trace_graph_artifact
+from fsdp2_compile.compiler.graph_records import NodeFacts, Snapshot, dump_requested, node_facts, snapshot
 from fsdp2_compile.compiler.invariants import check_collectives_safe
 from fsdp2_compile.compiler.pass_api import Pass, PassContext, check_contracts
-from fsdp2_compile.compiler.report import NodeFacts, Snapshot, dump_requested, node_facts, snapshot
 from fsdp2_compile.passes import (
     bucket_collectives,
     combine_tied_grads,

@@ -1,5 +1,5 @@
-"""The report and debug artefacts: bounded over long runs, on the compile path only when asked for, decisions logged.
-One process, the fake process group."""
+"""The graph records and debug artefacts: bounded over long runs, on the compile path only when asked for,
+decisions logged. One process, the fake process group."""
 
 from __future__ import annotations
 
@@ -11,12 +11,13 @@ import torch
 from torch import nn
 
 import fsdp2_compile as fc
-from fsdp2_compile.compiler import report
+from fsdp2_compile.compiler import graph_records
 
 
 def test_the_compile_path_imports_no_drawing_code():
     code = (
-        "import sys, fsdp2_compile, fsdp2_compile.compiler.backend, fsdp2_compile.api, fsdp2_compile.compiler.pipeline\n"
+        "import sys, fsdp2_compile, fsdp2_compile.compiler.backend, fsdp2_compile.api, "
+        "fsdp2_compile.compiler.pass_list\n"
         "assert 'fsdp2_compile.debug.dump' not in sys.modules, 'the compile path imported dump.py'\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -34,17 +35,17 @@ def test_twenty_recompiles_keep_the_report_bounded(fake_pg, monkeypatch, caplog)
     """20 input shapes, each its own compiled graph: the report keeps the newest MAX_RECORDS (here 8) records, none
     of them with per-pass snapshots, while compile_counts() still counts all 20; the decisions are logged."""
     monkeypatch.delenv("FSDP2_COMPILE_DUMP", raising=False)
-    monkeypatch.setattr(report, "MAX_RECORDS", 8)
-    report.clear_compiled_graphs()
+    monkeypatch.setattr(graph_records, "MAX_RECORDS", 8)
+    graph_records.clear_compiled_graphs()
     model = _model()
     fc.shard_compile(model, dynamic=False)
     caplog.set_level(logging.INFO, logger="fsdp2_compile")
     with torch._dynamo.config.patch(recompile_limit=64, accumulated_recompile_limit=256), torch.no_grad():
         for batch in range(1, 21):
             model(torch.randn(batch, 8))
-    counts = report.compile_counts()
+    counts = graph_records.compile_counts()
     assert (counts.inference, counts.frames, counts.recompiles) == (20, 1, 19)
-    records = report.compiled_graphs()
+    records = graph_records.compiled_graphs()
     assert len(records) == 8 and all(r.kind == "inference" for r in records)
     assert all(r.snapshots == [] for r in records)  # nothing per pass unless a dump is asked for
     assert all(r.profile is not None and r.timeline is not None for r in records)
@@ -52,8 +53,8 @@ def test_twenty_recompiles_keep_the_report_bounded(fake_pg, monkeypatch, caplog)
     assert any("cost-model profile cpu-gloo-loopback" in m for m in messages)
     assert any("prefetch distances" in m for m in messages)
     assert any("bucket '0' fuses 2 all_gather collectives" in m for m in messages)  # weight and bias of model[0]
-    report.clear_compiled_graphs()
-    assert report.compile_counts().inference == 0 and report.compiled_graphs() == []
+    graph_records.clear_compiled_graphs()
+    assert graph_records.compile_counts().inference == 0 and graph_records.compiled_graphs() == []
 
 
 def test_the_dump_simulates_each_graph_with_its_schedulers_profile(fake_pg):
@@ -63,9 +64,9 @@ def test_the_dump_simulates_each_graph_with_its_schedulers_profile(fake_pg):
     from fsdp2_compile.debug.dump import summarize
 
     gm = make_fx(lambda x: (x @ x).sum(), tracing_mode="fake")(torch.randn(4, 4))
-    record = report.GraphRecord("forward", gm, profile=PROFILES["h100-nvlink"])
+    record = graph_records.GraphRecord("forward", gm, profile=PROFILES["h100-nvlink"])
     assert summarize([record], PROFILES["cpu-gloo-loopback"]).startswith("cost model profile: h100-nvlink (")
-    bare = report.GraphRecord("forward", gm)  # no profile recorded: the one asked for
+    bare = graph_records.GraphRecord("forward", gm)  # no profile recorded: the one asked for
     assert summarize([bare], PROFILES["cpu-gloo-1gbit"]).startswith("cost model profile: cpu-gloo-1gbit (")
 
 
