@@ -1,20 +1,4 @@
-"""Every private torch API the project uses, wrapped in one place: the project's boundary to torch's internals.
-
-Outside this module the project uses public torch only; tests/test_torch_boundary.py scans the source for any dotted
-path under `torch` with a `_`-prefixed component (`torch._dynamo`, `torch.ops._c10d_functional`,
-`torch.ops.aten._to_copy`) and for private attributes of objects (a tensor's `_post_accumulate_grad_hooks`,
-AOTAutograd's `_boxed_call`, torchao's float8 weights' `_tensor`): those go through the functions here as well. If a
-torch (or torchao) upgrade moves one, this is the only file to change; where supported releases differ, the branch
-is chosen by what the installed torch has (`hasattr`), not by its version string, wherever a feature test exists.
-
-Private APIs change between torch releases without notice, in meaning as well as in name, so a torch outside
-`SUPPORTED_TORCH` (the range pyproject.toml pins) is an error at import: pip enforces the pin, so such a torch was put
-there on purpose (a nightly, `--no-deps`), and FSDP2_COMPILE_ALLOW_UNSUPPORTED_TORCH=1 turns the error into a warning
-for trying one. Every private symbol is resolved by `_resolve`: at import where its module is loaded by then, else at
-first use (Inductor's compiler loads only when compiling with it); a missing one raises `UnsupportedTorchError`
-naming it and the supported range. There are no silent fallbacks. torchao, whose float8 weights' private attributes
-are read here too, is checked against `SUPPORTED_TORCHAO` when a float8 weight is first sharded.
-"""
+"""Every private torch API the project uses, wrapped in one place: the project's boundary to torch's internals."""
 
 from __future__ import annotations
 
@@ -120,6 +104,20 @@ ALLOW_UNSUPPORTED_TORCH = "FSDP2_COMPILE_ALLOW_UNSUPPORTED_TORCH"
 """Set to 1 to run on a torch outside `SUPPORTED_TORCH` with a warning instead of an error."""
 
 
+# Outside this module the project uses public torch only; tests/test_torch_boundary.py scans the source for any dotted
+# path under `torch` with a `_`-prefixed component (`torch._dynamo`, `torch.ops._c10d_functional`,
+# `torch.ops.aten._to_copy`) and for private attributes of objects (a tensor's `_post_accumulate_grad_hooks`,
+# AOTAutograd's `_boxed_call`, torchao's float8 weights' `_tensor`): those go through the functions here as well. If a
+# torch (or torchao) upgrade moves one, this is the only file to change; where supported releases differ, the branch
+# is chosen by what the installed torch has (`hasattr`), not by its version string, wherever a feature test exists.
+#
+# Private APIs change between torch releases without notice, in meaning as well as in name, so a torch outside
+# `SUPPORTED_TORCH` (the range pyproject.toml pins) is an error at import: pip enforces the pin, so such a torch was put
+# there on purpose (a nightly, `--no-deps`), and FSDP2_COMPILE_ALLOW_UNSUPPORTED_TORCH=1 turns the error into a warning
+# for trying one. Every private symbol is resolved by `_resolve`: at import where its module is loaded by then, else at
+# first use (Inductor's compiler loads only when compiling with it); a missing one raises `UnsupportedTorchError`
+# naming it and the supported range. There are no silent fallbacks. torchao, whose float8 weights' private attributes
+# are read here too, is checked against `SUPPORTED_TORCHAO` when a float8 weight is first sharded.
 class UnsupportedTorchError(ImportError):
     """The installed torch is outside the supported range, or lacks a private API this project uses."""
 

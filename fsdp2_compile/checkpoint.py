@@ -1,29 +1,4 @@
-"""Saving and loading a sharded model (and its optimizer) with torch.distributed.checkpoint: atomic and checked.
-
-A checkpoint at `path` is a folder:
-
-    path/committed.json   the commit record: which save folder is the checkpoint, and each of its files' size and sha256
-    path/save-000007/     a plain DCP checkpoint (`.metadata`, `__<rank>_<n>.distcp`); `dcp.load` reads it as it is
-
-`save_checkpoint` has DCP write into a new save folder (numbered one past the highest there: rank 0 picks the name and
-broadcasts it), checksums what DCP wrote once every rank has finished (each rank reads a share of the files), then
-rank 0 commits: it replaces `committed.json` with `os.replace` (atomic) and deletes the other save folders. A save
-killed at any point leaves the previous record, hence the previous checkpoint, in force; the next save deletes the
-half-written folder. With `async_save=True` it returns an `AsyncSave` once the state is copied, and a background
-thread does the rest (DCP's write, checksums, commit) over a process group of its own, the write by DCP's
-background process with `AsyncCheckpointerType.PROCESS`; the next save or load waits for it. `load_checkpoint`
-reads the record, verifies every file against it (again a share per rank), compares the checkpoint's entries with
-the model's and the optimizer's (a checkpoint of another architecture or another optimizer fails naming the first
-few entries missing or unexpected, or a shape), then loads. Checkpoints reshard on
-load: any world size, 1-D or HSDP mesh, `fully_shard` or `shard_compile`.
-
-Every failure is an ordinary exception raised on every rank with the same message: FileNotFoundError when there is
-no committed checkpoint, TypeError for arguments of the wrong type, ValueError for another architecture or
-optimizer, CheckpointError otherwise (a corrupt, truncated, missing or mixed-in file, named with the rank that wrote
-it; an unwritable path; DCP's own CheckpointException, which derives from BaseException, with the first failing
-rank's cause). Assumes every rank sees the same files at `path` (a shared file system, as DCP's FileSystemWriter
-does) and one save at a time per path.
-"""
+"""Saving and loading a sharded model (and its optimizer) with torch.distributed.checkpoint: atomic and checked."""
 
 from __future__ import annotations
 
@@ -63,6 +38,29 @@ _SAVE_FOLDER = re.compile(r"save-(\d+)")
 _DCP_DATA_FILE = re.compile(r"__(\d+)_\d+\.distcp")  # DCP names a data file __<rank that wrote it>_<n>.distcp
 
 
+# A checkpoint at `path` is a folder:
+#
+#     path/committed.json   the commit record: which save folder is the checkpoint, and each of its files' size and sha256
+#     path/save-000007/     a plain DCP checkpoint (`.metadata`, `__<rank>_<n>.distcp`); `dcp.load` reads it as it is
+#
+# `save_checkpoint` has DCP write into a new save folder (numbered one past the highest there: rank 0 picks the name and
+# broadcasts it), checksums what DCP wrote once every rank has finished (each rank reads a share of the files), then
+# rank 0 commits: it replaces `committed.json` with `os.replace` (atomic) and deletes the other save folders. A save
+# killed at any point leaves the previous record, hence the previous checkpoint, in force; the next save deletes the
+# half-written folder. With `async_save=True` it returns an `AsyncSave` once the state is copied, and a background
+# thread does the rest (DCP's write, checksums, commit) over a process group of its own, the write by DCP's
+# background process with `AsyncCheckpointerType.PROCESS`; the next save or load waits for it. `load_checkpoint`
+# reads the record, verifies every file against it (again a share per rank), compares the checkpoint's entries with
+# the model's and the optimizer's (a checkpoint of another architecture or another optimizer fails naming the first
+# few entries missing or unexpected, or a shape), then loads. Checkpoints reshard on
+# load: any world size, 1-D or HSDP mesh, `fully_shard` or `shard_compile`.
+#
+# Every failure is an ordinary exception raised on every rank with the same message: FileNotFoundError when there is
+# no committed checkpoint, TypeError for arguments of the wrong type, ValueError for another architecture or
+# optimizer, CheckpointError otherwise (a corrupt, truncated, missing or mixed-in file, named with the rank that wrote
+# it; an unwritable path; DCP's own CheckpointException, which derives from BaseException, with the first failing
+# rank's cause). Assumes every rank sees the same files at `path` (a shared file system, as DCP's FileSystemWriter
+# does) and one save at a time per path.
 class CheckpointError(RuntimeError):
     """A checkpoint that could not be saved, or that `load_checkpoint` does not trust. Raised on every rank alike."""
 

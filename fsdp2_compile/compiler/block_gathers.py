@@ -1,23 +1,4 @@
-"""Identical blocks traced once, their parameters gathered outside them.
-
-`shard` marks the outermost blocks sharded before the root (`sharding._trace_blocks_once`): their class's forward
-becomes a nested compile region (`torch.compiler.nested_compile_region`), so Dynamo traces one block and stamps
-out the others as `invoke_subgraph` calls of the same subgraph, and AOTAutograd traces and partitions that
-subgraph once. For Dynamo's guards to hold for every block, a block's `module.weight` leaves out what names the
-parameter (`ParamInfo.spec(anonymous=True)`). Two rewrites keep FSDP's semantics:
-
-- `gather_outside_blocks` (before AOTAutograd): every `fsdp2::unshard` of a block's subgraph (or of an activation
-  checkpoint inside it) moves to the calling graph, before the call, named again from the parameter the call
-  passes. The subgraph computes on gathered parameters; the passes see, bucket, prefetch and schedule every
-  block's collectives as before. A call's trained parameters that are neither kept nor delivered their gradient
-  are gathered by one `GatherGroup` autograd node calling one `fsdp2::unshard_group` (`grouped_unshard.py`), so
-  AOTAutograd traces one op per call.
-- `gather_again_in_backward` (before the partitioner): what the block's forward subgraph saves for its backward
-  that it computed from gathered parameters alone is computed in the backward subgraph instead, from the
-  parameter passed in, so that the partitioner gathers it again (resharding after forward) instead of saving it.
-
-Blocks that differ (other shapes, other settings) get a subgraph each; Dynamo inlines one called once.
-"""
+"""Identical blocks traced once, their parameters gathered outside them."""
 
 from __future__ import annotations
 
@@ -40,6 +21,23 @@ PARTITIONED_FW, PARTITIONED_BW = "partitioned_fw", "partitioned_bw"
 # ---------------------------------------------------------------------------------------------- before AOTAutograd
 
 
+# `shard` marks the outermost blocks sharded before the root (`sharding._trace_blocks_once`): their class's forward
+# becomes a nested compile region (`torch.compiler.nested_compile_region`), so Dynamo traces one block and stamps
+# out the others as `invoke_subgraph` calls of the same subgraph, and AOTAutograd traces and partitions that
+# subgraph once. For Dynamo's guards to hold for every block, a block's `module.weight` leaves out what names the
+# parameter (`ParamInfo.spec(anonymous=True)`). Two rewrites keep FSDP's semantics:
+#
+# - `gather_outside_blocks` (before AOTAutograd): every `fsdp2::unshard` of a block's subgraph (or of an activation
+#   checkpoint inside it) moves to the calling graph, before the call, named again from the parameter the call
+#   passes. The subgraph computes on gathered parameters; the passes see, bucket, prefetch and schedule every
+#   block's collectives as before. A call's trained parameters that are neither kept nor delivered their gradient
+#   are gathered by one `GatherGroup` autograd node calling one `fsdp2::unshard_group` (`grouped_unshard.py`), so
+#   AOTAutograd traces one op per call.
+# - `gather_again_in_backward` (before the partitioner): what the block's forward subgraph saves for its backward
+#   that it computed from gathered parameters alone is computed in the backward subgraph instead, from the
+#   parameter passed in, so that the partitioner gathers it again (resharding after forward) instead of saving it.
+#
+# Blocks that differ (other shapes, other settings) get a subgraph each; Dynamo inlines one called once.
 def gather_outside_blocks(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:
     """Move the `fsdp2::unshard` calls of `gm`'s block subgraphs into `gm`, before each call, with the names of the
     parameter it passes; name the anonymous `fsdp2::unshard` calls of `gm` itself."""

@@ -1,15 +1,4 @@
-"""The collectives of a lowered graph as units that can be moved, and emitting a graph order from a plan.
-
-A unit is one (possibly bucketed) collective with the nodes that must move with it: `start` (its copy-in chain and
-the collective itself) and `finish` (its wait and the copy-out chain). An order is emitted by a stable topological
-sort: each all-gather's start goes right before its *anchor* (the node it must be issued ahead of), its finish right
-before its first use; reduce-scatters start as soon as their gradients exist and finish at the very end — except
-under HSDP, where a reduce-scatter finishes just before the next one starts and its all-reduce over the replicas
-starts right then, so both overlap the rest of the backward; all-reduces finish at the end. A reduction (the
-reduce-scatter, or under HSDP the all-reduce) whose gradients are delivered inside backward (`grad_delivery.py`)
-finishes just before the next one of its kind starts; its deliveries (the parameters' hooks: an optimizer step) run
-right after that one is issued.
-"""
+"""The collectives of a lowered graph as units that can be moved, and emitting a graph order from a plan."""
 
 from __future__ import annotations
 
@@ -42,6 +31,15 @@ _FINISH_ROLES = {Role.WAIT, Role.COPY_OUT, Role.UNPAD, Role.CAST, Role.TO_DEVICE
 """Roles of the nodes after a collective that move with its wait (its copy-out chain)."""
 
 
+# A unit is one (possibly bucketed) collective with the nodes that must move with it: `start` (its copy-in chain and
+# the collective itself) and `finish` (its wait and the copy-out chain). An order is emitted by a stable topological
+# sort: each all-gather's start goes right before its *anchor* (the node it must be issued ahead of), its finish right
+# before its first use; reduce-scatters start as soon as their gradients exist and finish at the very end — except
+# under HSDP, where a reduce-scatter finishes just before the next one starts and its all-reduce over the replicas
+# starts right then, so both overlap the rest of the backward; all-reduces finish at the end. A reduction (the
+# reduce-scatter, or under HSDP the all-reduce) whose gradients are delivered inside backward (`grad_delivery.py`)
+# finishes just before the next one of its kind starts; its deliveries (the parameters' hooks: an optimizer step) run
+# right after that one is issued.
 @dataclass
 class Unit:
     kind: Role

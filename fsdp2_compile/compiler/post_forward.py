@@ -2,12 +2,6 @@
 of the module instead of 1/N, and backward all-gathers it from the k ranks of a smaller group (consecutive ranks
 of the shard group, e.g. the GPUs of one node) instead of from all N. Gradients are still reduce-scattered over
 the whole group, so the numerics are those of `reshard_after_forward=True`.
-
-`shard` resolves the setting and creates the smaller groups (`process_groups.resolve_reshard`). The compiled graphs get it after
-torch's partitioner (`gather_backward_from_post_forward_shards`): the partitioner made backward gather each
-resharded parameter again from its shard; the rewrite makes forward save this rank's 1/k rows of the gathered
-parameter (one more saved tensor, like an activation) and backward gather those over the smaller group instead.
-Uncompiled (eager) runs gather from the whole group in backward.
 """
 
 from __future__ import annotations
@@ -24,6 +18,11 @@ from fsdp2_compile.core.ops import padded_rows
 __all__ = ["gather_backward_from_post_forward_shards"]
 
 
+# `shard` resolves the setting and creates the smaller groups (`process_groups.resolve_reshard`). The compiled graphs get it after
+# torch's partitioner (`gather_backward_from_post_forward_shards`): the partitioner made backward gather each
+# resharded parameter again from its shard; the rewrite makes forward save this rank's 1/k rows of the gathered
+# parameter (one more saved tensor, like an activation) and backward gather those over the smaller group instead.
+# Uncompiled (eager) runs gather from the whole group in backward.
 def gather_backward_from_post_forward_shards(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int) -> None:
     """For each parameter with a post-forward group that backward gathers again: forward saves this rank's rows of
     its gathered value (after the user outputs, before the other saved values), and backward's `fsdp2::unshard`

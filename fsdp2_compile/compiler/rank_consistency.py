@@ -1,60 +1,4 @@
-"""Rank consistency: every rank must issue the same collectives in the same order, or the job hangs.
-
-When the backend compiles a graph, the ranks of each process group its collectives use agree on a record (their
-`CompileConfig` and schedule) through the default process group's store, then every rank raises the same kind of
-error, naming the ranks, as soon as one of these holds:
-
-1. A peer published a failure: its compilation raised (rank, exception type and first line of the message).
-2. The ranks' `CompileConfig`s differ: named field by field ("rank 1 has CompileConfig.prefetch_depth=1, rank 0 2").
-3. The ranks compiled different schedules (each collective's kind, dtype, bytes and parameters, in order): the
-   first differing collective is named, with the parameters one rank gathers or reduces but the other does not
-   (e.g. a parameter used under `if rank == 0:`).
-4. A peer did not publish in time: it raised or crashed before compiling (in its own code, which the backend cannot
-   see), is late, or compiled a different graph. "In time" is derived from the process group's timeout, waiting
-   for at most max(min(0.9 T, T - 5 s), T / 2) of it, so a late rank is waited for nearly as long as its first
-   collective would be, and this message comes before the collective's own timeout.
-
-The exchange costs each rank a constant number of store operations whatever the group's size, so rank 0's store
-can serve 10,000 ranks. Under the exchange's key K, each rank sets its record at K/r/<rank>, appends
-"<rank>:<sha256 of the record>;" to the digest list K/d (a "!" after the digest votes no, as a rank that did
-not load its saved compile does in `agree_at_first_call`) and adds 1 to the count K/n. The rank whose add
-completes the count claims K/c, reads the digest list (one read) and writes the verdict K/v: "agreed" when the
-digests are equal; else it reads the records of the lowest rank of each distinct digest and the verdict carries the differing
-config fields, or the two schedules from which each rank names the first differing collective, and which ranks
-hold which record. Every other rank blocks on K/v in the store (no polling). A rank whose compilation raised
-appends its failure to K/f and writes the verdict itself, which ends every wait at once. The first rank whose wait
-runs out claims K/c and writes the verdict naming the ranks missing from the digest list (none missing: the rank
-that completed the count died before writing it, and this one writes what it would have); a rank that finds K/c
-claimed and no verdict a few seconds later names the claiming rank. The verdict is written once (compare-and-set),
-so every rank reads the same one. Having read it, each rank deletes its record and adds 1 to K/done, and the last
-of the ranks that joined deletes the exchange's keys; when a rank never joined, the verdict naming it stays, for it
-to read should it come.
-
-Peers are the ranks of the process groups the graph's collectives use (the union, e.g. shard and replicate groups
-for HSDP). A rank exchanges once per group, under keys naming the group and its ranks, with that group's ranks:
-stages of a pipeline-parallel job that shard different models on disjoint sub-meshes never wait for or compare with
-each other, and with HSDP rank 0 compares with its shard peer and its replica, each of which compares with theirs.
-Graphs without collectives are not checked.
-
-`CompileConfig.check_rank_consistency=False` skips only the comparison of schedules; the configs are still
-exchanged, so a rank that turned it off is named on every rank instead of leaving the others waiting.
-
-Keys carry the token the group's ranks drew when `shard` made the group (`process_groups.attempt_token`), so a
-job restarted in place by torchrun's agent, whose store keeps the keys of the attempt that died, never reads them.
-
-Graphs are paired across ranks by their Dynamo frame (numbered per group in the order the backend first meets it)
-and kind; the groups are read off the graph as captured, so a rank whose pass pipeline raises publishes its failure
-under the keys its peers wait on. A recompile of a frame whose record the ranks already agreed on (e.g. for a new
-input shape, which ranks with different data meet at different steps) is not exchanged again, so it never waits for
-the other ranks.
-
-What this cannot see: a rank that raises in its own code before compiling (or in Dynamo/AOTAutograd before the
-backend's compiler runs) publishes nothing, so its peers end after the bounded wait, with a message naming it as not
-having published; if that rank's process hosted the store (rank 0 when launched without torchrun's agent), its
-exit is seen at once ("lost the process group's store"). A rank that dies after the ranks agreed, or that fails in
-a recompile nobody else is compiling, is outside the check: the peers' next collective fails (gloo reports the
-closed connection at once) or times out.
-"""
+"""Rank consistency: every rank must issue the same collectives in the same order, or the job hangs."""
 
 from __future__ import annotations
 
@@ -222,6 +166,60 @@ def _with(message: str, holders: str) -> str:
     return f"{message}. {holders}" if holders else message
 
 
+# When the backend compiles a graph, the ranks of each process group its collectives use agree on a record (their
+# `CompileConfig` and schedule) through the default process group's store, then every rank raises the same kind of
+# error, naming the ranks, as soon as one of these holds:
+#
+# 1. A peer published a failure: its compilation raised (rank, exception type and first line of the message).
+# 2. The ranks' `CompileConfig`s differ: named field by field ("rank 1 has CompileConfig.prefetch_depth=1, rank 0 2").
+# 3. The ranks compiled different schedules (each collective's kind, dtype, bytes and parameters, in order): the
+#    first differing collective is named, with the parameters one rank gathers or reduces but the other does not
+#    (e.g. a parameter used under `if rank == 0:`).
+# 4. A peer did not publish in time: it raised or crashed before compiling (in its own code, which the backend cannot
+#    see), is late, or compiled a different graph. "In time" is derived from the process group's timeout, waiting
+#    for at most max(min(0.9 T, T - 5 s), T / 2) of it, so a late rank is waited for nearly as long as its first
+#    collective would be, and this message comes before the collective's own timeout.
+#
+# The exchange costs each rank a constant number of store operations whatever the group's size, so rank 0's store
+# can serve 10,000 ranks. Under the exchange's key K, each rank sets its record at K/r/<rank>, appends
+# "<rank>:<sha256 of the record>;" to the digest list K/d (a "!" after the digest votes no, as a rank that did
+# not load its saved compile does in `agree_at_first_call`) and adds 1 to the count K/n. The rank whose add
+# completes the count claims K/c, reads the digest list (one read) and writes the verdict K/v: "agreed" when the
+# digests are equal; else it reads the records of the lowest rank of each distinct digest and the verdict carries the differing
+# config fields, or the two schedules from which each rank names the first differing collective, and which ranks
+# hold which record. Every other rank blocks on K/v in the store (no polling). A rank whose compilation raised
+# appends its failure to K/f and writes the verdict itself, which ends every wait at once. The first rank whose wait
+# runs out claims K/c and writes the verdict naming the ranks missing from the digest list (none missing: the rank
+# that completed the count died before writing it, and this one writes what it would have); a rank that finds K/c
+# claimed and no verdict a few seconds later names the claiming rank. The verdict is written once (compare-and-set),
+# so every rank reads the same one. Having read it, each rank deletes its record and adds 1 to K/done, and the last
+# of the ranks that joined deletes the exchange's keys; when a rank never joined, the verdict naming it stays, for it
+# to read should it come.
+#
+# Peers are the ranks of the process groups the graph's collectives use (the union, e.g. shard and replicate groups
+# for HSDP). A rank exchanges once per group, under keys naming the group and its ranks, with that group's ranks:
+# stages of a pipeline-parallel job that shard different models on disjoint sub-meshes never wait for or compare with
+# each other, and with HSDP rank 0 compares with its shard peer and its replica, each of which compares with theirs.
+# Graphs without collectives are not checked.
+#
+# `CompileConfig.check_rank_consistency=False` skips only the comparison of schedules; the configs are still
+# exchanged, so a rank that turned it off is named on every rank instead of leaving the others waiting.
+#
+# Keys carry the token the group's ranks drew when `shard` made the group (`process_groups.attempt_token`), so a
+# job restarted in place by torchrun's agent, whose store keeps the keys of the attempt that died, never reads them.
+#
+# Graphs are paired across ranks by their Dynamo frame (numbered per group in the order the backend first meets it)
+# and kind; the groups are read off the graph as captured, so a rank whose pass pipeline raises publishes its failure
+# under the keys its peers wait on. A recompile of a frame whose record the ranks already agreed on (e.g. for a new
+# input shape, which ranks with different data meet at different steps) is not exchanged again, so it never waits for
+# the other ranks.
+#
+# What this cannot see: a rank that raises in its own code before compiling (or in Dynamo/AOTAutograd before the
+# backend's compiler runs) publishes nothing, so its peers end after the bounded wait, with a message naming it as not
+# having published; if that rank's process hosted the store (rank 0 when launched without torchrun's agent), its
+# exit is seen at once ("lost the process group's store"). A rank that dies after the ranks agreed, or that fails in
+# a recompile nobody else is compiling, is outside the check: the peers' next collective fails (gloo reports the
+# closed connection at once) or times out.
 @dataclasses.dataclass
 class _Channel:
     """One process group's part of an exchange: its ranks, the store key of this compilation there, and the records
@@ -561,7 +559,7 @@ def agree_to_call(what: str) -> None:
 
 def check_same_schedule(gm: fx.GraphModule, kind: str, config=None, *, timeout_s: float | None = None) -> None:
     """Raise on every rank if the ranks compiled different configs or collective schedules for this graph (what the
-    backend does after its pass pipeline; see the module docstring). Called directly on a graph without
+    backend does after its pass pipeline; see the comment above `_Channel`). Called directly on a graph without
     collectives, it compares across the default process group. `timeout_s` overrides the wait derived from the
     process group's timeout."""
     ex = _exchange(gm, kind, world_if_none=True, timeout_s=timeout_s)

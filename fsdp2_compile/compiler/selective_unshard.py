@@ -1,14 +1,6 @@
 """Selective unsharding (`CompileConfig.keep_gathered`, or what `CompileConfig.memory_budget_bytes` leaves beyond
 the prefetch window): which buckets keep their gathered parameters from forward to backward instead of resharding
 after forward and gathering again in backward.
-
-The compiler sees the whole step, so it can spend a memory budget where hooks cannot: every kept byte saves one
-gathered byte in backward, so buckets pay alike per byte; the last buckets of the forward go first, because
-backward needs them first, and their re-gather is the one backward cannot hide behind earlier compute. Buckets are
-taken whole, last to first, while they fit the budget. Decisions depend on the graph and the config only (the same
-on every rank). Buckets that `reshard_after_forward=False` keeps already are not counted. The decision travels with
-the forward and backward graphs (`KEPT_META` in their `meta`, then `GraphRecord.kept_gathered`), so the dump shows
-it; the planner makes the same decision from the full model's bucket sizes (`choose_kept`).
 """
 
 from __future__ import annotations
@@ -31,6 +23,13 @@ KEPT_META = "fsdp2_kept_gathered"
 """Key of a partitioned graph's `GraphModule.meta` holding its `KeptGathered` decision."""
 
 
+# The compiler sees the whole step, so it can spend a memory budget where hooks cannot: every kept byte saves one
+# gathered byte in backward, so buckets pay alike per byte; the last buckets of the forward go first, because
+# backward needs them first, and their re-gather is the one backward cannot hide behind earlier compute. Buckets are
+# taken whole, last to first, while they fit the budget. Decisions depend on the graph and the config only (the same
+# on every rank). Buckets that `reshard_after_forward=False` keeps already are not counted. The decision travels with
+# the forward and backward graphs (`KEPT_META` in their `meta`, then `GraphRecord.kept_gathered`), so the dump shows
+# it; the planner makes the same decision from the full model's bucket sizes (`choose_kept`).
 @dataclass(frozen=True)
 class KeptGathered:
     """What selective unsharding decided: the buckets kept gathered for backward (the one backward needs first,

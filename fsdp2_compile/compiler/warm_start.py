@@ -2,22 +2,6 @@
 compile and saved, one file per rank; a relaunch that finds the file of the same key on every rank loads it and
 neither traces nor compiles (Dynamo, AOTAutograd, the partition and the passes all skipped). Whether every rank
 loaded is agreed at the first call (`first_call.py`), where a rank without `cache_dir` among ranks with it is named.
-
-The key is a digest of what the saved graphs depend on: this package's, torch's and Python's versions, the world
-size and rank, the `CompileConfig` (less `cache_dir`), the module's structure, parameters and buffers (names,
-shapes, dtypes, meshes, placements), the code of its classes, every managed parameter's `ParamSpec` (process-group
-names, mixed precision, resharding, gradient sync, ...) and the call's inputs. A hit needs every rank to hit;
-otherwise every rank compiles and replaces its file (so does every rank when one keeps snapshots for a dump:
-a hit compiles nothing to record). A file that cannot be used (cut short, altered, from an incompatible torch)
-is named in a warning and compiled again; a module that cannot be compiled ahead of time (a graph break) is
-compiled as usual, with a warning, and nothing is saved.
-
-What torch saves is guarded on the inputs and global state only (guards on the module would pickle its generated
-classes); the module is in the key instead, and each call checks that the managed parameters' specs and the
-submodules' training flags are still the traced ones, else the module runs through its ordinary `torch.compile`
-(which compiles as usual). Other changes to the module after its first call (hooks added, attributes its forward
-reads) are not seen. A saved backward reduces as the forward's gradient-sync flags said: a backward run after they
-changed raises.
 """
 
 from __future__ import annotations
@@ -217,6 +201,21 @@ def _write(path: str, payload: bytes) -> None:
         raise
 
 
+# The key is a digest of what the saved graphs depend on: this package's, torch's and Python's versions, the world
+# size and rank, the `CompileConfig` (less `cache_dir`), the module's structure, parameters and buffers (names,
+# shapes, dtypes, meshes, placements), the code of its classes, every managed parameter's `ParamSpec` (process-group
+# names, mixed precision, resharding, gradient sync, ...) and the call's inputs. A hit needs every rank to hit;
+# otherwise every rank compiles and replaces its file (so does every rank when one keeps snapshots for a dump:
+# a hit compiles nothing to record). A file that cannot be used (cut short, altered, from an incompatible torch)
+# is named in a warning and compiled again; a module that cannot be compiled ahead of time (a graph break) is
+# compiled as usual, with a warning, and nothing is saved.
+#
+# What torch saves is guarded on the inputs and global state only (guards on the module would pickle its generated
+# classes); the module is in the key instead, and each call checks that the managed parameters' specs and the
+# submodules' training flags are still the traced ones, else the module runs through its ordinary `torch.compile`
+# (which compiles as usual). Other changes to the module after its first call (hooks added, attributes its forward
+# reads) are not seen. A saved backward reduces as the forward's gradient-sync flags said: a backward run after they
+# changed raises.
 class WarmStart:
     """The calls of one compiled module with `cache_dir`: the first loads or compiles (and saves) `fn(module, *args,
     **kwargs)` ahead of time; later calls run that while the inputs pass its guards and the specs and training

@@ -1,22 +1,4 @@
-"""The graph contract: how the facts of a sharded parameter travel through the graph, owned in one place.
-
-A parameter's facts start as the arguments of `fsdp2::unshard` (and, in backward, `fsdp2::reduce_grad`,
-`fsdp2::stash_grad`, `fsdp2::add_pending_grad`, `fsdp2::deliver_grad`); the lowering passes turn each op into casts,
-copies and functional collectives and leave the facts in `node.meta`. This module names every step of that path:
-
-- **Named views of op arguments** (`UnshardArgs.of(node).fqn`, `ReduceGradArgs.of(node).reduce_dtype`,
-  `CollectiveArgs.of(node).group_name`, ...), one frozen dataclass per op whose fields are generated from the op's
-  schema (`op_schema(op).arguments`): no index tables. `view.as_args()` gives the positional arguments back, and
-  `view.static()` every non-tensor argument (what identifies a parameter).
-- **The `node.meta` keys** the passes leave for each other (`PARAMS`, `BUCKET`, `ROLE`) and the `Role` enum of
-  what a lowered node does; `Tags` is their typed view.
-- **The collective-kind table** (`COLLECTIVE_KINDS`), the wait op, and `collective(node)`: a collective's kind,
-  parameters, dtype and bytes.
-- **One byte counter**, `nbytes(value)`, exact for symbolic shapes (sizes evaluated at the shape environment's
-  recorded values by `concrete`). Every byte figure (schedule check, report, dump, cost model, bucketing) uses it.
-
-Nothing here rewrites graphs; passes (`passes/`) do, reading and writing through these names.
-"""
+"""The graph contract: how the facts of a sharded parameter travel through the graph, owned in one place."""
 
 from __future__ import annotations
 
@@ -113,6 +95,22 @@ REDUCE_GROUP = grouped_unshard.REDUCE_GROUP
 # ---------------------------------------------------------------------------------------------- node.meta
 
 
+# A parameter's facts start as the arguments of `fsdp2::unshard` (and, in backward, `fsdp2::reduce_grad`,
+# `fsdp2::stash_grad`, `fsdp2::add_pending_grad`, `fsdp2::deliver_grad`); the lowering passes turn each op into casts,
+# copies and functional collectives and leave the facts in `node.meta`. This module names every step of that path:
+#
+# - **Named views of op arguments** (`UnshardArgs.of(node).fqn`, `ReduceGradArgs.of(node).reduce_dtype`,
+#   `CollectiveArgs.of(node).group_name`, ...), one frozen dataclass per op whose fields are generated from the op's
+#   schema (`op_schema(op).arguments`): no index tables. `view.as_args()` gives the positional arguments back, and
+#   `view.static()` every non-tensor argument (what identifies a parameter).
+# - **The `node.meta` keys** the passes leave for each other (`PARAMS`, `BUCKET`, `ROLE`) and the `Role` enum of
+#   what a lowered node does; `Tags` is their typed view.
+# - **The collective-kind table** (`COLLECTIVE_KINDS`), the wait op, and `collective(node)`: a collective's kind,
+#   parameters, dtype and bytes.
+# - **One byte counter**, `nbytes(value)`, exact for symbolic shapes (sizes evaluated at the shape environment's
+#   recorded values by `concrete`). Every byte figure (schedule check, report, dump, cost model, bucketing) uses it.
+#
+# Nothing here rewrites graphs; passes (`passes/`) do, reading and writing through these names.
 class Role(StrEnum):
     """What a node the passes inserted does (`node.meta[ROLE]`). A `StrEnum`: equal to its string value."""
 

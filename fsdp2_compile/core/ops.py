@@ -2,20 +2,6 @@
 gradient accumulation without sync uses, `fsdp2::stash_grad` / `fsdp2::add_pending_grad`, the two that keep
 parameters gathered after backward, `fsdp2::keep_unsharded` / `fsdp2::release_unsharded`, `fsdp2::deliver_grad`,
 which hands a reduced gradient to its parameter inside backward (optimizer in backward), and `fsdp2::keep_alive`.
-
-`unshard(shard)` returns the full parameter (all ranks' shards, cast to `param_dtype`); its backward is
-`reduce_grad(grad)`, which returns this rank's shard of the averaged gradient in the parameter's dtype.
-With gradient sync off (`set_requires_gradient_sync(False)`, as in FSDP2) the backward instead adds the unsharded
-gradient to one kept on this rank (`stash_grad`, no communication) and gives the shard a zero gradient; the next
-synced backward adds what was kept before reducing (`add_pending_grad`). Reduction is linear, so the result is
-the reduction of the summed gradients.
-Both run eagerly (through the functional collectives, so eager and compiled runs issue the same collectives)
-and have fake implementations, so Dynamo/AOTAutograd trace them as single opaque nodes that the lowering
-passes later expand into cast / pad / collective / wait / unpad nodes.
-
-Besides its tensors, `fsdp2::unshard` takes one static argument, the parameter's `ParamSpec`, carried in the op so
-each node names its parameter (`fqn`) and its FSDP group (`bucket`: the module `shard` was called on), and the
-partitioner can read `reshard_after_forward` off the node itself.
 """
 
 from __future__ import annotations
@@ -83,6 +69,19 @@ def pad_rows(t: Tensor, rows: int) -> Tensor:
     return torch.constant_pad_nd(t, [0, 0] * (t.dim() - 1) + [0, missing])
 
 
+# `unshard(shard)` returns the full parameter (all ranks' shards, cast to `param_dtype`); its backward is
+# `reduce_grad(grad)`, which returns this rank's shard of the averaged gradient in the parameter's dtype.
+# With gradient sync off (`set_requires_gradient_sync(False)`, as in FSDP2) the backward instead adds the unsharded
+# gradient to one kept on this rank (`stash_grad`, no communication) and gives the shard a zero gradient; the next
+# synced backward adds what was kept before reducing (`add_pending_grad`). Reduction is linear, so the result is
+# the reduction of the summed gradients.
+# Both run eagerly (through the functional collectives, so eager and compiled runs issue the same collectives)
+# and have fake implementations, so Dynamo/AOTAutograd trace them as single opaque nodes that the lowering
+# passes later expand into cast / pad / collective / wait / unpad nodes.
+#
+# Besides its tensors, `fsdp2::unshard` takes one static argument, the parameter's `ParamSpec`, carried in the op so
+# each node names its parameter (`fqn`) and its FSDP group (`bucket`: the module `shard` was called on), and the
+# partitioner can read `reshard_after_forward` off the node itself.
 @register_value_type
 @dataclasses.dataclass(frozen=True)
 class ParamSpec:

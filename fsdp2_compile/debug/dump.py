@@ -1,17 +1,5 @@
-"""Debugging artefacts of the graphs the fsdp2 backend compiled (`graph_records.compiled_graphs()`), written to a folder:
-
-    forward/00_captured.txt ...   the graph after every pass; collective / wait / cast lines annotated with their
-                                  parameters and bucket (provenance)
-    forward/graph.dot, .svg       the final graph's compact view (graph_view.py): one row per collective, wait,
-                                  cast run and compute region, parameter names on inputs
-    forward/subgraphs/<name>.txt  the subgraph of each kind of identical block traced once (block_gathers.py)
-    trace.json                    the simulated schedule (cost_model.simulate) as a Perfetto / Chrome trace
-    memory.csv, memory.png        estimated live bytes over the step (the plot needs matplotlib, the `plots` extra;
-                                  the CLI's --memory-plot memory.svg writes SVG)
-    summary.txt                   the table `summarize` returns (also printed by `fsdp2-compile dump`)
-
-`dump_from_env(record)` (called by the backend for every compiled graph) writes them to `$FSDP2_COMPILE_DUMP/rank<r>`.
-"""
+"""Debugging artefacts of the graphs the fsdp2 backend compiled (`graph_records.compiled_graphs()`), written to a
+folder."""
 
 from __future__ import annotations
 
@@ -65,6 +53,17 @@ def _note(facts: NodeFacts) -> str:
     return f"  # bucket={facts.bucket!r} params=[{shown}]{extra}"
 
 
+#     forward/00_captured.txt ...   the graph after every pass; collective / wait / cast lines annotated with their
+#                                   parameters and bucket (provenance)
+#     forward/graph.dot, .svg       the final graph's compact view (graph_view.py): one row per collective, wait,
+#                                   cast run and compute region, parameter names on inputs
+#     forward/subgraphs/<name>.txt  the subgraph of each kind of identical block traced once (block_gathers.py)
+#     trace.json                    the simulated schedule (cost_model.simulate) as a Perfetto / Chrome trace
+#     memory.csv, memory.png        estimated live bytes over the step (the plot needs matplotlib, the `plots` extra;
+#                                   the CLI's --memory-plot memory.svg writes SVG)
+#     summary.txt                   the table `summarize` returns (also printed by `fsdp2-compile dump`)
+#
+# `dump_from_env(record)` (called by the backend for every compiled graph) writes them to `$FSDP2_COMPILE_DUMP/rank<r>`.
 def annotate(snapshot: Snapshot) -> str:
     """The snapshot's text with every collective, wait, cast and fsdp2 op line followed by
     `# bucket=... params=[...] role=...`, from the snapshot's node facts; tensor parallelism's collectives and waits

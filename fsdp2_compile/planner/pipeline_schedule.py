@@ -1,19 +1,5 @@
 """Pipeline parallelism for the planner (`--pp P`): how the blocks split into stages, which stages a rank holds,
 how many micro-batches' activations a schedule keeps, the bubble and the stage-to-stage sends.
-
-- Split (torchtitan's `_generate_llm_fqn_per_model_part`, input and output weight 1): the S = P x V stages share
-  L + 2 "layers", the embedding and the head counting one each; the first (L + 2) mod S stages get one more; the
-  first stage holds the embedding and one block less, the last the head (and the loss) and one block less.
-- Stages of a rank: rank r runs stages r, r + P, ... (torch's looped schedules; V = 1 for 1F1B and GPipe).
-- Activations in flight on rank r (micro-batches of each of its stages, torch's schedules): GPipe all M; 1F1B
-  min(P - r, M) (the first stage P); Interleaved1F1B the (V - 1) R + 2 (P - 1 - r) warm-up forwards and the next
-  one, at most M V, R = M / max(1, M / P) micro-batches a round, in the schedule's order: R micro-batches through
-  its first stage, then through its second, ... (the last rank: P of its first stage, one of its last; Narayanan
-  et al. 2021, Korthikanti et al. 2022).
-- Time: the slowest rank's M micro-batches plus the bubble, (P - 1) / V of its time for one micro-batch
-  ((P - 1) / M of the step's compute for 1F1B and GPipe); each micro-batch's activation crosses each stage
-  boundary forward and its gradient backward, waited for before the next stage computes: 2 (M V + P - 1) sends
-  on the critical path.
 """
 
 from __future__ import annotations
@@ -24,6 +10,19 @@ SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B")
 """The schedules planned (torch.distributed.pipelining's names); Interleaved1F1B holds V >= 2 stages per rank."""
 
 
+# - Split (torchtitan's `_generate_llm_fqn_per_model_part`, input and output weight 1): the S = P x V stages share
+#   L + 2 "layers", the embedding and the head counting one each; the first (L + 2) mod S stages get one more; the
+#   first stage holds the embedding and one block less, the last the head (and the loss) and one block less.
+# - Stages of a rank: rank r runs stages r, r + P, ... (torch's looped schedules; V = 1 for 1F1B and GPipe).
+# - Activations in flight on rank r (micro-batches of each of its stages, torch's schedules): GPipe all M; 1F1B
+#   min(P - r, M) (the first stage P); Interleaved1F1B the (V - 1) R + 2 (P - 1 - r) warm-up forwards and the next
+#   one, at most M V, R = M / max(1, M / P) micro-batches a round, in the schedule's order: R micro-batches through
+#   its first stage, then through its second, ... (the last rank: P of its first stage, one of its last; Narayanan
+#   et al. 2021, Korthikanti et al. 2022).
+# - Time: the slowest rank's M micro-batches plus the bubble, (P - 1) / V of its time for one micro-batch
+#   ((P - 1) / M of the step's compute for 1F1B and GPipe); each micro-batch's activation crosses each stage
+#   boundary forward and its gradient backward, waited for before the next stage computes: 2 (M V + P - 1) sends
+#   on the critical path.
 def stage_blocks(layers: int, stages: int) -> list[tuple[int, int]]:
     """(first block, number of blocks) of each of `stages` stages over `layers` blocks, torchtitan's split."""
     if stages > layers:

@@ -1,40 +1,5 @@
 """The planner: per-rank memory, bytes on the wire, step time, tokens/s and MFU of a model sharded over N ranks,
 without the memory or the ranks (the model on the meta device, one process, the fake process group).
-
-Method:
-- parameters, gradients, optimizer state: the REAL `shard` of the full model at world size N (rank 0, which holds
-  the largest shard, ceil(dim0 / S) rows, S = N the shard size; HSDP with R replicas: S = N / R, mesh R x S);
-  gradients are sharded like the parameters, in their dtype; AdamW keeps two fp32 states per element of the shard.
-  Compared with the analytical numel x bytes / S.
-- reduced copies (`reduced_depth.py`): the factory's `layers=` 1 and 2, or else the model's block list cut to 1 and 2
-  blocks; per-block figures (2 blocks minus 1) are scaled to the full block count.
-- collectives: the real pipeline compiles each copy and the final graphs' collectives give the bytes sent. A ring
-  over a collective's group of G ranks sends (G-1)/G of an all-gather's or reduce-scatter's full buffer and
-  2(G-1)/G of an all-reduce's (HSDP: G = R for the all-reduces). Timed on the profile's link, a reduce-scatter
-  times the device's `reduce_scatter_factor` (gloo's takes as long as an all-reduce: 2, measured) unless its group
-  has two ranks (the pipeline then runs it as an all-to-all: 1).
-- activations and compute: one step of each copy played op by op on the meta device (`trace.py`), with the
-  attention (`attention.py`) and activation checkpointing (`activation_checkpointing.py`) asked for; time, schedule and the
-  allocator's peak from `step_model.py`, device figures from `devices.py`.
-- tensor parallelism (`tp` > 1, `tensor_parallel.py`): the mesh is (dp, tp) (or (replicate, shard, tp)), the TP plan is
-  applied to every block with `parallelize_module` before `shard` over dp, so the per-rank bytes are the real
-  (dp, tp)-local shards; TP's collectives (Role.TP in the compiled graphs) are counted apart from FSDP's, per layer
-  (2 blocks minus 1), and timed on the profile's intra-node link, on the critical path (nothing overlaps them);
-  compute and activations are traced on a TP-local copy (column-wise Linears with out / tp features, row-wise with
-  in / tp); MFU counts the unsplit model's FLOPs / tp per rank, tokens/s per rank the dp rank's tokens / tp
-  (torchtitan's per-GPU figures).
-- pipeline parallelism (`pp` > 1, `pipeline_schedule.py`, `pipeline_figures.py`): the mesh is (pp, [replicate,] dp
-  [, tp]); the copies are compiled and played for one micro-batch, their figures split into a block's, the
-  embedding's (first stage) and the head's (last stage) by where each op ran (`OpRecord.part`); each pp rank's
-  memory from its stages' parameters of the full model's shard, the figures shown are the rank with the highest
-  peak; FSDP's collectives per step from its buckets (one gather and one reduction: torch's schedules keep a stage
-  gathered until its last micro-batch).
-- float8 (`float8`): gathered bytes of the blocks' Linear weights at 1 byte, their matmuls at the float8 peak
-  (`step_model.op_seconds`); the graphs' all-gather bytes less the difference.
-
-Here: `Plan`, and `make_plan` / `_assemble`, which put it together from the sharded full model (`full_model.py`,
-`param_bytes.py`), the copies' graphs and traces (`model_copies.py`), and the figures of `memory.py`,
-`step_time.py` and `pipeline_figures.py`; `layout.py` holds what a plan is made for, `format.py` prints one.
 """
 
 from __future__ import annotations
@@ -55,6 +20,40 @@ from fsdp2_compile.planner.tensor_parallel import plan_meshes
 __all__ = ["Plan", "make_plan"]
 
 
+# Method:
+# - parameters, gradients, optimizer state: the REAL `shard` of the full model at world size N (rank 0, which holds
+#   the largest shard, ceil(dim0 / S) rows, S = N the shard size; HSDP with R replicas: S = N / R, mesh R x S);
+#   gradients are sharded like the parameters, in their dtype; AdamW keeps two fp32 states per element of the shard.
+#   Compared with the analytical numel x bytes / S.
+# - reduced copies (`reduced_depth.py`): the factory's `layers=` 1 and 2, or else the model's block list cut to 1 and 2
+#   blocks; per-block figures (2 blocks minus 1) are scaled to the full block count.
+# - collectives: the real pipeline compiles each copy and the final graphs' collectives give the bytes sent. A ring
+#   over a collective's group of G ranks sends (G-1)/G of an all-gather's or reduce-scatter's full buffer and
+#   2(G-1)/G of an all-reduce's (HSDP: G = R for the all-reduces). Timed on the profile's link, a reduce-scatter
+#   times the device's `reduce_scatter_factor` (gloo's takes as long as an all-reduce: 2, measured) unless its group
+#   has two ranks (the pipeline then runs it as an all-to-all: 1).
+# - activations and compute: one step of each copy played op by op on the meta device (`trace.py`), with the
+#   attention (`attention.py`) and activation checkpointing (`activation_checkpointing.py`) asked for; time, schedule and the
+#   allocator's peak from `step_model.py`, device figures from `devices.py`.
+# - tensor parallelism (`tp` > 1, `tensor_parallel.py`): the mesh is (dp, tp) (or (replicate, shard, tp)), the TP plan is
+#   applied to every block with `parallelize_module` before `shard` over dp, so the per-rank bytes are the real
+#   (dp, tp)-local shards; TP's collectives (Role.TP in the compiled graphs) are counted apart from FSDP's, per layer
+#   (2 blocks minus 1), and timed on the profile's intra-node link, on the critical path (nothing overlaps them);
+#   compute and activations are traced on a TP-local copy (column-wise Linears with out / tp features, row-wise with
+#   in / tp); MFU counts the unsplit model's FLOPs / tp per rank, tokens/s per rank the dp rank's tokens / tp
+#   (torchtitan's per-GPU figures).
+# - pipeline parallelism (`pp` > 1, `pipeline_schedule.py`, `pipeline_figures.py`): the mesh is (pp, [replicate,] dp
+#   [, tp]); the copies are compiled and played for one micro-batch, their figures split into a block's, the
+#   embedding's (first stage) and the head's (last stage) by where each op ran (`OpRecord.part`); each pp rank's
+#   memory from its stages' parameters of the full model's shard, the figures shown are the rank with the highest
+#   peak; FSDP's collectives per step from its buckets (one gather and one reduction: torch's schedules keep a stage
+#   gathered until its last micro-batch).
+# - float8 (`float8`): gathered bytes of the blocks' Linear weights at 1 byte, their matmuls at the float8 peak
+#   (`step_model.op_seconds`); the graphs' all-gather bytes less the difference.
+#
+# Here: `Plan`, and `make_plan` / `_assemble`, which put it together from the sharded full model (`full_model.py`,
+# `param_bytes.py`), the copies' graphs and traces (`model_copies.py`), and the figures of `memory.py`,
+# `step_time.py` and `pipeline_figures.py`; `layout.py` holds what a plan is made for, `format.py` prints one.
 @dataclass
 class Plan:
     world_size: int

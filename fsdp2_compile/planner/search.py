@@ -1,20 +1,5 @@
 """The planner's search: every layout and knob of a training step at N ranks and a global batch, planned as
 `make_plan` plans one, those that fit the device's memory ranked by tokens/s per GPU.
-
-Enumerated: tp (dividing N, the attention heads, at most a node's 8 GPUs on the H100 profiles), pp (dividing N / tp,
-at most the block count; schedules 1F1B and Interleaved1F1B with micro-batches of one sample, or with pp pinned
-every micro-batch count of at least pp that divides the local batch), HSDP replicas
-(dividing the data-parallel size), activation checkpointing (none, selective, full), reshard_after_forward (FSDP2's
-default or False; under pp the pipeline keeps stages gathered), prefetch depth (1, 2), keep_gathered (none, half,
-all of the resharded bytes) and float8 where the device has it. The local batch is the global batch / dp.
-
-The stages of `make_plan` are shared between candidates by what each depends on (`search_stages.py`): the full
-model is sharded once per tp and its figures at another dp split derived from its parameters' shapes; each copy is
-compiled once per (tp, shard size 1 or more) with FSDP's collectives derived for the candidate's shard size,
-replicas and resharding, and TP's for its rows per micro-batch (those that carry the activations scale with the
-rows, the rest keep their bytes: learned from the first tp compiled at two row counts); each copy is traced once per
-(tp, activation checkpointing, rows). A derivation is checked against the stage it comes from, and a stage whose
-check fails is built for each candidate. The candidates are enumerated in `candidates.py`.
 """
 
 from __future__ import annotations
@@ -42,6 +27,20 @@ MEMORY_BINDS = 0.9
 """A candidate whose reserved peak is at least this fraction of the device's memory is bound by memory."""
 
 
+# Enumerated: tp (dividing N, the attention heads, at most a node's 8 GPUs on the H100 profiles), pp (dividing N / tp,
+# at most the block count; schedules 1F1B and Interleaved1F1B with micro-batches of one sample, or with pp pinned
+# every micro-batch count of at least pp that divides the local batch), HSDP replicas
+# (dividing the data-parallel size), activation checkpointing (none, selective, full), reshard_after_forward (FSDP2's
+# default or False; under pp the pipeline keeps stages gathered), prefetch depth (1, 2), keep_gathered (none, half,
+# all of the resharded bytes) and float8 where the device has it. The local batch is the global batch / dp.
+#
+# The stages of `make_plan` are shared between candidates by what each depends on (`search_stages.py`): the full
+# model is sharded once per tp and its figures at another dp split derived from its parameters' shapes; each copy is
+# compiled once per (tp, shard size 1 or more) with FSDP's collectives derived for the candidate's shard size,
+# replicas and resharding, and TP's for its rows per micro-batch (those that carry the activations scale with the
+# rows, the rest keep their bytes: learned from the first tp compiled at two row counts); each copy is traced once per
+# (tp, activation checkpointing, rows). A derivation is checked against the stage it comes from, and a stage whose
+# check fails is built for each candidate. The candidates are enumerated in `candidates.py`.
 @dataclass
 class Scored:
     """A candidate's plan on the searched profile and what binds it."""

@@ -1,21 +1,5 @@
 """A training step as it runs, for the planner: compute time per op, the FSDP schedule of collectives beside it,
 the optimizer step, and the memory an allocator sees over the step.
-
-- Op time: max(FLOPs / (peak x efficiency of its class), bytes / (bandwidth x memory efficiency)) + launch; under
-  Inductor fused intermediates move no bytes and fused ops launch nothing (`StepTrace.materialized`).
-- Schedule (FSDP2's, and the pipeline's): the root bucket is gathered first; each block's all-gather is issued
-  `prefetch` blocks ahead of its use, on one communication lane in issue order; in backward each block is
-  re-gathered ahead of use and its gradients reduce-scattered (then all-reduced over HSDP replicas) after its
-  backward. Where communication does not progress beside compute (`comm_overlaps_compute` False) the times add.
-- Float8 (torchao): the blocks' Linear matmuls at the float8 peak, plus an amax pass and a cast pass over each
-  operand that is not a parameter; an operand tensor parallelism all-gathered (`StepTrace.gathered`) is cast once,
-  on the shard before the gather (torchao's `PrepareFloat8ModuleInput`, which torchtitan's float8 TP plan uses).
-- Optimizer: AdamW reads parameters, gradients and both states and writes parameters and states, memory bound
-  (at the device's measured optimizer rate where it has one).
-- Memory: sharded state + gathered buckets + live activations (the trace's liveness, transients included) +, in
-  backward, the unsharded gradients and reduce-scatter buffers of the buckets in flight and the sharded gradients
-  produced so far; the optimizer step holds one temporary per state element. Reserved = allocated x the
-  allocator factor + the runtime's own memory.
 """
 
 from __future__ import annotations
@@ -38,6 +22,21 @@ __all__ = [
 ]
 
 
+# - Op time: max(FLOPs / (peak x efficiency of its class), bytes / (bandwidth x memory efficiency)) + launch; under
+#   Inductor fused intermediates move no bytes and fused ops launch nothing (`StepTrace.materialized`).
+# - Schedule (FSDP2's, and the pipeline's): the root bucket is gathered first; each block's all-gather is issued
+#   `prefetch` blocks ahead of its use, on one communication lane in issue order; in backward each block is
+#   re-gathered ahead of use and its gradients reduce-scattered (then all-reduced over HSDP replicas) after its
+#   backward. Where communication does not progress beside compute (`comm_overlaps_compute` False) the times add.
+# - Float8 (torchao): the blocks' Linear matmuls at the float8 peak, plus an amax pass and a cast pass over each
+#   operand that is not a parameter; an operand tensor parallelism all-gathered (`StepTrace.gathered`) is cast once,
+#   on the shard before the gather (torchao's `PrepareFloat8ModuleInput`, which torchtitan's float8 TP plan uses).
+# - Optimizer: AdamW reads parameters, gradients and both states and writes parameters and states, memory bound
+#   (at the device's measured optimizer rate where it has one).
+# - Memory: sharded state + gathered buckets + live activations (the trace's liveness, transients included) +, in
+#   backward, the unsharded gradients and reduce-scatter buffers of the buckets in flight and the sharded gradients
+#   produced so far; the optimizer step holds one temporary per state element. Reserved = allocated x the
+#   allocator factor + the runtime's own memory.
 @dataclass
 class PhaseTimes:
     forward: float

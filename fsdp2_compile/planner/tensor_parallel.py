@@ -1,16 +1,6 @@
 """Tensor parallelism for the planner and the CLI (`--tp T`): the (dp, tp) mesh, the TP plan applied to each block
 (the factory's own, or a default for Linear layers named like torchtitan's / Hugging Face's), a TP-local copy of a
 model for the op-by-op trace, and the time of TP's collectives on the intra-node link.
-
-The plan: a dict of block-relative module names to `torch.distributed.tensor.parallel` styles, applied with
-`parallelize_module(block, mesh["tp"], plan)` to every block of the model's longest ModuleList, as torchtitan does.
-A factory gives its own with a `tp_plan` attribute (`factory.tp_plan = {...}`, or a callable taking the block and
-returning the dict); otherwise `default_tp_plan` pairs Linear layers by name: q/k/v/gate/up (and torchtitan's
-wq/wk/wv/w1/w3) column-wise, o/down/proj (wo/w2) row-wise: plain TP, one all-reduce of the activations per row-wise
-layer in forward and one per column-wise input in backward. Sequence parallelism (SequenceParallel norms,
-all-gather / reduce-scatter of the activations instead) comes with a factory's own plan; a factory's
-`tp_root_plan` (root-relative names outside the blocks, e.g. torchtitan's vocab-parallel embedding, sequence-parallel
-final norm and column-wise head) is applied to the root the same way.
 """
 
 from __future__ import annotations
@@ -65,6 +55,15 @@ ROWWISE_NAMES = frozenset({"o_proj", "down_proj", "o", "down", "proj", "out_proj
 """Linear layers the default plan splits row-wise (input features), after a column-wise one."""
 
 
+# The plan: a dict of block-relative module names to `torch.distributed.tensor.parallel` styles, applied with
+# `parallelize_module(block, mesh["tp"], plan)` to every block of the model's longest ModuleList, as torchtitan does.
+# A factory gives its own with a `tp_plan` attribute (`factory.tp_plan = {...}`, or a callable taking the block and
+# returning the dict); otherwise `default_tp_plan` pairs Linear layers by name: q/k/v/gate/up (and torchtitan's
+# wq/wk/wv/w1/w3) column-wise, o/down/proj (wo/w2) row-wise: plain TP, one all-reduce of the activations per row-wise
+# layer in forward and one per column-wise input in backward. Sequence parallelism (SequenceParallel norms,
+# all-gather / reduce-scatter of the activations instead) comes with a factory's own plan; a factory's
+# `tp_root_plan` (root-relative names outside the blocks, e.g. torchtitan's vocab-parallel embedding, sequence-parallel
+# final norm and column-wise head) is applied to the root the same way.
 class TPPlan(dict):
     """A block's TP plan (block-relative module names to styles) and, in `root`, the plan of the root's modules
     outside the blocks (root-relative names; empty: they stay whole)."""

@@ -1,18 +1,4 @@
-"""One training step (forward, loss, backward) of a model played op by op on the meta device, for the planner.
-
-Every aten op that runs is recorded with its FLOPs (torch's flop counter; fused attention halved when causal),
-the storages it reads and the storages it creates. From that:
-- `liveness`: bytes of activations alive after each op (a storage lives from the op that creates it to its last
-  reader, so what forward saves lives until backward reads it; parameters and their gradients are left out: the
-  planner counts them as gathered buckets and gradient buffers);
-- `saved_bytes`: what forward leaves alive for backward;
-- fusion (`fused` True: Inductor on the whole model; "blocks": Inductor on each block only, the rest eager, as
-  torchtitan's `apply_compile` does): the output of a pointwise or reduction op read only by such ops of the same
-  phase (and, for "blocks", inside a block) is never written to memory, so it costs neither bytes nor memory.
-Attention and activation checkpointing run as the planner was asked (`attention.py`, `activation_checkpointing.py`).
-A TP-local copy's stand-in for tensor parallelism's all-gather of an activation (`tp_gather`) is recorded as such
-(`StepTrace.gathered`).
-"""
+"""One training step (forward, loss, backward) of a model played op by op on the meta device, for the planner."""
 
 from __future__ import annotations
 
@@ -53,6 +39,18 @@ VIEWS = VIEW_OPS | {
 """No compute: views (shared storage) and allocations (counted by liveness, not as traffic)."""
 
 
+# Every aten op that runs is recorded with its FLOPs (torch's flop counter; fused attention halved when causal),
+# the storages it reads and the storages it creates. From that:
+# - `liveness`: bytes of activations alive after each op (a storage lives from the op that creates it to its last
+#   reader, so what forward saves lives until backward reads it; parameters and their gradients are left out: the
+#   planner counts them as gathered buckets and gradient buffers);
+# - `saved_bytes`: what forward leaves alive for backward;
+# - fusion (`fused` True: Inductor on the whole model; "blocks": Inductor on each block only, the rest eager, as
+#   torchtitan's `apply_compile` does): the output of a pointwise or reduction op read only by such ops of the same
+#   phase (and, for "blocks", inside a block) is never written to memory, so it costs neither bytes nor memory.
+# Attention and activation checkpointing run as the planner was asked (`attention.py`, `activation_checkpointing.py`).
+# A TP-local copy's stand-in for tensor parallelism's all-gather of an activation (`tp_gather`) is recorded as such
+# (`StepTrace.gathered`).
 @dataclass
 class OpRecord:
     name: str

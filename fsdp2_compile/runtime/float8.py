@@ -1,18 +1,4 @@
-"""torchao's float8 training weights gathered as float8, as `fully_shard` gathers them.
-
-`convert_to_float8_training(model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True))` makes each
-`Float8Linear` weight a `WeightWithDynamicFloat8CastTensor`: a high-precision tensor that FSDP2 casts to float8
-before its all-gather (`fsdp_pre_all_gather`) and hands to the layer as a `Float8TrainingTensor` after
-(`fsdp_post_all_gather`). `shard` records the cast of such a weight (`Float8Cast`, `ParamInfo.float8`) and keeps
-its plain high-precision shard as the DTensor's local tensor. Each forward, `gather_float8` does what those two
-methods do in the graph: the shard's amax, all-reduced with MAX over the shard group, gives the weight's scale
-(torchao's `amax_to_scale`); the shard cast with it is gathered as bytes by `fsdp2::unshard` (one byte per element
-instead of two or four) and wrapped with the scale, which `Float8Linear` multiplies without casting again. The
-gradient is the high-precision one, reduced as any parameter's.
-
-torchao's `precompute_float8_dynamic_scale_for_fsdp` finds no weight of a sharded module to precompute: the scale
-is computed where the gather is, from the same amax, to the same value.
-"""
+"""torchao's float8 training weights gathered as float8, as `fully_shard` gathers them."""
 
 from __future__ import annotations
 
@@ -36,6 +22,18 @@ __all__ = ["Float8Cast", "float8_cast_of", "gather_float8", "gather_key", "high_
 _FLOAT8_WEIGHT = "WeightWithDynamicFloat8CastTensor"
 
 
+# `convert_to_float8_training(model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True))` makes each
+# `Float8Linear` weight a `WeightWithDynamicFloat8CastTensor`: a high-precision tensor that FSDP2 casts to float8
+# before its all-gather (`fsdp_pre_all_gather`) and hands to the layer as a `Float8TrainingTensor` after
+# (`fsdp_post_all_gather`). `shard` records the cast of such a weight (`Float8Cast`, `ParamInfo.float8`) and keeps
+# its plain high-precision shard as the DTensor's local tensor. Each forward, `gather_float8` does what those two
+# methods do in the graph: the shard's amax, all-reduced with MAX over the shard group, gives the weight's scale
+# (torchao's `amax_to_scale`); the shard cast with it is gathered as bytes by `fsdp2::unshard` (one byte per element
+# instead of two or four) and wrapped with the scale, which `Float8Linear` multiplies without casting again. The
+# gradient is the high-precision one, reduced as any parameter's.
+#
+# torchao's `precompute_float8_dynamic_scale_for_fsdp` finds no weight of a sharded module to precompute: the scale
+# is computed where the gather is, from the same amax, to the same value.
 @dataclasses.dataclass(frozen=True)
 class Float8Cast:
     """How a torchao float8 weight is cast before its all-gather (the float8 dtype, the layer's matmul config), and

@@ -1,13 +1,5 @@
 """Optimizer in backward: a parameter's reduced gradient handed to it right after its reduce-scatter, where FSDP2's
 `foreach_reduce` sets `.grad` and runs the post-accumulate-grad hooks.
-
-Autograd would run those hooks only once the whole compiled backward has returned all gradients, and also after a
-backward with gradient sync off (with a zero gradient). For a parameter with hooks (`ParamInfo.grad_key`, refreshed
-before every forward), `fsdp2::unshard` reads the parameter detached and also takes a grad anchor (a zero scalar
-that requires grad), and its backward ends in `fsdp2::deliver_grad` instead of returning the shard's gradient: the
-parameter is not in autograd's graph (its engine runs no hook of its own), the anchor gets the zero each delivery
-returns, which keeps the deliveries in the partitioned backward graph, where the scheduler places each after its
-bucket's reduction. Eager forwards deliver the same way but run the hooks when the backward ends.
 """
 
 from __future__ import annotations
@@ -35,6 +27,13 @@ GRAD_ANCHORS: dict[str, torch.Tensor] = {}
 """By device (its text): the zero scalar that requires grad every delivered parameter's `fsdp2::unshard` takes."""
 
 
+# Autograd would run those hooks only once the whole compiled backward has returned all gradients, and also after a
+# backward with gradient sync off (with a zero gradient). For a parameter with hooks (`ParamInfo.grad_key`, refreshed
+# before every forward), `fsdp2::unshard` reads the parameter detached and also takes a grad anchor (a zero scalar
+# that requires grad), and its backward ends in `fsdp2::deliver_grad` instead of returning the shard's gradient: the
+# parameter is not in autograd's graph (its engine runs no hook of its own), the anchor gets the zero each delivery
+# returns, which keeps the deliveries in the partitioned backward graph, where the scheduler places each after its
+# bucket's reduction. Eager forwards deliver the same way but run the hooks when the backward ends.
 def receive_grads(grad_key: str, param: DTensor) -> DTensor:
     """Register `param` as the receiver of the gradients delivered under `grad_key` (and make its device's anchor).
     Returns the parameter detached (sharing its storage, so it sees every optimizer update): what a compiled graph

@@ -1,14 +1,4 @@
-"""Sharded stage modules driven by torch's pipeline schedules (`torch.distributed.pipelining`) as FSDP2's are.
-
-A schedule recognises an FSDP2 stage by `isinstance(module, FSDPModule)` (ours derives from torch's), runs every
-micro-batch's backward with `set_requires_gradient_sync(False)` (each rank keeps the unsharded gradients: the
-compiled backward honours the flag when it runs, `compiler/unsynced_backward.py`), then, after the step's last
-backward, turns sync on and calls what it knows of FSDP2's state (`_torch_private.FullyShardStateView`). `shard`
-registers such a view on each module it shards as that state (`register_state_views`); its
-`post_backward` reduces the gradients the step's backwards kept, one reduce-scatter per group (per `shard` call)
-as FSDP2's does, with the numerics of the compiled reduction (`ops.reduce_grad`, fused as `bucket_collectives`
-fuses a group's reduce-scatters).
-"""
+"""Sharded stage modules driven by torch's pipeline schedules (`torch.distributed.pipelining`) as FSDP2's are."""
 
 from __future__ import annotations
 
@@ -27,6 +17,14 @@ from fsdp2_compile.runtime.param_state import ParamInfo, ShardState, is_sharded,
 __all__ = ["reduce_kept_grads", "register_state_views"]
 
 
+# A schedule recognises an FSDP2 stage by `isinstance(module, FSDPModule)` (ours derives from torch's), runs every
+# micro-batch's backward with `set_requires_gradient_sync(False)` (each rank keeps the unsharded gradients: the
+# compiled backward honours the flag when it runs, `compiler/unsynced_backward.py`), then, after the step's last
+# backward, turns sync on and calls what it knows of FSDP2's state (`_torch_private.FullyShardStateView`). `shard`
+# registers such a view on each module it shards as that state (`register_state_views`); its
+# `post_backward` reduces the gradients the step's backwards kept, one reduce-scatter per group (per `shard` call)
+# as FSDP2's does, with the numerics of the compiled reduction (`ops.reduce_grad`, fused as `bucket_collectives`
+# fuses a group's reduce-scatters).
 def register_state_views(state: ShardState) -> None:
     """Make each module of `state` (one `shard` call) look like an FSDP2 stage module to torch's pipeline
     schedules: its state's `post_backward` reduces the gradients the step's backwards kept."""

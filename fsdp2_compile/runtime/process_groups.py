@@ -1,24 +1,5 @@
 """The process groups FSDP's own collectives run on: on gloo, a twin of each mesh group with one worker thread;
 the smaller groups `reshard_after_forward=int` gathers from in backward (`resolve_reshard`).
-
-Why: `ProcessGroupGloo` runs queued collectives on two worker threads, so with all-gathers prefetched (started
-before the compute they overlap, as the scheduler emits them) two collectives of one group execute at once. On
-torch 2.13 that corrupts the heap: glibc aborts ("malloc(): unaligned tcache chunk detected") or a rank segfaults
-inside gloo's all-gather, within a few hundred steps of a small GPT (`benchmarks/soak.py`); with at most one
-collective in flight, or with one worker thread, it does not happen. One worker thread is also what the cost model
-assumes (one communication lane, collectives in issue order) and what NCCL does (one stream per group), and it
-still overlaps communication with compute: collectives run on that thread while the graph computes.
-
-The twin has the same ranks and timeout as the mesh group; it is created once per group (`new_group` with local
-synchronization: only its members take part, in the order `shard` is called, which every rank shares) and used
-only by the fsdp2 ops. DTensor's own collectives (`full_tensor`, `clip_grad_norm_`) keep the mesh group. Other
-backends (NCCL) use the mesh group as it is.
-
-Each twin publishes its gloo addresses in the store under a token its ranks draw afresh when they make it (one
-broadcast over the mesh group, `attempt_token`). Gloo's keys are otherwise a function of the group's name alone,
-which a restarted attempt reuses: under torchrun's `--max-restarts`, whose agent keeps the store of the attempt
-that died, a rank would read its dead peer's address (a refused connection, or a hang). The rank-consistency
-check keys its records with the same token.
 """
 
 from __future__ import annotations
@@ -46,6 +27,24 @@ _TWINS: dict[str, str] = dropped_with_groups({})
 """Mesh group name -> the name of its one-thread gloo twin."""
 
 
+# Why: `ProcessGroupGloo` runs queued collectives on two worker threads, so with all-gathers prefetched (started
+# before the compute they overlap, as the scheduler emits them) two collectives of one group execute at once. On
+# torch 2.13 that corrupts the heap: glibc aborts ("malloc(): unaligned tcache chunk detected") or a rank segfaults
+# inside gloo's all-gather, within a few hundred steps of a small GPT (`benchmarks/soak.py`); with at most one
+# collective in flight, or with one worker thread, it does not happen. One worker thread is also what the cost model
+# assumes (one communication lane, collectives in issue order) and what NCCL does (one stream per group), and it
+# still overlaps communication with compute: collectives run on that thread while the graph computes.
+#
+# The twin has the same ranks and timeout as the mesh group; it is created once per group (`new_group` with local
+# synchronization: only its members take part, in the order `shard` is called, which every rank shares) and used
+# only by the fsdp2 ops. DTensor's own collectives (`full_tensor`, `clip_grad_norm_`) keep the mesh group. Other
+# backends (NCCL) use the mesh group as it is.
+#
+# Each twin publishes its gloo addresses in the store under a token its ranks draw afresh when they make it (one
+# broadcast over the mesh group, `attempt_token`). Gloo's keys are otherwise a function of the group's name alone,
+# which a restarted attempt reuses: under torchrun's `--max-restarts`, whose agent keeps the store of the attempt
+# that died, a rank would read its dead peer's address (a refused connection, or a hang). The rank-consistency
+# check keys its records with the same token.
 def fsdp_group(group_name: str) -> str:
     """The name of the group FSDP collectives of the mesh group `group_name` run on."""
     if not group_name or dist.get_backend(resolve_group(group_name)) != "gloo":
