@@ -1,17 +1,4 @@
-"""One gather op and one reduce op per block call through AOTAutograd, one op per parameter after.
-
-AOTAutograd traces the calling graph of identical blocks (`block_gathers.py`) twice (metadata, then the joint
-graph), and every custom op call costs it about a millisecond under its functionalization, proxy and fake modes:
-on a 32-layer GPT one `fsdp2::unshard` and one `fsdp2::reduce_grad` per block parameter were most of the joint
-trace, and DTensor's `to_local` (an autograd function) before each. `gather_outside_blocks` therefore gathers the
-trained parameters of a block call that are neither kept gathered nor delivered their gradient with one
-`GatherGroup` autograd node over the DTensor parameters: it reads their local shards and calls one
-`fsdp2::unshard_group` (the shards and a key into `GROUPS`, each parameter's `ParamSpec`). Its backward is one
-`fsdp2::reduce_group` over the same parameters (`REDUCTIONS`), which does for each what `fsdp2::unshard`'s backward
-does (`ops.shard_grad`). Before the partitioner tags the gathers (and in an inference graph before the passes),
-`compiler/group_split.py` puts back one `fsdp2::unshard` per parameter; right after it, `split_reduce_groups` puts
-back each parameter's backward ops, made by the same `ops.shard_grad`: nothing after sees a group.
-"""
+"""One gather op and one reduce op per block call through AOTAutograd, one op per parameter after."""
 
 from __future__ import annotations
 
@@ -37,6 +24,17 @@ __all__ = [
     "group_key",
 ]
 
+# AOTAutograd traces the calling graph of identical blocks (`block_gathers.py`) twice (metadata, then the joint
+# graph), and every custom op call costs it about a millisecond under its functionalization, proxy and fake modes:
+# on a 32-layer GPT one `fsdp2::unshard` and one `fsdp2::reduce_grad` per block parameter were most of the joint
+# trace, and DTensor's `to_local` (an autograd function) before each. `gather_outside_blocks` therefore gathers the
+# trained parameters of a block call that are neither kept gathered nor delivered their gradient with one
+# `GatherGroup` autograd node over the DTensor parameters: it reads their local shards and calls one
+# `fsdp2::unshard_group` (the shards and a key into `GROUPS`, each parameter's `ParamSpec`). Its backward is one
+# `fsdp2::reduce_group` over the same parameters (`REDUCTIONS`), which does for each what `fsdp2::unshard`'s backward
+# does (`ops.shard_grad`). Before the partitioner tags the gathers (and in an inference graph before the passes),
+# `compiler/group_split.py` puts back one `fsdp2::unshard` per parameter; right after it, `split_reduce_groups` puts
+# back each parameter's backward ops, made by the same `ops.shard_grad`: nothing after sees a group.
 GROUPS: dict[str, tuple[ParamSpec, ...]] = dropped_with_groups({})
 """By key: the `ParamSpec` of each shard a group gathers, in order."""
 
@@ -49,6 +47,8 @@ def group_key(specs: Sequence[ParamSpec]) -> str:
 
 
 _BOUND: dict[str, tuple] = dropped_with_groups({})
+"""By key: `GROUPS[key]` as `UnshardArgs` without a shard. Static facts only (names, sizes, dtypes, group names): no
+tensor or graph; emptied with the process groups, like `GROUPS` and `REDUCTIONS`."""
 
 
 def _bound(key: str) -> tuple:

@@ -1,27 +1,7 @@
-"""`shard(module, mesh)`: FSDP2's parameter layout, applied in place.
-
-Every managed parameter becomes an `nn.Parameter` holding a `DTensor` sharded on dim 0 (`Shard(0)`, uneven
-rows follow `torch.chunk`, so a rank's shard may be empty). The module's class is swapped for a subclass with
-one property per managed parameter name, so that `module.weight` returns `unshard(shard)` — the gathered
-parameter, eager-correct and traceable — while `named_parameters()` / `state_dict()` keep the original names and
-show the sharded DTensors with their logical shapes.
-
-HSDP: on a 2-D mesh `(replicate, shard)` parameters are `DTensor [Replicate(), Shard(0)]`: sharded over the
-mesh's last dim, replicated over its first; gradients are reduce-scattered, then all-reduced over the replicas.
-
-FSDP + tensor parallelism: a parameter that is already a DTensor on a 1-D TP mesh (from `parallelize_module`)
-keeps its TP layout and is sharded over the dp mesh on top, as FSDP2 does: a DTensor on the concatenated (dp, tp)
-mesh, `[Shard(d) | _StridedShard(d) when TP also shards dim d, *tp placements]` (d: 0, or the dim
-`shard_placement_fn` chose; expert parallelism's `Shard(0)` experts alike). `module.weight` gathers over dp
-and returns the TP DTensor, so TP's own collectives (DTensor redistribution) trace into the same graph.
-
-What `shard` records is in `param_state.py`, what it refuses in `validation.py`, the methods sharded modules
-get in `fsdp_module.py`.
-"""
+"""`shard(module, mesh)`: FSDP2's parameter layout, applied in place."""
 
 from __future__ import annotations
 
-import functools
 import weakref
 from collections.abc import Callable, Iterable
 
@@ -107,7 +87,7 @@ def _mesh_groups(mesh: DeviceMesh) -> tuple[int, str, int, str]:
 def _shard_param(param: nn.Parameter, mesh: DeviceMesh, offload: CPUOffloadPolicy | None, dim: int = 0) -> nn.Parameter:
     """This rank's chunk of dim `dim` (rows by default; `shard_placement_fn`) on the mesh's last (shard) dim;
     replicated over a 2-D mesh's first dim. A tensor-parallel DTensor: its TP-local tensor's rows, on the (dp, tp)
-    mesh (see the module docstring). `offload` (`CPUOffloadPolicy`): the chunk is kept on the CPU, pinned when the
+    mesh (see the comment above `shard`). `offload` (`CPUOffloadPolicy`): the chunk is kept on the CPU, pinned when the
     policy asks and an accelerator can use pinned memory."""
     world_size, rank = mesh.size(mesh.ndim - 1), mesh.get_local_rank(mesh.ndim - 1)
     data = high_precision(param.detach().to_local() if isinstance(param, DTensor) else param.detach())
@@ -179,8 +159,20 @@ def _not_copied(module: nn.Module, *_args) -> None:
     )
 
 
-@functools.cache
+_SHARDED_CLASSES: weakref.WeakValueDictionary[tuple, type] = weakref.WeakValueDictionary()
+"""(base class, managed names, FSDPModule or not, traced once or not) -> the generated subclass, while a module of
+it lives: the user's class is held no longer than its sharded modules."""
+
+
 def _sharded_class(base: type, names: tuple[str, ...], fsdp_module: bool, compiled_once: bool) -> type:
+    key = (base, names, fsdp_module, compiled_once)
+    cls = _SHARDED_CLASSES.get(key)
+    if cls is None:
+        cls = _SHARDED_CLASSES[key] = _make_sharded_class(base, names, fsdp_module, compiled_once)
+    return cls
+
+
+def _make_sharded_class(base: type, names: tuple[str, ...], fsdp_module: bool, compiled_once: bool) -> type:
     def gathered(name: str) -> property:
         return property(lambda self: read_managed(getattr(self, INFOS_ATTR)[name], own_parameters(self)[name]))
 
@@ -227,6 +219,23 @@ def _register_mp_hooks(module: nn.Module, mp: MixedPrecisionPolicy) -> None:
         add_forward_hooks(module, post=lambda _m, _args, output: _cast_tree(output, out_dtype))
 
 
+# Every managed parameter becomes an `nn.Parameter` holding a `DTensor` sharded on dim 0 (`Shard(0)`, uneven
+# rows follow `torch.chunk`, so a rank's shard may be empty). The module's class is swapped for a subclass with
+# one property per managed parameter name, so that `module.weight` returns `unshard(shard)` — the gathered
+# parameter, eager-correct and traceable — while `named_parameters()` / `state_dict()` keep the original names and
+# show the sharded DTensors with their logical shapes.
+#
+# HSDP: on a 2-D mesh `(replicate, shard)` parameters are `DTensor [Replicate(), Shard(0)]`: sharded over the
+# mesh's last dim, replicated over its first; gradients are reduce-scattered, then all-reduced over the replicas.
+#
+# FSDP + tensor parallelism: a parameter that is already a DTensor on a 1-D TP mesh (from `parallelize_module`)
+# keeps its TP layout and is sharded over the dp mesh on top, as FSDP2 does: a DTensor on the concatenated (dp, tp)
+# mesh, `[Shard(d) | _StridedShard(d) when TP also shards dim d, *tp placements]` (d: 0, or the dim
+# `shard_placement_fn` chose; expert parallelism's `Shard(0)` experts alike). `module.weight` gathers over dp
+# and returns the TP DTensor, so TP's own collectives (DTensor redistribution) trace into the same graph.
+#
+# What `shard` records is in `param_state.py`, what it refuses in `validation.py`, the methods sharded modules
+# get in `fsdp_module.py`.
 def shard(
     module: nn.Module | list[nn.Module],
     mesh: DeviceMesh | None = None,
