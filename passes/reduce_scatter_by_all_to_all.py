@@ -1,8 +1,8 @@
 """On gloo, carry out each reduce-scatter of a two-rank group as an all-to-all and a local sum.
 
 gloo has no reduce-scatter of its own: `ProcessGroupGloo` all-reduces the whole buffer and keeps this rank's part,
-so it moves twice a reduce-scatter's bytes (measured: 1.94-1.99x an all-gather of the same buffer,
-`benchmarks/link_figures.py`). An all-to-all moves exactly a reduce-scatter's bytes. With two ranks the local sum
+so it moves twice a reduce-scatter's bytes (the cpu-gloo-1gbit `reduce_scatter_factor` in
+data/hardware_profiles.json, with its source). An all-to-all moves exactly a reduce-scatter's bytes. With two ranks the local sum
 x_0 + x_1 is the one addition gloo makes (commutative, so either order), and an average divides it by two as gloo
 does: results stay bitwise equal. Larger groups keep gloo's reduce-scatter (its ring adds in an order that depends
 on the rank and the buffer size), as do complex gradients (gloo's all-to-all has no complex dtypes).
