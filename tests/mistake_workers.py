@@ -69,9 +69,10 @@ class _Blocks(nn.Module):
         return self.head(x)
 
 
-def _same_as_fully_shard(rank: int, build, step) -> None:
+def _same_as_fully_shard(rank: int, build, step, exact: bool = True) -> None:
     """Raise unless `step(model, x)` returns bitwise the same tensors for a model `build()` sharded by
-    `shard` / `shard_compile` as by `fully_shard` (its `groups()` first, then the root)."""
+    `shard` / `shard_compile` as by `fully_shard` (its `groups()` first, then the root); `exact=False`: equal
+    up to float32 rounding (torch.testing.assert_close)."""
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
     results = []
     for shard, root in ((fully_shard, fully_shard), (fc.shard, fc.shard_compile)):
@@ -82,7 +83,9 @@ def _same_as_fully_shard(rank: int, build, step) -> None:
         results.append(step(model, x))
     assert len(results[0]) == len(results[1])
     for i, (ours, theirs) in enumerate(zip(results[1], results[0])):
-        if not torch.equal(ours, theirs):
+        if not exact:
+            torch.testing.assert_close(ours, theirs, msg=lambda m, i=i: f"tensor {i}: {m}")
+        elif not torch.equal(ours, theirs):
             raise AssertionError(f"tensor {i} differs from fully_shard's by {(ours - theirs).abs().max()}")
 
 
@@ -135,6 +138,74 @@ def _adamw_steps(model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
     return [p.full_tensor() for p in model.parameters()]
 
 
+def _clipped_grads(model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+    """`torch.nn.utils.clip_grad_norm_` over `model.parameters()` (DTensor shards): the norm of all ranks' rows."""
+    model(x).pow(2).sum().backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.1)
+    return [norm.full_tensor(), *(p.grad.full_tensor() for p in model.parameters())]
+
+
+class _Frozen(_Blocks):
+    """The first block's weight frozen (`requires_grad=False`) inside a group that trains the rest."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks[0][0].weight.requires_grad_(False)
+
+
+class _CheckpointedTwice(_Blocks):
+    """Blocks under activation checkpointing; two forwards before one backward (e.g. DPO's two passes)."""
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=False)
+        return self.head(x)
+
+
+def _two_forwards_one_backward(model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+    """Both forwards' gradients add up in one backward (compared up to rounding: the compiled backward sums the
+    two uses of a weight in another order)."""
+    (model(x) - model(x.flip(0))).pow(2).sum().backward()
+    return [p.grad.full_tensor() for p in model.parameters()]
+
+
+class _Tied(nn.Module):
+    """An embedding and an output layer sharing one weight."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(6, 8)
+        self.body = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+        self.out = nn.Linear(8, 6, bias=False)
+        self.out.weight = self.embed.weight
+
+    def forward(self, x):
+        return self.out(self.body(self.embed((x.abs() * 3).long().clamp(max=5))))
+
+
+def _tied_in_separate_shard_calls(rank: int) -> None:
+    """The tied modules sharded by separate `shard` calls train bitwise as `fully_shard` with them in one group,
+    the way `fully_shard` needs them (parameters after three AdamW steps)."""
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+    results = []
+    for separate in (False, True):
+        model = _Tied()
+        if separate:
+            fc.shard(model.embed)
+            fc.shard(model.out)
+            fc.shard_compile(model)
+        else:
+            fully_shard([model.embed, model.out])
+            fully_shard(model)
+        results.append(_adamw_steps(model, x))
+    for i, (ours, theirs) in enumerate(zip(results[1], results[0], strict=True)):
+        if not torch.equal(ours, theirs):
+            raise AssertionError(f"tensor {i} differs from fully_shard's by {(ours - theirs).abs().max()}")
+
+
 def _full_state_dict_loaded() -> None:
     """`load_state_dict` of an unsharded model's state dict is refused saying how; `set_model_state_dict` with
     `full_state_dict=True`, the way it names, loads it. Raises what the user was told."""
@@ -169,6 +240,12 @@ def silent_mistakes(rank: int, world_size: int) -> dict:
         "regularised_over_parameters": lambda: _same_as_fully_shard(rank, _Blocks, _regularised_over_parameters),
         "complex_parameter": lambda: _same_as_fully_shard(rank, _WithComplex, _adamw_steps),
         "full_state_dict_loaded": _full_state_dict_loaded,
+        "clip_grad_norm": lambda: _same_as_fully_shard(rank, _Blocks, _clipped_grads),
+        "frozen_parameter": lambda: _same_as_fully_shard(rank, _Frozen, _adamw_steps),
+        "two_forwards_checkpointed": lambda: _same_as_fully_shard(
+            rank, _CheckpointedTwice, _two_forwards_one_backward, exact=False
+        ),
+        "tied_in_separate_shard_calls": lambda: _tied_in_separate_shard_calls(rank),
     }
     out = {}
     for name, case in cases.items():

@@ -157,12 +157,23 @@ def test_the_initial_weights_check_can_be_turned_off():
 
 
 @pytest.mark.parametrize(
-    "case", ["backward_twice_with_retain_graph", "regularised_over_parameters", "complex_parameter"]
+    "case",
+    [
+        "backward_twice_with_retain_graph",
+        "regularised_over_parameters",
+        "complex_parameter",
+        "clip_grad_norm",
+        "frozen_parameter",
+        "two_forwards_checkpointed",
+        "tied_in_separate_shard_calls",
+    ],
 )
 def test_trains_as_fully_shard(case):
     """Two backwards of one loss (`retain_graph=True`: gradients add up), an L2 term over the parameters made a
-    plain tensor with `full_tensor()`, a complex parameter in a group of its own: bitwise fully_shard's gradients
-    (parameters after three AdamW steps), on 2 gloo ranks."""
+    plain tensor with `full_tensor()`, a complex parameter in a group of its own, `clip_grad_norm_` over
+    `model.parameters()`, a frozen weight in a trained group, two forwards of checkpointed blocks before one
+    backward (up to rounding), tied weights sharded by separate `shard` calls: fully_shard's gradients (parameters
+    after three AdamW steps), on 2 gloo ranks."""
     assert [r[case] for r in _silent_mistakes()] == [None, None]
 
 
@@ -587,3 +598,117 @@ def test_a_sparse_embedding(fake_pg):
         fc.shard(model)
     ignored = nn.Sequential(nn.Embedding(10, 8, sparse=True), nn.Linear(8, 2))
     fc.shard(ignored, ignored_params={ignored[0].weight})  # kept whole: its sparse gradient stays on each rank
+
+
+@pytest.mark.parametrize("method", ["no_sync", "clip_grad_norm_", "summon_full_params"])
+def test_fsdp1_methods_are_not_there_as_with_fully_shard(fake_pg, method):
+    """FSDP1's `no_sync()`, `clip_grad_norm_()`, `summon_full_params()` are not FSDP2 methods: the AttributeError
+    names the user's class, as `fully_shard`'s does (docs/mistakes.md gives the FSDP2 way)."""
+    model = fc.shard(Net())
+    with raises(AttributeError, f"'ShardedNet' object has no attribute '{method}'"):
+        getattr(model, method)
+    assert not hasattr(model, method)  # code that tests for FSDP1 with hasattr takes its other branch
+
+
+def test_a_meta_model_moved_with_to_instead_of_to_empty(fake_pg):
+    with torch.device("meta"):
+        model = Net()
+    fc.shard_compile(model)
+    with raises(NotImplementedError, "Cannot copy out of meta tensor", "use torch.nn.Module.to_empty()"):
+        model.to("cpu")
+
+
+def test_a_parameter_with_fewer_rows_than_ranks_initialised_on_meta(fake_pg):
+    """Rank 3 of 4 holds no rows of a (2, 8) weight: `to_empty` and `reset_parameters` on the shards work."""
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(8, 2), nn.Linear(2, 3))
+    fc.shard(model)
+    model.to_empty(device="cpu")
+    with fc.sharded_parameters():
+        assert model[0].weight.to_local().shape == (0, 8)
+        for layer in model:
+            layer.reset_parameters()
+    model(torch.randn(2, 8)).sum().backward()
+    assert dict(model.named_parameters())["0.weight"].grad.to_local().shape == (0, 8)
+
+
+class Generator(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.proj(x)
+
+    def generate(self, x):
+        return self.proj(self.proj(x))
+
+
+def test_torchs_register_fsdp_forward_method_on_a_sharded_module(fake_pg):
+    from torch.distributed.fsdp import register_fsdp_forward_method
+
+    model = fc.shard(Generator(), mp_policy=fc.MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    register_fsdp_forward_method(model, "generate")
+    with raises(
+        RuntimeError,
+        "ShardedGenerator was sharded by fsdp2_compile.shard",
+        "fsdp2_compile.register_fsdp_forward_method(module, method_name)",
+    ):
+        model.generate(torch.randn(2, 8))
+    model = fc.shard(Generator(), mp_policy=fc.MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    fc.register_fsdp_forward_method(model, "generate")
+    assert model.generate(torch.randn(2, 8)).dtype == torch.bfloat16  # inputs cast, as forward's
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_dataclass_and_namedtuple_inputs_are_cast_as_fully_shard_casts_them(fake_pg, compiled):
+    import collections
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Batch:
+        x: torch.Tensor
+        ids: torch.Tensor
+
+    Pair = collections.namedtuple("Pair", "x scale")
+
+    class Takes(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(8, 2)
+
+        def forward(self, batch, pair):
+            assert batch.ids.dtype == torch.int64  # only floating tensors are cast
+            return self.proj(batch.x + pair.x) * pair.scale
+
+    torch._dynamo.reset()
+    model = Takes()
+    (fc.shard_compile if compiled else fc.shard)(model, mp_policy=fc.MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    out = model(Batch(torch.randn(2, 8), torch.arange(2)), Pair(torch.randn(2, 8), torch.ones(1)))
+    assert out.dtype == torch.bfloat16
+    torch._dynamo.reset()
+
+
+def test_a_float32_buffer_under_a_bf16_param_dtype_is_named(fake_pg):
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(8, 8)
+            self.register_buffer("mix", torch.eye(8))
+
+        def forward(self, x):
+            return self.proj(x) @ self.mix
+
+    torch._dynamo.reset()
+    bf16 = fc.MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    model = fc.shard_compile(Scaled(), mp_policy=bf16, compile_config=fc.CompileConfig(check_rank_consistency=False))
+    with pytest.raises(Exception) as info:
+        model(torch.randn(2, 8))
+    (added,) = info.value.__notes__
+    assert "args[0] is not" not in added and "Buffer 'mix' is not bfloat16" in added
+    assert "MixedPrecisionPolicy(buffer_dtype=torch.bfloat16)" in added
+    torch._dynamo.reset()
+    fixed = fc.MixedPrecisionPolicy(param_dtype=torch.bfloat16, buffer_dtype=torch.bfloat16)
+    model = fc.shard_compile(Scaled(), mp_policy=fixed, compile_config=fc.CompileConfig(check_rank_consistency=False))
+    assert model(torch.randn(2, 8)).dtype == torch.bfloat16
+    torch._dynamo.reset()

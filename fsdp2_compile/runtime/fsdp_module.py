@@ -37,6 +37,15 @@ class FSDPModule(fsdp.FSDPModule):
         # not the user's class here (`sharding._sharded_class`); a module class's usual construction instead
         return object.__new__(cls)
 
+    def _get_fsdp_state(self) -> None:
+        """What torch's FSDP2 functions read (`torch.distributed.fsdp.register_fsdp_forward_method`, the FSDP2
+        memory tracker): `fully_shard`'s state, which a module of `shard` does not have; say which function to use."""
+        raise RuntimeError(
+            f"{type(self).__name__} was sharded by fsdp2_compile.shard, which keeps none of fully_shard's state, so "
+            "torch's FSDP2 functions that read it (torch.distributed.fsdp.register_fsdp_forward_method) cannot drive "
+            "it: use fsdp2_compile.register_fsdp_forward_method(module, method_name) instead"
+        )
+
     def _param_infos(self, recurse: bool) -> list[ParamInfo]:
         modules = [m for m in self.modules() if is_sharded(m)] if recurse else [self]
         return list({id(i): i for m in modules for i in state_of(m).infos}.values())

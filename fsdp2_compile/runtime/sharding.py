@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from collections.abc import Callable, Iterable
 
@@ -201,8 +202,15 @@ def _group_path(root: nn.Module, mod_name: str, paths: dict[int, str]) -> str:
 
 
 def _cast_tree(obj, dtype: torch.dtype):
+    """The floating tensors of `obj` cast to `dtype`, through lists, tuples (named ones too), dicts and dataclass
+    instances, as `fully_shard` casts a forward's inputs."""
     if isinstance(obj, torch.Tensor):
         return obj.to(dtype) if obj.is_floating_point() else obj
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        fields = {f.name: _cast_tree(getattr(obj, f.name), dtype) for f in dataclasses.fields(obj) if f.init}
+        return dataclasses.replace(obj, **fields)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple takes its fields as arguments
+        return type(obj)(*(_cast_tree(o, dtype) for o in obj))
     if isinstance(obj, (list, tuple)):
         return type(obj)(_cast_tree(o, dtype) for o in obj)
     if isinstance(obj, dict):
