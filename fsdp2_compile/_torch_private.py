@@ -398,6 +398,23 @@ def queue_at_backward_end(callback) -> None:
     torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 
+def is_namedtuple(obj: Any) -> bool:
+    """Whether `obj` is a namedtuple, whose class takes its fields as arguments (torch's test, which `fully_shard`'s
+    input casts use)."""
+    return _resolve("torch.nn.parallel.scatter_gather:_is_namedtuple")(obj)
+
+
+def refuse_fsdp_state_reads(cls: type, refusal: Callable[[Any], Exception]) -> None:
+    """Make torch's FSDP2 functions that read `fully_shard`'s state from a module of `cls` (through
+    `FSDPModule._get_fsdp_state`: `register_fsdp_forward_method`, the FSDP2 memory tracker) raise `refusal(module)`
+    instead of torch's `No FSDP state found`."""
+
+    def _get_fsdp_state(self: Any) -> Any:
+        raise refusal(self)
+
+    cls._get_fsdp_state = _get_fsdp_state
+
+
 def fake_process_group(rank: int, world_size: int) -> None:
     """Initialise the default process group with the in-process fake backend (any world size, no peers)."""
     FakeStore = _resolve("torch.testing._internal.distributed.fake_pg:FakeStore")

@@ -438,6 +438,23 @@ def test_writing_a_gathered_parameter_is_refused(fake_pg, write, text):
         assert float(model.head.weight.to_local().abs().sum()) == 0.0
 
 
+def test_reading_the_gradient_of_a_gathered_parameter_names_where_it_is(fake_pg):
+    """`module.weight.grad` is the gradient with `fully_shard`; here `module.weight` is a gathered copy, whose
+    `.grad` would be None (and torch's warning about non-leaf tensors)."""
+    model = fc.shard(Net())
+    model(torch.randn(2, 8)).sum().backward()
+    with raises(
+        RuntimeError,
+        "parameter 'head.weight' of a sharded module is read as a gathered copy, which never gets a gradient",
+        "dict(model.named_parameters())['head.weight'].grad",
+        "fsdp2_compile.sharded_parameters()",
+    ):
+        _ = model.head.weight.grad
+    assert isinstance(dict(model.named_parameters())["head.weight"].grad, DTensor)
+    with fc.sharded_parameters():
+        assert isinstance(model.head.weight.grad, DTensor)
+
+
 def test_zero_dim_parameter(fake_pg):
     model = Net()
     model.scale = nn.Parameter(torch.tensor(1.0))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from torch.distributed import fsdp
 
+from fsdp2_compile._torch_private import refuse_fsdp_state_reads
 from fsdp2_compile.runtime.grad_delivery import discard_pending_hooks
 from fsdp2_compile.runtime.param_state import SHARDED_MODULES, ParamInfo, is_sharded, state_of
 
@@ -36,15 +37,6 @@ class FSDPModule(fsdp.FSDPModule):
         # torch's FSDPModule.__new__ builds an instance of the class two places down its subclass's MRO, which is
         # not the user's class here (`sharding._sharded_class`); a module class's usual construction instead
         return object.__new__(cls)
-
-    def _get_fsdp_state(self) -> None:
-        """What torch's FSDP2 functions read (`torch.distributed.fsdp.register_fsdp_forward_method`, the FSDP2
-        memory tracker): `fully_shard`'s state, which a module of `shard` does not have; say which function to use."""
-        raise RuntimeError(
-            f"{type(self).__name__} was sharded by fsdp2_compile.shard, which keeps none of fully_shard's state, so "
-            "torch's FSDP2 functions that read it (torch.distributed.fsdp.register_fsdp_forward_method) cannot drive "
-            "it: use fsdp2_compile.register_fsdp_forward_method(module, method_name) instead"
-        )
 
     def _param_infos(self, recurse: bool) -> list[ParamInfo]:
         modules = [m for m in self.modules() if is_sharded(m)] if recurse else [self]
@@ -210,3 +202,16 @@ class FSDPModule(fsdp.FSDPModule):
         stays gathered between steps, see `unshard`)."""
         for info in self._param_infos(recurse=False):
             info.drop_kept()
+
+
+def _no_fsdp_state(module: FSDPModule) -> RuntimeError:
+    """What torch's FSDP2 functions that read `fully_shard`'s state get from a module of `shard`: which function to
+    use instead."""
+    return RuntimeError(
+        f"{type(module).__name__} was sharded by fsdp2_compile.shard, which keeps none of fully_shard's state, so "
+        "torch's FSDP2 functions that read it (torch.distributed.fsdp.register_fsdp_forward_method) cannot drive "
+        "it: use fsdp2_compile.register_fsdp_forward_method(module, method_name) instead"
+    )
+
+
+refuse_fsdp_state_reads(FSDPModule, _no_fsdp_state)

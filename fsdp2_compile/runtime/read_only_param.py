@@ -5,7 +5,8 @@ A write would change a temporary copy, never the sharded parameter: the silent m
 value`, `module.weight.data.normal_()`, `nn.init.zeros_(module.weight)` or `module.weight.copy_(...)` after
 `shard`. So setting an attribute (`.data`, `.grad`, `.requires_grad`), an in-place method (`copy_`, `normal_`,
 `zero_`, ...), item assignment and augmented assignment raise, naming the parameter and what works instead. Results
-of computations are plain tensors; `.data` of a copy is again a `GatheredCopy`.
+of computations are plain tensors; `.data` of a copy is again a `GatheredCopy`. Reading `.grad`, which a copy
+never gets, raises too, naming where the gradient is.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ def _write(func) -> str | None:
 
 
 _DATA_GET = torch.Tensor.data.__get__
+_GRAD_GET = torch.Tensor.grad.__get__
 
 
 class GatheredCopy(torch.Tensor):
@@ -49,6 +51,13 @@ class GatheredCopy(torch.Tensor):
                 "load_state_dict / set_model_state_dict, or write the shards in place inside `with "
                 "fsdp2_compile.sharded_parameters():`, where module.weight is the DTensor parameter itself "
                 "(nn.init.* and copy_ from a DTensor work there)"
+            )
+        if isinstance(target, GatheredCopy) and func == _GRAD_GET:
+            raise RuntimeError(
+                f"parameter '{target.fsdp2_fqn}' of a sharded module is read as a gathered copy, which never gets "
+                "a gradient (its .grad would be None): the gradient is on the sharded parameter. Read it as "
+                f"dict(model.named_parameters())['{target.fsdp2_fqn}'].grad, or module.weight.grad inside `with "
+                "fsdp2_compile.sharded_parameters():` (a DTensor, as with fully_shard; .full_tensor() for all rows)"
             )
         with disable_torch_function_subclass():
             out = func(*args, **(kwargs or {}))

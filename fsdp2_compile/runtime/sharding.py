@@ -15,6 +15,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from fsdp2_compile._torch_private import (
     concatenate_meshes,
+    is_namedtuple,
     nested_regions_take_blocks,
     own_buffers,
     own_parameters,
@@ -209,7 +210,7 @@ def _cast_tree(obj, dtype: torch.dtype):
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         fields = {f.name: _cast_tree(getattr(obj, f.name), dtype) for f in dataclasses.fields(obj) if f.init}
         return dataclasses.replace(obj, **fields)
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple takes its fields as arguments
+    if is_namedtuple(obj):
         return type(obj)(*(_cast_tree(o, dtype) for o in obj))
     if isinstance(obj, (list, tuple)):
         return type(obj)(_cast_tree(o, dtype) for o in obj)
