@@ -196,6 +196,8 @@ _functorch_config = _resolve("torch._functorch.config")
 aot_module_simplified = _resolve("torch._functorch.aot_autograd:aot_module_simplified")
 _min_cut_rematerialization_partition = _resolve("torch._functorch.partitioners:min_cut_rematerialization_partition")
 detect_fake_mode = _resolve("torch._guards:detect_fake_mode")
+is_namedtuple = _resolve("torch.nn.parallel.scatter_gather:_is_namedtuple")
+"""Whether an object is a namedtuple, whose class takes its fields as arguments (`fully_shard`'s input casts ask)."""
 FakeScriptObject = _resolve("torch._library.fake_class_registry:FakeScriptObject")
 
 OpOverload = _resolve("torch._ops:OpOverload")
@@ -396,12 +398,6 @@ def post_accumulate_grad_hooks(tensor: torch.Tensor) -> list:
 def queue_at_backward_end(callback) -> None:
     """Run `callback` when the running backward pass ends (autograd's engine; FSDP2 queues its own the same way)."""
     torch.autograd.Variable._execution_engine.queue_callback(callback)
-
-
-def is_namedtuple(obj: Any) -> bool:
-    """Whether `obj` is a namedtuple, whose class takes its fields as arguments (torch's test, which `fully_shard`'s
-    input casts use)."""
-    return _resolve("torch.nn.parallel.scatter_gather:_is_namedtuple")(obj)
 
 
 def refuse_fsdp_state_reads(cls: type, refusal: Callable[[Any], Exception]) -> None:

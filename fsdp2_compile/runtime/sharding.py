@@ -207,15 +207,15 @@ def _cast_tree(obj, dtype: torch.dtype):
     instances, as `fully_shard` casts a forward's inputs."""
     if isinstance(obj, torch.Tensor):
         return obj.to(dtype) if obj.is_floating_point() else obj
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        fields = {f.name: _cast_tree(getattr(obj, f.name), dtype) for f in dataclasses.fields(obj) if f.init}
-        return dataclasses.replace(obj, **fields)
     if is_namedtuple(obj):
         return type(obj)(*(_cast_tree(o, dtype) for o in obj))
     if isinstance(obj, (list, tuple)):
         return type(obj)(_cast_tree(o, dtype) for o in obj)
     if isinstance(obj, dict):
         return {k: _cast_tree(v, dtype) for k, v in obj.items()}
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        fields = {f.name: _cast_tree(getattr(obj, f.name), dtype) for f in dataclasses.fields(obj) if f.init}
+        return dataclasses.replace(obj, **fields)
     return obj
 
 
