@@ -190,8 +190,8 @@ def _check_no_sparse_grads(members: list[nn.Module], ignored: dict[int, nn.Param
     """An embedding with `sparse=True` gives its weight a sparse gradient, which no reduce-scatter takes."""
     for member in members:
         for name, mod in member.named_modules():
-            weight = getattr(mod, "weight", None)
-            if isinstance(mod, (nn.Embedding, nn.EmbeddingBag)) and mod.sparse and id(weight) not in ignored:
+            sparse = isinstance(mod, (nn.Embedding, nn.EmbeddingBag)) and mod.sparse
+            if sparse and id(own_parameters(mod).get("weight")) not in ignored:  # not mod.weight: a gather once sharded
                 raise ValueError(
                     f"module '{name or type(member).__name__}' ({type(mod).__name__}) has sparse=True: its weight's "
                     "gradient is a sparse tensor, which cannot be reduce-scattered (nor can fully_shard's). Build it "
