@@ -5,6 +5,7 @@ data/hardware_profiles.json with their sources).
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from importlib import resources
@@ -30,8 +31,10 @@ class HardwareProfile:
     """Where the figures come from."""
 
 
+@functools.cache
 def load_figures() -> dict:
-    """data/hardware_profiles.json: the profiles' figures and the planner's device figures, each with its source."""
+    """data/hardware_profiles.json: the profiles' figures and the planner's device figures, each with its source
+    (read once; callers copy what they change)."""
     return json.loads(resources.files("fsdp2_compile").joinpath("data/hardware_profiles.json").read_text())
 
 
