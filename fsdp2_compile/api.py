@@ -20,6 +20,7 @@ from fsdp2_compile.compiler.backend import check_input_devices, compile_sharded
 from fsdp2_compile.compiler.compile_gc import full_collections_deferred
 from fsdp2_compile.compiler.graph_records import GraphRecord, drop_records_of, dump_requested, records_owned_by
 from fsdp2_compile.compiler.step_errors import note_step_error
+from fsdp2_compile.compiler.step_watch import forget_counts_of
 from fsdp2_compile.compiler.warm_start import WarmStart
 from fsdp2_compile.config import CompileConfig, MixedPrecisionPolicy, compiler_for
 from fsdp2_compile.runtime.free_memory import resolve_memory_budget
@@ -160,6 +161,7 @@ def _forget_compiled(code, owner: int) -> None:
     """A module compiled in place died: drop what Dynamo compiled for it and the records of its graphs."""
     forget_compiled_code(code)
     drop_records_of(owner)
+    forget_counts_of(owner)
 
 
 def _check_bucket_names(module: nn.Module, config: CompileConfig) -> None:

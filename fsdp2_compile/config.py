@@ -89,7 +89,8 @@ class CompileConfig:
     hardware: str | None = None
     """Cost-model profile name (see `hardware.PROFILES`); None measures alpha/beta on the process group once."""
     check_rank_consistency: bool = True
-    """At compile time, compare a hash of every schedule across ranks and raise on a mismatch."""
+    """At compile time, compare a hash of every schedule across ranks and raise on a mismatch; on the CPU, also
+    compare the ranks' step counts before each compiled graph runs (`compiler/step_watch.py`)."""
     keep_snapshots: bool = field(default=False, metadata={"rank_local": True})
     """Keep the graph after every pass in the report (`graph_records.compiled_graphs()[i].snapshots`), for dumps; also
     on when $FSDP2_COMPILE_DUMP is set. A debugging switch: it changes no decision, so ranks may differ in it."""

@@ -284,3 +284,73 @@ def checkpoint_faults(rank: int, world_size: int) -> dict:
     if rank == 0:
         shutil.rmtree(path, ignore_errors=True)
     return outcomes
+
+
+def _steps_skipping(model: nn.Module, rank: int, skip: Callable[[int, int], str]) -> None:
+    """Three steps of `_steps`, where `skip(rank, step)` says what this rank changes: "step" (skips all of it),
+    "backward" (skips it, as after a loss found not finite), "extra forward" (runs one under no_grad first, as an
+    evaluation would) or "" (nothing)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(3):
+        left_out = skip(rank, step)
+        if left_out == "step":
+            continue
+        if left_out == "extra forward":
+            with torch.no_grad():
+                model(torch.randn(4, 8))
+        loss = model(torch.randn(4, 8)).square().mean()
+        if left_out != "backward":
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def skipped_steps(rank: int, world_size: int) -> dict:
+    """On 2 ranks, one case after the other: rank 0 skips the backward of its second step (its third forward then
+    meets rank 1's second backward); rank 1 runs an extra no-grad forward before its third step (both ranks ran
+    one before their second: the no-grad graph is compiled on both)."""
+
+    def extra_forward(r: int, s: int) -> str:
+        return "extra forward" if s == 1 or (r, s) == (1, 2) else ""
+
+    return {
+        "skipped_backward": _case(
+            lambda: _steps_skipping(_compiled(Net()), rank, lambda r, s: "backward" if (r, s) == (0, 1) else "")
+        ),
+        "extra_forward": _case(lambda: _steps_skipping(_compiled(Net()), rank, extra_forward)),
+    }
+
+
+def elsewhere(rank: int, world_size: int) -> dict:
+    """Rank 1 skips its last step and sleeps past the process group's timeout (in its own code, not in a
+    collective): rank 0 waits in its third step's first collective."""
+
+    def sleep_past_timeout(r: int, s: int) -> str:
+        if (r, s) != (1, 2):
+            return ""
+        time.sleep(PG_TIMEOUT_S + 3)
+        return "step"
+
+    import logging
+
+    logged: list[tuple[float, str]] = []
+    start = time.monotonic()
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.levelno >= logging.ERROR:
+                logged.append((round(time.monotonic() - start, 1), record.getMessage()))
+
+    logging.getLogger("fsdp2_compile").addHandler(Keep())
+    outcome = _case(lambda: _steps_skipping(_compiled(Net()), rank, sleep_past_timeout))
+    ended = round(time.monotonic() - start, 1)
+    return {"elsewhere": outcome | {"logged": logged, "ended": ended}}
+
+
+def skipped_step_then_exit(rank: int, world_size: int) -> dict:
+    """Rank 1 skips its second step, finishes its loop and its process exits; rank 0 runs a third step alone."""
+    return {
+        "skipped_step": _case(
+            lambda: _steps_skipping(_compiled(Net()), rank, lambda r, s: "step" if (r, s) == (1, 1) else "")
+        )
+    }

@@ -145,3 +145,36 @@ def test_a_rank_calling_another_checkpoint_function_or_none_is_named():
     words = f"rank(s) [1] did not call save_checkpoint within {WAIT_S:.0f} s (the process group times out after"
     assert words in r0["error"] and "not under `if rank == 0:`" in r0["error"], r0
     assert WAIT_S <= r0["seconds"] < BOUND_S, r0  # before gloo's own timeout, naming the rank
+
+
+def test_a_rank_a_backward_behind_is_named_at_once_with_every_ranks_counts():
+    # rank 0 skipped the backward of its second step: its third forward meets rank 1's second backward
+    for r in _case("skipped_backward", "skipped_steps"):
+        words = "ranks of process group [0, 1] are at different steps of the compiled model: rank(s) [0] in forward 3"
+        assert f"{words} (forwards 3, backwards 1); rank(s) [1] in backward 2 (forwards 2, backwards 2)" in r["error"]
+        assert "skipped backward" in r["error"] and r["seconds"] < 5, r
+
+
+def test_an_extra_no_grad_forward_on_one_rank_is_named_at_once():
+    for r in _case("extra_forward", "skipped_steps"):
+        assert "rank(s) [0] in forward 3 (forwards 3, backwards 2, no-grad forwards 1)" in r["error"], r
+        assert "rank(s) [1] in no-grad forward 2 (forwards 2, backwards 2, no-grad forwards 2)" in r["error"], r
+        assert r["seconds"] < 5, r
+
+
+def test_a_rank_that_left_the_loop_early_is_named_by_the_one_still_stepping():
+    r0, r1 = _case("skipped_step", "skipped_step_then_exit")
+    assert r1["error"] is None  # it skipped a step and finished its loop; its process exited
+    words = "stopped pairing their collectives: rank(s) [0] in forward 3 (forwards 3, backwards 2); rank(s) [1] not"
+    assert f"{words} seen in a compiled step" in r0["error"], r0
+    assert re.search(r"The collective failed with: .*Connection (reset|closed) by peer", r0["error"]), r0
+    assert r0["seconds"] < PG_TIMEOUT_S / 2, r0
+
+
+def test_a_rank_waiting_in_its_own_code_is_named_before_the_timeout():
+    r0, r1 = _case("elsewhere", "elsewhere")
+    assert r1["error"] is None
+    words = "rank(s) [0] in forward 3 (forwards 3, backwards 2); rank(s) [1] not seen in a compiled step"
+    assert words in r0["error"] and "Timed out" in r0["error"], r0
+    [(seconds, message)] = r0["logged"]  # logged by the watching thread while the collective still waited
+    assert words in message and seconds < r0["ended"] - 1, (r0["logged"], r0["ended"])

@@ -42,8 +42,9 @@ from fsdp2_compile.compiler.graph_records import GraphRecord, collectives, recor
 from fsdp2_compile.compiler.group_split import split_reduce_groups, split_unshard_groups
 from fsdp2_compile.compiler.pass_list import PassContext, run_pipeline
 from fsdp2_compile.compiler.post_forward import gather_backward_from_post_forward_shards
-from fsdp2_compile.compiler.rank_consistency import rank_check
+from fsdp2_compile.compiler.rank_consistency import graph_groups, rank_check
 from fsdp2_compile.compiler.selective_unshard import KEPT_META, KeptGathered, buckets_to_keep
+from fsdp2_compile.compiler.step_watch import watched
 from fsdp2_compile.compiler.unsharded_after_backward import keep_unsharded_after_backward
 from fsdp2_compile.compiler.unsynced_backward import BackwardBySync
 from fsdp2_compile.config import CompileConfig, compiler_for
@@ -233,11 +234,16 @@ def _compiler(
     """AOTAutograd's compiler of `kind` graphs. A backward's honours the gradient-sync flags of `infos` (the
     graph's parameters by fqn) as they are when it runs (`BackwardBySync`)."""
     owner = record_owner()  # a backward compiled at its first run is still its module's
+    on_cpu = default_device_type() == "cpu"  # gloo: the host waits in the collectives
 
     def compile_graph(gm: fx.GraphModule, example_inputs: Any) -> Callable:
         def compile_one(graph: fx.GraphModule) -> Callable:
+            groups = graph_groups(graph)
             with full_collections_deferred(config.defer_full_gc):  # a backward's is compiled at its first run
-                return as_boxed(_compile_graph(graph, example_inputs))
+                compiled = as_boxed(_compile_graph(graph, example_inputs))
+            if ahead_of_time():  # saved: a plain graph
+                return compiled
+            return watched(compiled, kind, groups, owner, check=config.check_rank_consistency and on_cpu)
 
         if kind == "backward" and infos and not ahead_of_time():  # saved: the traced flags only (warm_start.py)
             return mark_boxed(BackwardBySync(gm, compile_one, infos))
