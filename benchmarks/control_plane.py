@@ -6,7 +6,7 @@ job of N ranks for each compiled graph.
 
 Each simulated rank is a thread with its own TCPStore client connected to one master store on a free localhost
 port, running one exchange of a record (a default CompileConfig and the forward schedule of a 12-layer GPT's
-per-block all-gathers). `new` is `rank_consistency.exchange`, what the backend runs per process group; `old` is the
+per-block all-gathers). `new` is `rank_agreement.exchange`, what the backend runs per process group; `old` is the
 read pattern it replaced: every rank sets its record, polls until every peer's key exists, then reads every peer's
 record; `floor` makes 7 round trips per rank and nothing else, what the simulation itself costs (the clients and
 the server share this machine's cores). Store operations and bytes (keys and values, both ways) are counted by
@@ -32,8 +32,8 @@ import torch.distributed as dist
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from fsdp2_compile.compiler.rank_consistency import exchange  # noqa: E402
 from fsdp2_compile.config import CompileConfig  # noqa: E402
+from fsdp2_compile.runtime.rank_agreement import exchange  # noqa: E402
 
 
 def gpt_record(layers: int = 12, width: int = 768) -> dict:

@@ -26,10 +26,10 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.checkpoint.stateful import Stateful
 
 from fsdp2_compile._torch_private import resolve_group, stop_dcp_checkpoint_process
-from fsdp2_compile.compiler.rank_consistency import agree_to_call
 from fsdp2_compile.core.group_caches import dropped_with_groups, forget_destroyed_groups
 from fsdp2_compile.runtime.param_state import sharded_parameters
 from fsdp2_compile.runtime.process_groups import serial_gloo_group
+from fsdp2_compile.runtime.rank_agreement import agree_to_call
 
 __all__ = ["AsyncSave", "CheckpointError", "load_checkpoint", "save_checkpoint", "wait_for_saves"]
 

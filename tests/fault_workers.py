@@ -210,12 +210,12 @@ def same_process_group_faults(rank: int, world_size: int) -> dict:
 def _exchange_keys_left(world_size: int) -> list[str]:
     """The store keys left by this rank's rank-consistency exchanges (every one it made so far)."""
     from fsdp2_compile._torch_private import default_store
-    from fsdp2_compile.compiler import rank_consistency
+    from fsdp2_compile.runtime import rank_agreement
 
     names = ["d", "n", "c", "v", "f", "done"] + [f"r/{r}" for r in range(world_size)]
     keys = [
         f"{key}/{i}/{name}"
-        for key, agreed in rank_consistency._AGREED.items()
+        for key, agreed in rank_agreement._AGREED.items()
         for i in range(len(agreed) + 1)
         for name in names
     ]

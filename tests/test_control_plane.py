@@ -1,4 +1,4 @@
-"""The rank-consistency exchange (`rank_consistency.exchange`) with simulated ranks: threads, each with its own
+"""The rank-consistency exchange (`rank_agreement.exchange`) with simulated ranks: threads, each with its own
 client of one real TCPStore, as benchmarks/control_plane.py runs it. Each rank's store operations stay bounded
 whatever the number of ranks, the errors name the right ranks, and an exchange leaves no key behind."""
 

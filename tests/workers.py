@@ -417,12 +417,12 @@ def unpublished_schedule(rank: int, world_size: int, recompiling: bool = False) 
     rank 0 after the first compilation)."""
     from unittest import mock
 
-    import fsdp2_compile.compiler.rank_consistency as consistency
+    import fsdp2_compile.runtime.rank_agreement as agreement
     from fsdp2_compile.compiler.rank_consistency import check_same_schedule
 
     message = "no error"
     if recompiling:
-        mock.patch.object(consistency, "current_compile_id", return_value=(0, 1)).start()
+        mock.patch.object(agreement, "current_compile_id", return_value=(0, 1)).start()
     if rank == 0:
         try:
             check_same_schedule(torch.fx.symbolic_trace(torch.nn.Linear(2, 2)), "forward", timeout_s=2)

@@ -1,7 +1,7 @@
 """A compiled module's first call, on every rank, before anything is compiled: the ranks of its parameters'
 process groups agree on how the call starts — whether each has `CompileConfig.cache_dir` (a rank that differs is
 named at once on every rank) and whether every one loaded its saved compile (`warm_start.py`) — through one store
-exchange costing each rank a constant number of operations (`rank_consistency.agree_at_first_call`). When they
+exchange costing each rank a constant number of operations (`rank_agreement.agree_at_first_call`). When they
 compile and `CompileConfig.hardware` names no profile, each of those groups has its link measured once
 (`link_profile.measure_profile`, bounded in bytes), so the scheduler's figures are agreed before the first graph.
 """
@@ -14,10 +14,10 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp2_compile._torch_private import own_parameters, resolve_group
-from fsdp2_compile.compiler.rank_consistency import agree_at_first_call
 from fsdp2_compile.config import CompileConfig
 from fsdp2_compile.runtime.link_profile import measure_profile
 from fsdp2_compile.runtime.param_state import ParamInfo
+from fsdp2_compile.runtime.rank_agreement import agree_at_first_call
 
 __all__ = ["start"]
 

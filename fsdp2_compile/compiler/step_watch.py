@@ -22,9 +22,9 @@ from fsdp2_compile._torch_private import (
     mark_boxed,
     resolve_group,
 )
-from fsdp2_compile.compiler.rank_consistency import _named
 from fsdp2_compile.core.group_caches import dropped_with_groups
 from fsdp2_compile.runtime.process_groups import attempt_token
+from fsdp2_compile.runtime.rank_agreement import _named
 
 __all__ = ["forget_counts_of", "watched"]
 
