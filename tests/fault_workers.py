@@ -266,6 +266,25 @@ def sub_meshes(rank: int, world_size: int) -> dict:
     }
 
 
+def shard_faults(rank: int, world_size: int) -> dict:
+    """On 2 ranks: rank 1 skips the first of two `shard` calls (it shards the root while rank 0 shards a layer), then
+    (last: it leaves rank 0 one exchange ahead) rank 1 skips the root's `shard` call."""
+
+    def skip_first() -> None:
+        model = Net()
+        if rank == 0:
+            fc.shard(model.layers[0])
+        fc.shard(model)
+
+    def skip_last() -> None:
+        model = Net()
+        fc.shard(model.layers[0])
+        if rank == 0:
+            fc.shard(model)
+
+    return {"shard_skipped_first": _case(skip_first), "shard_on_rank_0_only": _case(skip_last)}
+
+
 def checkpoint_faults(rank: int, world_size: int) -> dict:
     """On 2 ranks: rank 0 saves while rank 1 loads the same folder, then (last: it leaves rank 0 one exchange
     ahead) rank 0 saves while rank 1 does not call `save_checkpoint` at all."""

@@ -1,6 +1,7 @@
-"""Faults around the cross-rank schedule check (fsdp2_compile.compiler.rank_consistency), on spawned gloo ranks whose process
-group times out after 20 s (so the check waits at most 15 s): every rank ends within a bound, and every surviving
-rank's error names the cause.
+"""Faults around the cross-rank schedule check (fsdp2_compile.compiler.rank_consistency) and the other agreements
+of ranks through the store (fsdp2_compile.runtime.rank_agreement: `shard`, the checkpoint functions), on spawned gloo
+ranks whose process group times out after 20 s (so the check waits at most 15 s): every rank ends within a bound,
+and every surviving rank's error names the cause.
 
 One 2-rank job runs the cases that leave the process group usable one after the other (cached, several tests read
 it); a killed rank, a rank hosting the store that exits, and the 4-rank layouts (pipeline stages, HSDP) get a job each.
@@ -133,6 +134,19 @@ def test_hsdp_exchanges_over_both_groups_of_each_rank():
     for outcome in outcomes:
         assert outcome["error"] is None, outcome
         assert all(math.isfinite(x) for x in outcome["losses"]) and outcome["losses"][-1] < outcome["losses"][0]
+
+
+def test_a_rank_skipping_a_shard_call_is_named_at_once_or_after_the_bounded_wait():
+    r0, r1 = _case("shard_skipped_first", "shard_faults")
+    for r in (r0, r1):  # at once, on both ranks: rank 1's first call meets rank 0's first
+        words = "the ranks of the mesh called shard on different modules: rank 0 called shard(Linear); rank 1 called"
+        assert f"{words} shard(Net)" in r["error"] and "on the same modules, in the same order" in r["error"], r
+        assert r["seconds"] < 5, r
+    r0, r1 = _case("shard_on_rank_0_only", "shard_faults")
+    assert r1["error"] is None
+    words = f"rank(s) [1] did not call shard(Net) within {WAIT_S:.0f} s (the process group times out after"
+    assert words in r0["error"] and "`shard` must be called on every rank of the mesh" in r0["error"], r0
+    assert WAIT_S <= r0["seconds"] < BOUND_S, r0  # its own message, before gloo's timeout in the values check
 
 
 def test_a_rank_calling_another_checkpoint_function_or_none_is_named():

@@ -18,7 +18,7 @@ from fsdp2_compile._torch_private import current_compile_id, default_store, grou
 from fsdp2_compile.core.group_caches import dropped_with_groups
 from fsdp2_compile.runtime.process_groups import attempt_token
 
-__all__ = ["agree_at_first_call", "agree_to_call", "exchange"]
+__all__ = ["agree_at_first_call", "agree_to_call", "agree_to_shard", "exchange"]
 
 _UNNAMED: dict[str, itertools.count] = dropped_with_groups({})
 """Process group -> the counter of its checks made outside a Dynamo compilation."""
@@ -36,6 +36,8 @@ _EXPLAINED = 16
 """At most this many distinct records are read to explain a mismatch (one rank's each)."""
 _LISTED = 8
 """At most this many groups of ranks holding the same record are listed in an error."""
+_SHARD_RULE = "`shard` must be called on every rank of the mesh, on the same modules, in the same order"
+"""What a rank is told when the ranks of a mesh did not make the same `shard` call (`agree_to_shard`)."""
 
 
 def _served(lines: list[str]) -> set[tuple[str, str]]:
@@ -88,10 +90,17 @@ def _config_error(records: dict[int, dict]) -> str | None:
     )
 
 
-def _call_error(records: dict[int, dict]) -> str:
-    """The ranks that called another collective function than the lowest rank (`agree_to_call`)."""
+def _call_error(records: dict[int, dict], kind: str) -> str:
+    """The ranks that called another collective function than the lowest rank (`agree_to_call`), or `shard` on
+    other modules (`agree_to_shard`)."""
     (low, base), *rest = sorted(records.items())
     calls = "; ".join(f"rank {r} called {record['config']['call']}" for r, record in rest)
+    if kind == "shard":
+        return (
+            f"fsdp2_compile: the ranks of the mesh called shard on different modules: rank {low} called "
+            f"{base['config']['call']}; {calls}. {_SHARD_RULE}: a rank that skipped a call (e.g. under "
+            "`if rank == 0:`) or shards in another order meets the others' next call"
+        )
     return (
         f"fsdp2_compile: the ranks called different collective functions: rank {low} called "
         f"{base['config']['call']}; {calls}. Every rank must call them, in the same order"
@@ -131,8 +140,9 @@ def _with(message: str, holders: str) -> str:
 
 # The ranks of each process group an agreement spans (a compiled graph's, `compiler/rank_consistency.py`; a
 # compiled module's first call, `agree_at_first_call`; a call of the library's collective functions,
-# `agree_to_call`) agree on a record (a `CompileConfig`'s fields, a schedule, the call) through the default process
-# group's store, then every rank raises the same kind of error, naming the ranks, as soon as one of these holds:
+# `agree_to_call`; a `shard` call, `agree_to_shard`) agree on a record (a `CompileConfig`'s fields, a schedule, the
+# call) through the default process group's store, then every rank raises the same kind of error, naming the ranks,
+# as soon as one of these holds:
 #
 # 1. A peer published a failure: its compilation raised (rank, exception type and first line of the message).
 # 2. The ranks' records differ: their `CompileConfig`s field by field ("rank 1 has CompileConfig.prefetch_depth=1,
@@ -249,7 +259,7 @@ class _Exchange:
         holders = _holders(classes) if len(ch.ranks) > 2 else ""
         firsts = [ranks[0] for ranks in classes[:_EXPLAINED]]
         records = {r: json.loads(v) for r, v in zip(firsts, self.store.multi_get([ch.k(f"r/{r}") for r in firsts]))}
-        error = _call_error(records) if self.kind == "call" else _config_error(records)
+        error = _call_error(records, self.kind) if self.kind in ("call", "shard") else _config_error(records)
         if error is not None:
             return {"error": _with(error, holders)}
         base = firsts[0]
@@ -298,11 +308,12 @@ class _Exchange:
                 + ". Fix that error (the failing rank's own traceback shows where); the other ranks stopped "
                 "here instead of waiting for it in a collective"
             )
-        if "missing" in verdict and self.kind == "call":
+        if "missing" in verdict and self.kind in ("call", "shard"):
+            rule = "every rank must call it" if self.kind == "call" else f"{_SHARD_RULE}, with the same check_same_init"
             return (
                 f"fsdp2_compile: rank(s) {_named(verdict['missing'])} did not call {record['config']['call']} within "
-                f"{self.wait_s:.0f} s (the process group times out after {self.pg_timeout_s:.0f} s): every rank must "
-                "call it (not under `if rank == 0:`); else they raised or crashed before it (look at their errors) "
+                f"{self.wait_s:.0f} s (the process group times out after {self.pg_timeout_s:.0f} s): {rule} "
+                "(not under `if rank == 0:`); else they raised or crashed before it (look at their errors) "
                 "or are late"
             )
         if "missing" in verdict and self.kind == "first-call":
@@ -409,7 +420,9 @@ def _agree(ex: _Exchange, record: dict, vote: bool = True) -> str | None:
         ex.publish(text, vote)
         ex.await_verdicts()
     except dist.DistNetworkError as e:
-        what = "first-call records" if ex.kind == "first-call" else f"{ex.kind} schedules"
+        what = {"first-call": "first-call records", "call": "calls", "shard": "shard calls"}.get(
+            ex.kind, f"{ex.kind} schedules"
+        )
         raise RuntimeError(
             f"fsdp2_compile: lost the process group's store while exchanging {what} with ranks {_named(ex.ranks)}: "
             "the process hosting it (rank 0, unless a launcher such as torchrun hosts it) has most likely exited: "
@@ -457,6 +470,15 @@ def agree_to_call(what: str) -> None:
     rank calling another one is named at once on every rank, and one that does not come is named within the
     bounded wait, instead of the collective hanging until the process group's timeout."""
     _agree_outside_compile({"world"}, "call", {"call": what})
+
+
+def agree_to_shard(call: str, group_names: set[str]) -> None:
+    """Before the first collective of a `shard` call (`call`, e.g. "shard(Block)"): every rank of the mesh's process
+    groups `group_names` says so through the store (a constant number of operations per rank and group), so that
+    ranks sharding different modules are named at once on every rank, and a rank that does not call `shard` is
+    named within the bounded wait, instead of the others waiting in a collective until the process group's
+    timeout."""
+    _agree_outside_compile(group_names, "shard", {"call": call})
 
 
 def exchange(

@@ -57,6 +57,7 @@ from fsdp2_compile.runtime.validation import (
     check_no_unsynced_grads,
     check_optimizer,
     check_options,
+    check_same_call,
     check_same_values,
     default_device_type,
     resolve_mesh,
@@ -273,9 +274,10 @@ def shard(
     (on a CPU mesh they are there already: pinning is skipped without an accelerator).
     `shard_placement_fn(param)`: `Shard(dim)` to shard that parameter on another dim (e.g. `Shard(1)` for expert
     weights whose dim 0 is smaller than the group), None for dim 0, as in `fully_shard`.
-    `check_same_init` (not in `fully_shard`): compare a checksum of each parameter over the mesh first and refuse
-    values that differ between ranks, naming the parameter (one pass over the parameters and three all-reduces
-    per mesh dim; False skips it).
+    `check_same_init` (not in `fully_shard`): first confirm through the store that every rank of the mesh makes this
+    call, naming the ranks that do not or that shard other modules (a few store operations per mesh dim), then
+    compare a checksum of each parameter over the mesh and refuse values that differ between ranks, naming the
+    parameter (one pass over the parameters and three all-reduces per mesh dim); False skips both.
     Returns `module`.
     """
     members = check_modules(module)
@@ -286,12 +288,17 @@ def shard(
     ignored = check_ignored(ignored_params, members)
     check_no_aliases(members, ignored)
     dims = check_new_params(members, mesh, ignored, offload is not None, shard_placement_fn)  # before any collective
+    checked = (
+        check_same_init and mesh.size() > 1 and torch.distributed.get_backend(mesh.get_group(mesh.ndim - 1)) != "fake"
+    )
+    if checked:  # every rank came, before the first collective (a gloo twin's token, the values' all-reduces)
+        check_same_call(module, mesh)
     world_size, group_name, replicate_size, replicate_group_name = _mesh_groups(mesh)
     compute_device = _compute_device(mesh) if offload is not None and mesh.device_type != "cpu" else None
     reshard, post_forward_size, post_forward_group_name = resolve_reshard(
         reshard_after_forward, mesh.get_group(mesh.ndim - 1).group_name, world_size
     )
-    if check_same_init and mesh.size() > 1 and torch.distributed.get_backend(mesh.get_group(mesh.ndim - 1)) != "fake":
+    if checked:
         check_same_values(members, mesh, ignored)
     for p in ignored.values():
         setattr(p, IGNORED_ATTR, True)

@@ -27,10 +27,12 @@ from fsdp2_compile.runtime.param_state import (
     is_sharded,
     state_of,
 )
+from fsdp2_compile.runtime.rank_agreement import agree_to_shard
 
 __all__ = [
     "check_ignored",
     "check_no_aliases",
+    "check_same_call",
     "check_same_values",
     "check_no_unsynced_grads",
     "check_modules",
@@ -315,6 +317,18 @@ def check_ignored(ignored_params: Iterable[nn.Parameter] | None, members: list[n
     return {id(p): p for p in params}
 
 
+def check_same_call(module: nn.Module | list[nn.Module], mesh: DeviceMesh) -> None:
+    """Before `shard`'s first collective: every rank of `mesh` confirms through the store that it makes this call,
+    named by the classes of its modules ("shard(Block)"), over the groups of the mesh's dims of more than one rank
+    (`rank_agreement.agree_to_shard`). Every rank that came raises alike, naming the ranks that called `shard` on
+    other modules (at once) or did not call it (after the bounded wait derived from the process group's timeout),
+    where they would otherwise wait in the first collective until that timeout."""
+    names = (
+        type(module).__name__ if isinstance(module, nn.Module) else f"[{', '.join(type(m).__name__ for m in module)}]"
+    )
+    agree_to_shard(f"shard({names})", {mesh.get_group(d).group_name for d in range(mesh.ndim) if mesh.size(d) > 1})
+
+
 def check_same_values(members: list[nn.Module], mesh: DeviceMesh, ignored: dict[int, nn.Parameter]) -> None:
     """Refuse parameters whose values differ between the ranks of `mesh` (different seeds, a rank that loaded
     another checkpoint): sharding would mix rows of each rank's model. Compares a checksum of each parameter
@@ -357,8 +371,10 @@ def check_same_values(members: list[nn.Module], mesh: DeviceMesh, ignored: dict[
         raise ValueError(
             f"parameter '{name}'{more} has different {what} on different ranks of the mesh: sharding would mix the "
             "rows of each rank's model. Build the model the same way on every rank (torch.manual_seed(...) before "
-            "creating it) or load the same checkpoint on every rank before shard; or pass check_same_init=False "
-            "to skip this check (one pass over the parameters and a few all-reduces per shard call)"
+            "creating it) or load the same checkpoint on every rank before shard, and shard the same modules in "
+            "the same order on every rank (a rank that skipped one block's call compares its next block); or pass "
+            "check_same_init=False to skip this check (one pass over the parameters and a few all-reduces per shard "
+            "call)"
         )
 
 
