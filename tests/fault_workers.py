@@ -115,7 +115,7 @@ def _steps(model: nn.Module, rank: int, steps: int = 2, x: torch.Tensor | None =
 
 
 def _case(fn: Callable[[], object]) -> dict:
-    """Run one case after a barrier: its error (None if it passed) and how long it took to end."""
+    """Run one case after a barrier: its error (None if it passed), the error's notes and how long it took to end."""
     dist.barrier()
     start = time.monotonic()
     try:
@@ -123,7 +123,8 @@ def _case(fn: Callable[[], object]) -> dict:
         error = None
     except Exception as e:  # noqa: BLE001 - the message is what the tests check
         error = f"{type(e).__name__}: {e}"
-    return {"error": error, "seconds": round(time.monotonic() - start, 1)}
+        notes = getattr(e, "__notes__", [])
+    return {"error": error, "seconds": round(time.monotonic() - start, 1)} | ({"notes": notes} if error else {})
 
 
 def _raise_in_compile(rank: int) -> None:
@@ -373,3 +374,15 @@ def skipped_step_then_exit(rank: int, world_size: int) -> dict:
             lambda: _steps_skipping(_compiled(Net()), rank, lambda r, s: "step" if (r, s) == (1, 1) else "")
         )
     }
+
+
+def sync_off_on_one_rank(rank: int, world_size: int) -> dict:
+    """After a first step, rank 0 turns gradient sync off (as for accumulation) and rank 1 does not."""
+
+    def run() -> None:
+        model = _compiled(Net())
+        _steps(model, rank, steps=1)
+        model.set_requires_gradient_sync(rank != 0)
+        _steps(model, rank, steps=1)
+
+    return {"sync_off_on_one_rank": _case(run)}

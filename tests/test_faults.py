@@ -192,3 +192,15 @@ def test_a_rank_waiting_in_its_own_code_is_named_before_the_timeout():
     assert words in r0["error"] and "Timed out" in r0["error"], r0
     [(seconds, message)] = r0["logged"]  # logged by the watching thread while the collective still waited
     assert words in message and seconds < r0["ended"] - 1, (r0["logged"], r0["ended"])
+
+
+def test_gradient_sync_turned_off_on_one_rank_is_named_as_the_cause():
+    r0, r1 = _case("sync_off_on_one_rank", "sync_off_on_one_rank")
+    # rank 0 compiles a backward that keeps its gradients; rank 1 runs the one compiled before and waits in it
+    assert "rank(s) [1] did not publish their backward schedule" in r0["error"], r0
+    words = "gradient sync was off on this rank for 'layers.0.bias', 'layers.0.weight', 'layers.1.bias' and 3 more"
+    assert any(words in note and "set it alike on every rank" in note for note in r0["notes"]), r0
+    # rank 0, which hosts the store, raised and exited: rank 1's collective and the store went with it
+    assert "rank 1, in backward 2 (forwards 2, backwards 2), lost the process group's store" in r1["error"], r1
+    assert "Connection closed by peer" in r1["error"], r1
+    assert r0["seconds"] < PG_TIMEOUT_S and r1["seconds"] < PG_TIMEOUT_S + 2, (r0, r1)

@@ -225,6 +225,14 @@ def resolve_profile(config: CompileConfig, gm: fx.GraphModule) -> HardwareProfil
     return measured or PROFILES["cpu-gloo-loopback" if default_device_type() == "cpu" else "h100-nvlink"]
 
 
+def _sync_off_note(fqns: list[str]) -> str:
+    shown = ", ".join(f"'{f}'" for f in fqns[:3]) + (f" and {len(fqns) - 3} more" if len(fqns) > 3 else "")
+    return (
+        f"fsdp2_compile: gradient sync was off on this rank for {shown} (set_requires_gradient_sync(False)) while this "
+        "backward compiled; ranks with it on run another backward: set it alike on every rank"
+    )
+
+
 def _compiler(
     kind: str,
     config: CompileConfig,
@@ -239,8 +247,13 @@ def _compiler(
     def compile_graph(gm: fx.GraphModule, example_inputs: Any) -> Callable:
         def compile_one(graph: fx.GraphModule) -> Callable:
             groups = graph_groups(graph)
-            with full_collections_deferred(config.defer_full_gc):  # a backward's is compiled at its first run
-                compiled = as_boxed(_compile_graph(graph, example_inputs))
+            try:
+                with full_collections_deferred(config.defer_full_gc):  # a backward's is compiled at its first run
+                    compiled = as_boxed(_compile_graph(graph, example_inputs))
+            except Exception as e:
+                if unsynced := sorted(fqn for fqn, info in (infos or {}).items() if not info.requires_gradient_sync):
+                    e.add_note(_sync_off_note(unsynced))
+                raise
             if ahead_of_time():  # saved: a plain graph
                 return compiled
             return watched(compiled, kind, groups, owner, check=config.check_rank_consistency and on_cpu)

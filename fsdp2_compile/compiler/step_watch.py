@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import threading
@@ -119,11 +118,18 @@ class _Watch:
     def verdict(self, inside: _Inside, deadline: float) -> str | None:
         """Publish where this rank is to each group of `inside` (once) and read the groups' verdicts."""
         with self.lock:
-            with contextlib.suppress(dist.DistError):  # never hide the transport error behind a store error
-                for group in inside.groups:
-                    if group.name not in _VERDICTS:
-                        _VERDICTS[group.name] = None
+            for group in inside.groups:
+                if group.name not in _VERDICTS:
+                    _VERDICTS[group.name] = None
+                    try:
                         _VERDICTS[group.name] = _exchange(group, inside.record, deadline)
+                    except dist.DistError:  # the store went with its host
+                        _VERDICTS[group.name] = (
+                            f"fsdp2_compile: rank {dist.get_rank()}, {_describe(inside.record)}, lost the process "
+                            f"group's store while naming the steps of ranks {_named(group.ranks)}: the process "
+                            "hosting it (rank 0, unless a launcher such as torchrun hosts it) has most likely exited: "
+                            "look at its error"
+                        )
             found = [v for g in inside.groups if (v := _VERDICTS.get(g.name))]
             return "; ".join(found) if found else None
 
