@@ -13,7 +13,8 @@ the server share this machine's cores). Store operations and bytes (keys and val
 wrapping each client. Per N and algorithm it prints the wall time of one exchange (all threads released at once,
 until the last returns), the operations and bytes in total and on the busiest rank, and the store's keys left
 afterwards: the run of median time of `--repeat` runs. `--faults N` also runs N ranks with one rank's record
-different and with one rank absent, and checks that every rank's error names it.
+different and with one rank absent, and checks that every rank's error names it, then the step watch's exchange
+(`compiler/step_watch.py`) with the ranks stalled at two places and one absent.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import torch.distributed as dist
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from fsdp2_compile.compiler.step_watch import exchange_steps  # noqa: E402
 from fsdp2_compile.config import CompileConfig  # noqa: E402
 from fsdp2_compile.runtime.rank_agreement import exchange  # noqa: E402
 
@@ -229,6 +231,54 @@ def faults(n: int) -> None:
     print(f"  rank 0 says: {out.errors[0][:120]}")
 
 
+def simulate_stall(n: int, wait_s: float = 3.0) -> Outcome:
+    """The step watch's exchange when ranks stop pairing their collectives: of `n` simulated ranks, the lower half
+    waits in forward 3, the upper half in backward 2, and rank n // 2 + 1 never comes. Its errors are each rank's
+    message."""
+    absent = n // 2 + 1
+    master, raw = _connected(n)
+    present = [r for r in range(n) if r != absent]
+    clients = {r: CountingStore(raw[r]) for r in present}
+    keys_before = master.num_keys()
+    messages: dict[int, str | None] = {}
+    start = threading.Barrier(len(present) + 1)
+    key, ranks = f"fsdp2_compile/step/sim@{n}/{next(_CALLS)}", list(range(n))
+
+    def run(r: int) -> None:
+        start.wait()
+        record = "forward:3:2:0" if r < n // 2 else "backward:2:2:0"
+        messages[r] = exchange_steps(clients[r], r, ranks, key, record, wait_s)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in present]
+    for t in threads:
+        t.start()
+    start.wait()
+    began = time.perf_counter()
+    for t in threads:
+        t.join()
+    seconds = time.perf_counter() - began
+    ops, nbytes = [c.ops for c in clients.values()], [c.bytes for c in clients.values()]
+    return Outcome(seconds, messages, ops, nbytes, master.num_keys() - keys_before)
+
+
+def stalled_steps(n: int, wait_s: float = 3.0) -> None:
+    out = simulate_stall(n, wait_s)
+    absent = n // 2 + 1
+    words = (
+        "in forward 3 (forwards 3, backwards 2)",
+        "in backward 2 (forwards 2, backwards 2)",
+        f"[{absent}] not seen",
+    )
+    wrong = [r for r, m in out.errors.items() if not m or not all(w in m for w in words)]
+    ops = sorted(out.ops)
+    print(
+        f"{n} ranks stalled at two places, rank {absent} absent (wait {wait_s:.0f} s): {out.seconds:.3f} s, store "
+        f"ops {sum(ops):,} (busiest rank {ops[-1]}, median {ops[len(ops) // 2]}), keys left {out.keys_left}, wrong: "
+        f"{wrong}"
+    )
+    print(f"  rank 0 says: {out.errors[0][:200]}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[16, 64, 256, 1024, 2048])
@@ -245,6 +295,7 @@ def main() -> None:
             print(_row(n, algorithm, runs[len(runs) // 2]), flush=True)
     if args.faults:
         faults(args.faults)
+        stalled_steps(args.faults)
 
 
 if __name__ == "__main__":

@@ -115,3 +115,19 @@ def test_a_rank_that_dies_before_claiming_the_verdict_is_replaced(late):
     for rank, error in out.errors.items():
         if rank != dead:
             assert (error is None) if not late else ("compiled different forward schedules" in error), error
+
+
+def test_the_step_watch_names_every_place_and_the_absent_rank_at_a_constant_cost_per_rank():
+    for n in (8, N):
+        out = cp.simulate_stall(n, wait_s=1.0)
+        absent = n // 2 + 1
+        for message in out.errors.values():
+            assert f"rank(s) [{_lower(n)}] in forward 3 (forwards 3, backwards 2)" in message, message
+            assert f"[{absent}] not seen in a compiled step" in message, message
+        # each rank appends, counts, waits, tries the claim, waits, reads (6); the one claiming reads the list, writes
+        assert sorted(out.ops)[-2] == 6 and max(out.ops) == 8, out.ops
+
+
+def _lower(n: int) -> str:
+    """The lower half of `n` ranks as an error lists them (ranges past 8 ranks)."""
+    return ", ".join(map(str, range(n // 2))) if n <= 8 else f"0-{n // 2 - 1}"

@@ -23,9 +23,9 @@ from fsdp2_compile._torch_private import (
 )
 from fsdp2_compile.core.group_caches import dropped_with_groups
 from fsdp2_compile.runtime.process_groups import attempt_token
-from fsdp2_compile.runtime.rank_agreement import _named
+from fsdp2_compile.runtime.rank_agreement import _LISTED, _named
 
-__all__ = ["forget_counts_of", "watched"]
+__all__ = ["exchange_steps", "forget_counts_of", "watched"]
 
 log = logging.getLogger("fsdp2_compile")
 
@@ -122,7 +122,10 @@ class _Watch:
                 if group.name not in _VERDICTS:
                     _VERDICTS[group.name] = None
                     try:
-                        _VERDICTS[group.name] = _exchange(group, inside.record, deadline)
+                        wait_s = deadline - time.monotonic()
+                        _VERDICTS[group.name] = exchange_steps(
+                            default_store(), dist.get_rank(), group.ranks, group.key, inside.record, wait_s
+                        )
                     except dist.DistError:  # the store went with its host
                         _VERDICTS[group.name] = (
                             f"fsdp2_compile: rank {dist.get_rank()}, {_describe(inside.record)}, lost the process "
@@ -150,14 +153,15 @@ def _describe(record: str) -> str:
     )
 
 
-def _exchange(group: _Group, record: str, deadline: float) -> str | None:
-    """Publish `record` under the group's key, wait for the verdict until `deadline`, return its message."""
-    store, rank, key = default_store(), dist.get_rank(), group.key
+def exchange_steps(store: dist.Store, rank: int, ranks: list[int], key: str, record: str, wait_s: float) -> str | None:
+    """Publish this rank's place `record` ("forward:5:4:0": kind, forwards, backwards, no-grad forwards) among
+    `ranks` under `key` and read the verdict, waiting at most `wait_s`: what a stalled rank runs per group, and what
+    a simulation of many ranks against one store calls. None when every rank published the same place."""
     store.append(f"{key}/d", f"{rank}={record};")
-    if store.add(f"{key}/n", 1) == len(group.ranks):
-        _close(store, group, rank)
-    if not _wait(store, f"{key}/v", deadline - time.monotonic()):
-        _close(store, group, rank)
+    if store.add(f"{key}/n", 1) == len(ranks):
+        _close(store, rank, ranks, key)
+    if not _wait(store, f"{key}/v", wait_s):
+        _close(store, rank, ranks, key)
         if not _wait(store, f"{key}/v", _ERROR_WAIT_S):
             return None
     return store.get(f"{key}/v").decode() or None
@@ -171,16 +175,15 @@ def _wait(store: dist.Store, key: str, seconds: float) -> bool:
     return True
 
 
-def _close(store: dist.Store, group: _Group, rank: int) -> None:
-    """Claim the group's verdict and write it from the records published so far, unless a rank claimed it."""
-    key = group.key
+def _close(store: dist.Store, rank: int, ranks: list[int], key: str) -> None:
+    """Claim the verdict under `key` and write it from the records published so far, unless a rank claimed it."""
     if store.compare_set(f"{key}/c", "", str(rank)) != str(rank).encode():
         return
     records: dict[int, str] = {}
     for entry in store.get(f"{key}/d").decode().split(";")[:-1]:
         r, record = entry.split("=")
         records[int(r)] = record
-    store.compare_set(f"{key}/v", "", _message(group.ranks, records))
+    store.compare_set(f"{key}/v", "", _message(ranks, records))
 
 
 def _message(group_ranks: list[int], records: dict[int, str], what: str = "stopped pairing their collectives") -> str:
@@ -191,7 +194,9 @@ def _message(group_ranks: list[int], records: dict[int, str], what: str = "stopp
     missing = [r for r in group_ranks if r not in records]
     if len(by_record) <= 1 and not missing:
         return ""
-    places = [f"rank(s) {_named(ranks)} {_describe(record)}" for record, ranks in by_record.items()]
+    places = [f"rank(s) {_named(ranks)} {_describe(record)}" for record, ranks in list(by_record.items())[:_LISTED]]
+    if len(by_record) > _LISTED:
+        places.append(f"{len(by_record) - _LISTED} more groups of ranks elsewhere")
     if missing:
         places.append(
             f"rank(s) {_named(missing)} not seen in a compiled step (done with their loop, exited, raised, or "
