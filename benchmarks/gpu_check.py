@@ -40,6 +40,7 @@ from gpt import GPT, GPTConfig, gpt_loss, make_batch  # noqa: E402
 
 import fsdp2_compile as fc  # noqa: E402
 from fsdp2_compile.compiler.graph_records import clear_compiled_graphs, collectives, compiled_graphs  # noqa: E402
+from fsdp2_compile.compiler.step_watch import STEP_COUNTS  # noqa: E402
 
 SIZES = {  # layers, d_model, heads, vocab, seq, batch per rank
     "gpu": dict(layers=8, d_model=1024, heads=16, vocab=32768, seq=1024, batch=8),  # 135 M parameters
@@ -105,6 +106,8 @@ def _count_runtime_collectives(step) -> dict[str, int]:
     counts = {"all_gather": 0, "reduce_scatter": 0}
     for event in prof.events():
         if not is_collective(event) or is_collective(event.cpu_parent):  # the outermost op of each collective
+            continue
+        if event.cpu_parent is not None and event.cpu_parent.name == STEP_COUNTS:  # the step watch's, on the CPU
             continue
         name = event.name.lower()
         if "allgather" in name or "all_gather" in name:

@@ -25,7 +25,7 @@ from fsdp2_compile.core.group_caches import dropped_with_groups
 from fsdp2_compile.runtime.process_groups import attempt_token
 from fsdp2_compile.runtime.rank_agreement import _LISTED, _named
 
-__all__ = ["exchange_steps", "forget_counts_of", "watched"]
+__all__ = ["STEP_COUNTS", "exchange_steps", "forget_counts_of", "watched"]
 
 log = logging.getLogger("fsdp2_compile")
 
@@ -51,6 +51,8 @@ log = logging.getLogger("fsdp2_compile")
 # asynchronous): there only errors are read, and NCCL's flight recorder (TORCH_NCCL_TRACE_BUFFER_SIZE) is the tool
 # for a hang.
 
+STEP_COUNTS = "fsdp2_compile::step_counts"
+"""The profiler's name for the gathering of the ranks' counts before a graph runs (it wraps that collective)."""
 _ERROR_WAIT_S = 5.0
 """How long a rank that a transport error reached waits for its peers' records."""
 _TICK_S = 0.5
@@ -225,6 +227,11 @@ def _check_aligned(groups: list[_Group], record: str) -> None:
     """Gather every rank's step counts over each group before the graph's first collective; raise on every rank,
     naming each rank's, when they differ."""
     mine = torch.tensor([int(x) if x.isdigit() else _KINDS.index(x) for x in record.split(":")])
+    with torch.profiler.record_function(STEP_COUNTS):
+        _gather_and_compare(groups, mine)
+
+
+def _gather_and_compare(groups: list[_Group], mine: torch.Tensor) -> None:
     for group in groups:
         table = torch.empty(len(group.ranks) * mine.numel(), dtype=mine.dtype)
         all_gather_single(table, mine, group=resolve_group(group.name))
