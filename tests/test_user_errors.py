@@ -67,6 +67,16 @@ def test_optimizer_built_before_shard_is_refused_at_its_first_step(fake_pg):
     torch.optim.AdamW(model.parameters()).step()  # the right order steps without a word
 
 
+def test_a_parameter_shared_with_a_module_outside_the_sharded_one_is_named_at_the_first_step(fake_pg):
+    model = Net()
+    head = nn.Linear(8, 8)
+    head.weight = model.blocks[0][0].weight  # shared with a module that is not sharded
+    fc.shard(model)
+    opt = torch.optim.AdamW([*model.parameters(), *head.parameters()])  # built after shard
+    with raises(RuntimeError, "AdamW holds parameter 'blocks.0.0.weight'", "a module outside the sharded one shares"):
+        opt.step()
+
+
 def test_hsdp_mesh_with_dims_named_shard_then_replicate(fake_pg):
     from torch.distributed.device_mesh import init_device_mesh
 

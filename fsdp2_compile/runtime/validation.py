@@ -478,6 +478,8 @@ def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
                     f"{type(optimizer).__name__} holds parameter '{REPLACED[p][1].fqn}' as it was before "
                     "fsdp2_compile.shard replaced it with a sharded DTensor parameter, so it would train nothing. "
                     "Build the optimizer after shard / shard_compile, e.g. "
-                    f"torch.optim.{type(optimizer).__name__}(model.parameters(), ...)"
+                    f"torch.optim.{type(optimizer).__name__}(model.parameters(), ...); if it was, a module outside "
+                    "the sharded one shares that parameter and still holds the unsharded tensor: make that module "
+                    "part of the sharded model (a submodule of it)"
                 )
     _CHECKED_OPTIMIZERS[optimizer] = groups
