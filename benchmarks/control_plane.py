@@ -151,6 +151,25 @@ def _connected(n: int) -> tuple[dist.TCPStore, list[dist.TCPStore]]:
     return _MASTER[0], _CLIENTS
 
 
+def _released_together(ranks: list[int], run) -> float:
+    """Run `run(rank)` for every rank on a thread of its own, all released at once; the seconds until the last
+    returns."""
+    start = threading.Barrier(len(ranks) + 1)
+
+    def released(r: int) -> None:
+        start.wait()
+        run(r)
+
+    threads = [threading.Thread(target=released, args=(r,)) for r in ranks]
+    for t in threads:
+        t.start()
+    start.wait()
+    began = time.perf_counter()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - began
+
+
 def simulate(
     n: int,
     algorithm: str = "new",
@@ -171,12 +190,10 @@ def simulate(
     clients = {r: wrap(raw[r]) for r in present}
     keys_before = master.num_keys()
     errors: dict[int, str | None] = {}
-    start = threading.Barrier(len(present) + 1)
     key, ranks = f"fsdp2_compile/check/sim@{n}/n{next(_CALLS)}/forward/0", list(range(n))
 
     def run(r: int) -> None:
         mine = differing.get(r, record)
-        start.wait()
         try:
             if algorithm == "floor":  # 7 round trips and nothing else: what the simulation itself costs
                 for _ in range(7):
@@ -189,14 +206,7 @@ def simulate(
         except Exception as e:  # noqa: BLE001 - reported per rank
             errors[r] = f"{type(e).__name__}: {e}"
 
-    threads = [threading.Thread(target=run, args=(r,)) for r in present]
-    for t in threads:
-        t.start()
-    start.wait()
-    began = time.perf_counter()
-    for t in threads:
-        t.join()
-    seconds = time.perf_counter() - began
+    seconds = _released_together(present, run)
     ops = [c.ops for c in clients.values()]
     nbytes = [c.bytes for c in clients.values()]
     keys_left = master.num_keys() - keys_before - (algorithm == "floor")
@@ -241,22 +251,13 @@ def simulate_stall(n: int, wait_s: float = 3.0) -> Outcome:
     clients = {r: CountingStore(raw[r]) for r in present}
     keys_before = master.num_keys()
     messages: dict[int, str | None] = {}
-    start = threading.Barrier(len(present) + 1)
     key, ranks = f"fsdp2_compile/step/sim@{n}/{next(_CALLS)}", list(range(n))
 
     def run(r: int) -> None:
-        start.wait()
         record = "forward:3:2:0" if r < n // 2 else "backward:2:2:0"
         messages[r] = exchange_steps(clients[r], r, ranks, key, record, wait_s)
 
-    threads = [threading.Thread(target=run, args=(r,)) for r in present]
-    for t in threads:
-        t.start()
-    start.wait()
-    began = time.perf_counter()
-    for t in threads:
-        t.join()
-    seconds = time.perf_counter() - began
+    seconds = _released_together(present, run)
     ops, nbytes = [c.ops for c in clients.values()], [c.bytes for c in clients.values()]
     return Outcome(seconds, messages, ops, nbytes, master.num_keys() - keys_before)
 
