@@ -70,7 +70,7 @@ def graph_groups(gm: fx.GraphModule) -> set[str]:
 # having published; if that rank's process hosted the store (rank 0 when launched without torchrun's agent), its
 # exit is seen at once ("lost the process group's store"). A rank that dies after the ranks agreed, or that fails in
 # a recompile nobody else is compiling, is outside the check: the peers' next collective fails (gloo reports the
-# closed connection at once) or times out.
+# closed connection at once) or times out, and the step watch (step_watch.py) names the ranks from there.
 def _exchange(gm: fx.GraphModule, kind: str, world_if_none: bool, timeout_s: float | None) -> _Exchange | None:
     """Where and how long this compilation's records are exchanged; None when there is nothing to check."""
     if not dist.is_initialized() or dist.get_world_size() == 1 or dist.get_backend() == "fake":
