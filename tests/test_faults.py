@@ -141,7 +141,7 @@ def test_a_rank_skipping_a_shard_call_is_named_at_once_or_after_the_bounded_wait
     for r in (r0, r1):  # at once, on both ranks: rank 1's first call meets rank 0's first
         words = "the ranks of the mesh called shard on different modules: rank 0 called shard(Linear); rank 1 called"
         assert f"{words} shard(Net)" in r["error"] and "on the same modules, in the same order" in r["error"], r
-        assert r["seconds"] < 5, r
+        assert r["seconds"] < PG_TIMEOUT_S / 2, r  # at once: no wait for a timeout
     r0, r1 = _case("shard_on_rank_0_only", "shard_faults")
     assert r1["error"] is None
     words = f"rank(s) [1] did not call shard(Net) within {WAIT_S:.0f} s (the process group times out after"
@@ -166,14 +166,14 @@ def test_a_rank_a_backward_behind_is_named_at_once_with_every_ranks_counts():
     for r in _case("skipped_backward", "skipped_steps"):
         words = "ranks of process group [0, 1] are at different steps of the compiled model: rank(s) [0] in forward 3"
         assert f"{words} (forwards 3, backwards 1); rank(s) [1] in backward 2 (forwards 2, backwards 2)" in r["error"]
-        assert "skipped backward" in r["error"] and r["seconds"] < 5, r
+        assert "skipped backward" in r["error"] and r["seconds"] < PG_TIMEOUT_S / 2, r
 
 
 def test_an_extra_no_grad_forward_on_one_rank_is_named_at_once():
     for r in _case("extra_forward", "skipped_steps"):
         assert "rank(s) [0] in forward 3 (forwards 3, backwards 2, no-grad forwards 1)" in r["error"], r
         assert "rank(s) [1] in no-grad forward 2 (forwards 2, backwards 2, no-grad forwards 2)" in r["error"], r
-        assert r["seconds"] < 5, r
+        assert r["seconds"] < PG_TIMEOUT_S / 2, r  # at once: no wait for a timeout
 
 
 def test_a_rank_that_left_the_loop_early_is_named_by_the_one_still_stepping():
@@ -182,7 +182,7 @@ def test_a_rank_that_left_the_loop_early_is_named_by_the_one_still_stepping():
     words = "stopped pairing their collectives: rank(s) [0] in forward 3 (forwards 3, backwards 2); rank(s) [1] not"
     assert f"{words} seen in a compiled step" in r0["error"], r0
     assert re.search(r"The collective failed with: .*Connection (reset|closed) by peer", r0["error"]), r0
-    assert r0["seconds"] < PG_TIMEOUT_S / 2, r0
+    assert r0["seconds"] < PG_TIMEOUT_S, r0  # gloo saw the closed connection: no timeout waited out
 
 
 def test_a_rank_waiting_in_its_own_code_is_named_before_the_timeout():
