@@ -7,7 +7,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -23,7 +22,7 @@ from fsdp2_compile._torch_private import (
 )
 from fsdp2_compile.core.group_caches import dropped_with_groups
 from fsdp2_compile.runtime.process_groups import attempt_token
-from fsdp2_compile.runtime.rank_agreement import _LISTED, _named
+from fsdp2_compile.runtime.rank_agreement import _LISTED, _named, wait_for_key
 
 __all__ = ["STEP_COUNTS", "exchange_steps", "forget_counts_of", "watched"]
 
@@ -162,19 +161,11 @@ def exchange_steps(store: dist.Store, rank: int, ranks: list[int], key: str, rec
     store.append(f"{key}/d", f"{rank}={record};")
     if store.add(f"{key}/n", 1) == len(ranks):
         _close(store, rank, ranks, key)
-    if not _wait(store, f"{key}/v", wait_s):
+    if not wait_for_key(store, f"{key}/v", wait_s):
         _close(store, rank, ranks, key)
-        if not _wait(store, f"{key}/v", _ERROR_WAIT_S):
+        if not wait_for_key(store, f"{key}/v", _ERROR_WAIT_S):
             return None
     return store.get(f"{key}/v").decode() or None
-
-
-def _wait(store: dist.Store, key: str, seconds: float) -> bool:
-    try:
-        store.wait([key], timedelta(seconds=max(seconds, 0.001)))
-    except dist.DistStoreError:
-        return False
-    return True
 
 
 def _close(store: dist.Store, rank: int, ranks: list[int], key: str) -> None:

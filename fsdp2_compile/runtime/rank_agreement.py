@@ -18,7 +18,7 @@ from fsdp2_compile._torch_private import current_compile_id, default_store, grou
 from fsdp2_compile.core.group_caches import dropped_with_groups
 from fsdp2_compile.runtime.process_groups import attempt_token
 
-__all__ = ["agree_at_first_call", "agree_to_call", "agree_to_shard", "exchange"]
+__all__ = ["agree_at_first_call", "agree_to_call", "agree_to_shard", "exchange", "wait_for_key"]
 
 _UNNAMED: dict[str, itertools.count] = dropped_with_groups({})
 """Process group -> the counter of its checks made outside a Dynamo compilation."""
@@ -136,6 +136,16 @@ def _holders(classes: list[list[int]]) -> str:
 
 def _with(message: str, holders: str) -> str:
     return f"{message}. {holders}" if holders else message
+
+
+def wait_for_key(store: dist.Store, key: str, seconds: float) -> bool:
+    """Whether `key` is set in `store` within `seconds` (False on the store's timeout; a lost store raises its
+    DistNetworkError)."""
+    try:
+        store.wait([key], timedelta(seconds=max(seconds, 0.001)))
+    except dist.DistStoreError:
+        return False
+    return True
 
 
 # The ranks of each process group an agreement spans (a compiled graph's, `compiler/rank_consistency.py`; a
@@ -274,9 +284,9 @@ class _Exchange:
         self.verdicts = [self._await(ch, deadline) for ch in self.channels]
 
     def _await(self, ch: _Channel, deadline: float) -> dict:
-        if not self._wait(ch.k("v"), deadline - time.monotonic()):
+        if not wait_for_key(self.store, ch.k("v"), deadline - time.monotonic()):
             self._close(ch)
-            if not self._wait(ch.k("v"), min(_FINISH_WAIT_S, self.wait_s)):
+            if not wait_for_key(self.store, ch.k("v"), min(_FINISH_WAIT_S, self.wait_s)):
                 claimer = self.store.get(ch.k("c")).decode()
                 return {
                     "error": f"fsdp2_compile: rank {claimer} claimed the verdict of the {self.kind} schedule exchange "
@@ -284,13 +294,6 @@ class _Exchange:
                     "exited or hangs (look at its error)"
                 }
         return json.loads(self.store.get(ch.k("v")))
-
-    def _wait(self, key: str, seconds: float) -> bool:
-        try:
-            self.store.wait([key], timedelta(seconds=max(seconds, 0.001)))
-        except dist.DistStoreError:  # the timeout; a lost store is a DistNetworkError, raised
-            return False
-        return True
 
     def error(self, record: dict) -> str | None:
         """The error this rank raises for the verdicts it read, or None when they all agreed."""
