@@ -8,7 +8,7 @@ from typing import Any
 
 from torch import fx
 
-from fsdp2_compile.core.grouped_unshard import GatherGroup, group_key
+from fsdp2_compile.core.grouped_unshard import gather_group, group_key
 from fsdp2_compile.core.ir import UNSHARD, SubgraphCall, UnshardArgs, output_of
 from fsdp2_compile.runtime.param_state import ParamInfo, infos_of_values
 
@@ -66,7 +66,7 @@ def gather_outside_blocks(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> 
         if plain:
             with gm.graph.inserting_before(call.node):
                 key = group_key([info.spec() for _, info in plain.values()])
-                group = gm.graph.call_function(GatherGroup.apply, (key, *(param for param, _ in plain.values())))
+                group = gm.graph.call_function(gather_group, (key, *(param for param, _ in plain.values())))
                 for i, index in enumerate(plain):
                     operands[index] = gm.graph.call_function(operator.getitem, (group, i))
         call.set_operands(operands)

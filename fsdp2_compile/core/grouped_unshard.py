@@ -16,6 +16,7 @@ from fsdp2_compile.core.ops import ParamSpec, UnshardArgs, shard_grad, unshard, 
 __all__ = [
     "GROUPS",
     "GatherGroup",
+    "gather_group",
     "REDUCE_GROUP",
     "REDUCTIONS",
     "UNSHARD_GROUP",
@@ -134,6 +135,12 @@ class GatherGroup(torch.autograd.Function):
         else:
             local = torch.ops.fsdp2.reduce_group(list(grads), ctx.reduction)
         return None, *(None if g is None else dtensor_of(g, layout) for g, layout in zip(local, ctx.layouts))
+
+
+def gather_group(key: str, *params: Tensor) -> tuple[Tensor, ...]:
+    """`GatherGroup.apply(key, *params)` as a function FX can name in generated code (the bound `apply` has no
+    module)."""
+    return GatherGroup.apply(key, *params)
 
 
 UNSHARD_GROUP = torch.ops.fsdp2.unshard_group.default
