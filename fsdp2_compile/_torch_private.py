@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import os
 import re
@@ -20,6 +21,7 @@ __all__ = [
     "all_gather_single",
     "ALLOW_UNSUPPORTED_TORCH",
     "aot_compile_function",
+    "aot_compiled_sources",
     "aot_function_from_bytes",
     "aot_function_to_bytes",
     "aot_module_simplified",
@@ -32,6 +34,7 @@ __all__ = [
     "CheckpointPolicy",
     "CheckpointWrapper",
     "clear_dtensor_caches",
+    "compile_settings_digest",
     "compile_times",
     "concatenate_meshes",
     "current_compile_context",
@@ -88,6 +91,7 @@ __all__ = [
     "SUPPORTED_TORCHAO",
     "SUPPORTED_TORCHAO_SPEC",
     "to_copy",
+    "torch_cache_dir",
     "TorchDispatchMode",
     "trace_graph_artifact",
     "tracing_backend",
@@ -738,28 +742,96 @@ def subgraph_schemas_reused() -> Iterator[None]:
 
 def _no_node_meta(key: str) -> bool:
     """No node metadata is stored with a saved graph: running it needs none, and some (module stacks naming the
-    generated sharded classes) cannot be pickled."""
+    generated sharded classes, opaque values holding process groups) cannot be pickled."""
     return False
 
 
-def serializable_graph(gm: fx.GraphModule) -> Callable:
+def serializable_graph(gm: fx.GraphModule, wrap: Callable[[Callable], Callable]) -> Callable:
     """`gm` (its code already boxed, `boxed_call`) as an Inductor output code that AOTAutograd's bundled cache entry
     can hold, so torch's ahead-of-time compile can save and load it: `RegionalOutputCode`, pickled by
-    `GraphPickler` with every op allowed (ours included) and no node metadata."""
+    `GraphPickler` with every op allowed (ours included) and no node metadata. It runs as `wrap(run)`, here and
+    where it is loaded (`wrap` is pickled with it), or here as its `run_here` if one is set."""
+    return _wrapped_output_code()(gm, wrap)
+
+
+@functools.cache
+def _wrapped_output_code() -> type:
     output_code = _resolve("torch._inductor.output_code:RegionalOutputCode")
-    return output_code(gm, ops_filter=None, node_metadata_key_filter=_no_node_meta)
+
+    class WrappedOutputCode(output_code):
+        run_here: Callable | None = None
+        """What runs instead in the process that compiled it (not saved): given `run_saved`."""
+
+        def __init__(self, gm: fx.GraphModule, wrap: Callable[[Callable], Callable]):
+            super().__init__(gm, ops_filter=None, node_metadata_key_filter=_no_node_meta)
+            self._wrap = wrap
+            self._run = wrap(super().__call__)
+
+        def __call__(self, inputs: list[Any]) -> Any:
+            return (self.run_here or self._run)(inputs)
+
+        def run_saved(self, inputs: list[Any]) -> Any:
+            return self._run(inputs)
+
+        def post_compile(self, *args: Any, **kwargs: Any) -> None:
+            super().post_compile(*args, **kwargs)
+            if self._run is None:
+                self._run = self._wrap(super().__call__)
+
+        def prepare_for_serialization(self) -> None:
+            super().prepare_for_serialization()
+            self._run = self.run_here = None
+
+    WrappedOutputCode.__module__, WrappedOutputCode.__qualname__ = __name__, "WrappedOutputCode"
+    return WrappedOutputCode
+
+
+def __getattr__(name: str) -> Any:
+    if name == "WrappedOutputCode":  # what a saved graph is unpickled as
+        return _wrapped_output_code()
+    raise AttributeError(name)
+
+
+def aot_compiled_sources(compiled: Any) -> list[tuple[str, str]]:
+    """(module name, that module's source when it was traced) for every module whose code Dynamo traced into what
+    `aot_compile_function` returned (its `SourceInfo`)."""
+    return sorted({(s.module, s.content) for s in compiled.source_info().inlined_sources})
+
+
+def compile_settings_digest() -> str:
+    """A digest of the settings of Dynamo, AOTAutograd and Inductor now (each config module's own hash, which
+    torch's FX graph cache keys on too)."""
+    return ".".join(
+        _resolve(f"torch.{name}.config").get_hash().hex() for name in ("_dynamo", "_functorch", "_inductor")
+    )
+
+
+def torch_cache_dir() -> str:
+    """The directory of torch's compile caches, as Inductor's FX graph cache finds it ($TORCHINDUCTOR_CACHE_DIR, else
+    one per user under the temporary directory), without setting the variable or creating the directory as
+    Inductor's own lookup does."""
+    return os.path.abspath(
+        os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+        or _resolve("torch._inductor.runtime.cache_dir_utils:default_cache_dir")()
+    )
 
 
 def aot_compile_function(
     fn: Callable, args: tuple, kwargs: dict, backend: Callable, guard_filter_fn: Callable, dynamic: bool | None
 ) -> Any:
     """torch's ahead-of-time compile of `fn(*args, **kwargs)` (`aot_compile_fullgraph`: one graph, no break):
-    Dynamo traces it now and `backend` compiles it, forward and backward; the result is called as `fn`, checks the
-    guards `guard_filter_fn` keeps (raising if they fail: call `.guard_check(*args, **kwargs)` first) and can be
-    saved (`aot_function_to_bytes`)."""
+    Dynamo traces it now and `backend` compiles it, forward and backward; the result is called as `fn` where
+    `.guard_check(*args, **kwargs)`, the guards `guard_filter_fn` keeps, passes (the call does not check them
+    again), and can be saved (`aot_function_to_bytes`). It compiles as a Dynamo frame of its own
+    (`current_compile_id`)."""
     compile_fullgraph = _resolve("torch._dynamo.aot_compile:aot_compile_fullgraph")
     hooks = _resolve("torch._dynamo.hooks:Hooks")(guard_filter_fn=guard_filter_fn)
-    return compile_fullgraph(fn, (args, kwargs), hooks=hooks, backend=backend, dynamic=dynamic)
+    convert_frame = _resolve("torch._dynamo.convert_frame")
+    guards = _resolve("torch._guards")
+    with guards.compile_context(guards.CompileContext(convert_frame.get_compile_id({}))):
+        compiled = compile_fullgraph(fn, (args, kwargs), hooks=hooks, backend=backend, dynamic=dynamic)
+    compiled.disable_guard_check()
+    return compiled
 
 
 def aot_function_to_bytes(compiled: Any) -> bytes:
@@ -768,13 +840,16 @@ def aot_function_to_bytes(compiled: Any) -> bytes:
 
 
 def aot_function_from_bytes(data: bytes) -> Any:
-    """What `aot_function_to_bytes` wrote, ready to call: nothing traced or compiled again."""
+    """What `aot_function_to_bytes` wrote, ready to call as `aot_compile_function`'s result: nothing traced or
+    compiled again."""
     compiled_function = _resolve("torch._dynamo.aot_compile:AOTCompiledFunction")
     convert_frame = _resolve("torch._dynamo.convert_frame")
     get_metrics_context = _resolve("torch._dynamo.utils:get_metrics_context")
     guards = _resolve("torch._guards")
     with guards.compile_context(guards.CompileContext(convert_frame.get_compile_id({}))), get_metrics_context():
-        return compiled_function.deserialize(data)
+        compiled = compiled_function.deserialize(data)
+    compiled.disable_guard_check()
+    return compiled
 
 
 _reset_code = _resolve("torch._C._dynamo.eval_frame:reset_code")

@@ -101,8 +101,10 @@ class CompileConfig:
     cache_dir: str | None = field(default=None, metadata={"rank_local": True})
     """Warm restarts: a directory (created if absent) where a `shard_compile`d module's first call is saved, traced
     and compiled ahead of time, one file per rank; a relaunch whose every rank finds its file of the same key
-    loads it instead of compiling (the key: versions, world, config, the module's structure, code, parameters and
-    specs, the inputs). An unusable file is named in a warning and compiled again. On a disk per node or shared."""
+    loads it instead of compiling (the key: versions, world, config, the module's structure, code, attributes,
+    parameters and specs, the inputs). "auto": `fsdp2_compile/` in torch's compile cache directory, beside
+    Inductor's FX graph cache ($TORCHINDUCTOR_CACHE_DIR, else `torchinductor_<user>` in the temporary directory).
+    None (the default): nothing saved or loaded. An unusable or outdated file is compiled again and replaced."""
 
     def __post_init__(self) -> None:
         if self.cache_dir is not None and not isinstance(self.cache_dir, (str, os.PathLike)):

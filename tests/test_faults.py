@@ -169,6 +169,18 @@ def test_a_rank_a_backward_behind_is_named_at_once_with_every_ranks_counts():
         assert "skipped backward" in r["error"] and r["seconds"] < PG_TIMEOUT_S / 2, r
 
 
+def test_a_saved_compile_is_watched_where_compiled_and_where_a_relaunch_loads_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # where cache_dir="auto" saves, for both launches
+    words = "ranks of process group [0, 1] are at different steps of the compiled model: rank(s) [0] in forward 3"
+    for events in (["miss", "stored"], ["hit"]):  # a launch compiles and saves, the relaunch loads
+        for r in (r["skipped_backward"] for r in run_faults(fault_workers.skipped_backward_saved, 2)):
+            assert r["cache"] == events, r
+            assert (
+                f"{words} (forwards 3, backwards 1); rank(s) [1] in backward 2 (forwards 2, backwards 2)" in r["error"]
+            )
+            assert r["seconds"] < PG_TIMEOUT_S / 2, r
+
+
 def test_an_extra_no_grad_forward_on_one_rank_is_named_at_once():
     for r in _case("extra_forward", "skipped_steps"):
         assert "rank(s) [0] in forward 3 (forwards 3, backwards 2, no-grad forwards 1)" in r["error"], r

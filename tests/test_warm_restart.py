@@ -61,6 +61,13 @@ class _Branchy(nn.Linear):
         return y * 2 if y.sum() > 0 else y  # data-dependent: a graph break
 
 
+def _relaunched() -> None:
+    """This process as a relaunch: it loads the files it saved (a process compiles again rather than load its own)."""
+    from fsdp2_compile.compiler import warm_start
+
+    warm_start._SAVED_HERE.clear()
+
+
 def _first_call(cache_dir, world: int, out_features: int = 8, cls: type = nn.Linear, **config) -> list[str]:
     """The cache events of the first call of a sharded `cls(8, out_features)` on a fake process group of `world`
     ranks."""
@@ -82,12 +89,24 @@ def _first_call(cache_dir, world: int, out_features: int = 8, cls: type = nn.Lin
         clear_dtensor_caches()
 
 
+def test_gradient_sync_changed_after_a_forward_runs_a_variant_where_compiled_and_the_file_is_deleted(tmp_path):
+    """As pipeline schedules do: the process that compiled the module runs the backward variant, as the ordinary
+    compile does, and deletes its file (a loaded backward could not follow); the relaunch compiles again."""
+    first = run_ranks(train_cached, 2, str(tmp_path), [{}], "mlp", 2, True)
+    for [r] in first:
+        assert "flip_error" not in r and r["flip_events"] == ["miss", "stored", "dropped"], r
+    assert not list(tmp_path.glob("*.bin"))
+    for [r], [before] in zip(run_ranks(train_cached, 2, str(tmp_path), [{}]), first):
+        assert _whats(r) == ["miss", "stored"] and r["losses"] == before["losses"], r
+
+
 def test_files_of_another_world_size_config_or_model_are_not_loaded_and_a_graph_break_compiles_as_usual(
     tmp_path, caplog
 ):
     with caplog.at_level(logging.WARNING, logger="fsdp2_compile"):
         assert _first_call(tmp_path, 2) == ["miss", "stored"]
         assert _first_call(tmp_path, 4) == ["miss", "stored"]
+        _relaunched()
         assert _first_call(tmp_path, 4) == ["hit"]
         assert _first_call(tmp_path, 2, schedule=False) == ["miss", "stored"]
         assert _first_call(tmp_path, 2, out_features=16) == ["miss", "stored"]
@@ -134,6 +153,146 @@ def test_a_module_switched_to_eval_after_its_first_call_does_not_run_the_saved_t
     finally:
         dist.destroy_process_group()
         clear_dtensor_caches()
+
+
+class _Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner, self.scale = nn.Linear(8, 8), 2.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x) * self.scale
+
+
+def _one_rank(fn):
+    """`fn()` on a gloo process group of one rank (no collectives: real outputs), destroyed after."""
+    from fsdp2_compile._torch_private import clear_dtensor_caches
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        return fn()
+    finally:
+        dist.destroy_process_group()
+        clear_dtensor_caches()
+
+
+def test_auto_saves_in_torchs_cache_directory_and_the_default_saves_nothing(tmp_path, monkeypatch):
+    import os
+
+    import fsdp2_compile as fc
+    from fsdp2_compile.compiler.graph_records import compiled_graphs
+    from fsdp2_compile.compiler.warm_start import cache_events
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    records = []
+
+    def first_calls(config: fc.CompileConfig) -> list[tuple[str, str]]:
+        before = len(cache_events())
+        for _ in range(2):  # the second model, the same as the first, compiles: a process loads no file it saved
+            torch.manual_seed(0)
+            model = fc.shard_compile(nn.Linear(8, 8), compile_config=config)
+            model(torch.ones(3, 8)).sum().backward()
+            records.append(sorted(r.kind for r in compiled_graphs() if r.owner == id(model)))
+        return cache_events()[before:]
+
+    events = _one_rank(lambda: first_calls(fc.CompileConfig(cache_dir="auto")))
+    assert [what for what, _ in events] == ["miss", "stored"] * 2
+    assert records == [["backward", "forward"]] * 2
+    directory = os.path.join(os.environ["TORCHINDUCTOR_CACHE_DIR"], "fsdp2_compile")
+    assert os.path.dirname(events[0][1]) == directory and os.path.exists(events[0][1])
+    assert _one_rank(lambda: first_calls(fc.CompileConfig())) == []
+
+
+def test_a_hook_added_or_an_attribute_changed_after_the_first_call_is_not_run_through_the_saved_compile(tmp_path):
+    """What Dynamo guarded on the module (its attributes read, its hook dicts) is checked at every call of a
+    saved compile, and a loaded one compares it with the values it was traced with; a call that differs runs the
+    ordinary compile (which, as torch.compile, does not see hooks added after it compiled)."""
+    import copy
+
+    import fsdp2_compile as fc
+    from fsdp2_compile.compiler.warm_start import cache_events
+
+    def run() -> list[str]:
+        before = len(cache_events())
+        torch.manual_seed(0)
+        reference = _Scaled()
+        model = fc.shard_compile(copy.deepcopy(reference), compile_config=fc.CompileConfig(cache_dir=str(tmp_path)))
+        x = torch.randn(4, 8)
+        torch.testing.assert_close(model(x), reference(x))
+        seen = []
+        model.inner.register_forward_hook(lambda *_: seen.append("hook"))
+        model(x)
+        assert seen == ["hook"]
+        model.scale = reference.scale = 3.0
+        torch.testing.assert_close(model(x), reference(x))
+        return [what for what, _ in cache_events()[before:]]
+
+    assert _one_rank(run) == ["miss", "stored"]
+
+    def hooked_before_its_first_call() -> list[str]:  # the same key: loaded, but not run with a hook it lacks
+        before = len(cache_events())
+        torch.manual_seed(0)
+        model = fc.shard_compile(_Scaled(), compile_config=fc.CompileConfig(cache_dir=str(tmp_path)))
+        seen = []
+        model.inner.register_forward_hook(lambda *_: seen.append("hook"))
+        model(torch.randn(4, 8))
+        assert seen == ["hook"]
+        return [what for what, _ in cache_events()[before:]]
+
+    _relaunched()
+    assert _one_rank(hooked_before_its_first_call) == ["hit"]
+
+
+_HELPER = """
+import torch
+from torch import nn
+
+
+def helper(y):
+    return y * {factor}
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return helper(self.inner(x))
+"""
+
+
+def test_a_file_whose_traced_code_changed_since_it_was_saved_is_compiled_again(tmp_path, monkeypatch):
+    """The key holds the code of the module's classes; code they call (a helper function) is checked when a
+    file is loaded, by the source of every module Dynamo traced through."""
+    import importlib
+    import sys
+
+    import fsdp2_compile as fc
+    from fsdp2_compile.compiler.warm_start import cache_events
+
+    source = tmp_path / "traced_helper.py"
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    def launch(factor: str) -> tuple[list[str], torch.Tensor]:
+        source.write_text(_HELPER.format(factor=factor))
+        module = importlib.reload(sys.modules["traced_helper"]) if "traced_helper" in sys.modules else None
+        module = module or importlib.import_module("traced_helper")
+        before = len(cache_events())
+        torch.manual_seed(0)
+        model = fc.shard_compile(module.Net(), compile_config=fc.CompileConfig(cache_dir=str(tmp_path / "cache")))
+        out = model(torch.ones(2, 8))
+        torch.manual_seed(0)
+        torch.testing.assert_close(out, module.Net()(torch.ones(2, 8)))
+        return [what for what, _ in cache_events()[before:]], out
+
+    try:
+        assert _one_rank(lambda: launch("2.0"))[0] == ["miss", "stored"]
+        _relaunched()
+        assert _one_rank(lambda: launch("2.0"))[0] == ["hit"]
+        assert _one_rank(lambda: launch("3.25"))[0] == ["stale", "miss", "stored"]
+    finally:
+        sys.modules.pop("traced_helper", None)
 
 
 def test_an_inductor_relaunch_loads_and_trains_bitwise_equal(tmp_path):

@@ -31,7 +31,7 @@ def train_cached(
     """For each variant (CompileConfig fields) the test model `name` (`models.py`; a GPT's blocks sharded first)
     trained `steps` steps; returns per variant the losses, the parameters' local shards, the cache events of its
     first call and the warnings logged; with `flip_sync`, also the error of a backward run after gradient sync
-    was turned off following its forward (`flip_error`)."""
+    was turned off following its forward (`flip_error`, if it raised) and the cache events after it."""
     out = []
     for variant in variants:
         model = make_model(name)
@@ -56,7 +56,7 @@ def train_cached(
         shards = {n: p.to_local().detach().clone() for n, p in model.named_parameters()}
         events = cache_events()[before:]
         out.append(dict(losses=losses, shards=shards, events=events, warnings=warnings.messages))
-        if flip_sync:  # gradient sync turned off between a forward and its backward: the saved backward refuses
+        if flip_sync:  # gradient sync turned off between a forward and its backward: a loaded backward refuses
             x, y = batch(name, 0)
             loss = loss_fn(name, model(local_slice(x, rank, world_size)), local_slice(y, rank, world_size))
             model.set_requires_gradient_sync(False)
@@ -65,6 +65,7 @@ def train_cached(
             except RuntimeError as e:
                 out[-1]["flip_error"] = str(e)
             model.set_requires_gradient_sync(True)
+            out[-1]["flip_events"] = [what for what, _ in cache_events()[before:]]
     return out
 
 

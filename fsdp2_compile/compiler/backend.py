@@ -43,6 +43,7 @@ from fsdp2_compile.compiler.group_split import split_reduce_groups, split_unshar
 from fsdp2_compile.compiler.pass_list import PassContext, run_pipeline
 from fsdp2_compile.compiler.post_forward import gather_backward_from_post_forward_shards
 from fsdp2_compile.compiler.rank_consistency import graph_groups, rank_check
+from fsdp2_compile.compiler.saved_graphs import SavedGraph
 from fsdp2_compile.compiler.selective_unshard import KEPT_META, KeptGathered, buckets_to_keep
 from fsdp2_compile.compiler.step_watch import watched
 from fsdp2_compile.compiler.unsharded_after_backward import keep_unsharded_after_backward
@@ -249,20 +250,29 @@ def _compiler(
             groups = graph_groups(graph)
             try:
                 with full_collections_deferred(config.defer_full_gc):  # a backward's is compiled at its first run
-                    compiled = as_boxed(_compile_graph(graph, example_inputs))
+                    compiled = as_boxed(_compile_graph(graph, example_inputs, groups))
             except Exception as e:
                 if unsynced := sorted(fqn for fqn, info in (infos or {}).items() if not info.requires_gradient_sync):
                     e.add_note(_sync_off_note(unsynced))
                 raise
-            if ahead_of_time():  # saved: a plain graph
+            if ahead_of_time():  # saved: watched as it runs, here and where it is loaded (`saved_graphs.py`)
                 return compiled
             return watched(compiled, kind, groups, owner, check=config.check_rank_consistency and on_cpu)
 
-        if kind == "backward" and infos and not ahead_of_time():  # saved: the traced flags only (warm_start.py)
+        if kind == "backward" and infos and ahead_of_time() and config.compiler != "inductor":  # saved: traced flags
+            saved = []
+
+            def compile_saved(graph: fx.GraphModule) -> Callable:
+                saved.append(compile_one(graph))
+                return saved[0].run_saved
+
+            saved[0].run_here = BackwardBySync(gm, compile_one, infos, compile_saved)  # here: any (warm_start.py)
+            return saved[0]
+        if kind == "backward" and infos and not ahead_of_time():
             return mark_boxed(BackwardBySync(gm, compile_one, infos))
         return compile_one(gm)
 
-    def _compile_graph(gm: fx.GraphModule, example_inputs: Any) -> Callable:
+    def _compile_graph(gm: fx.GraphModule, example_inputs: Any, groups: set[str]) -> Callable:
         start = time.perf_counter()
         log.info("compiling %s graph: %d nodes", kind, len(gm.graph.nodes))
         # a failure in here is published to the graph's peers, which then stop naming it instead of waiting
@@ -284,7 +294,7 @@ def _compiler(
             )
         elif ahead_of_time():
             boxed_call(gm)
-            compiled = serializable_graph(gm)
+            compiled = serializable_graph(gm, SavedGraph(kind, frozenset(groups), config.check_rank_consistency))
         else:
             compiled = boxed_call(gm)
         counts = Counter(c.kind for c in collectives(gm))
@@ -312,7 +322,7 @@ def compile_sharded(
     """What the fsdp2 backend does (`api.fsdp2_backend`): lowers the fsdp2 ops of a captured graph of a sharded
     module into collectives. `on_record` is called with each compiled graph's record (the debug dump)."""
     config = config or CompileConfig()
-    if config.cache_dir is not None:
+    if config.cache_dir not in (None, "auto"):
         raise ValueError(
             "CompileConfig.cache_dir is read by fsdp2_compile.shard_compile, which saves and loads the module's "
             "compile; with torch.compile(model, backend=...) use shard_compile(model, compile_config=...) instead"

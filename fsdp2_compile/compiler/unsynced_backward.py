@@ -83,15 +83,20 @@ def _flip(gm: fx.GraphModule, infos: dict[str, ParamInfo], flipped: frozenset[st
 class BackwardBySync:
     """A compiled backward that honours the gradient-sync flags of its parameters when it runs (boxed, as
     AOTAutograd calls it). Made from the backward graph before the passes (`gm`, which it copies, then compiles
-    with `compile_graph`, as each variant later); `infos`: the graph's parameters by fqn."""
+    with `compile_graph` (or `compile_traced`), as each variant later with `compile_graph`); `infos`: the graph's
+    parameters by fqn."""
 
     def __init__(
-        self, gm: fx.GraphModule, compile_graph: Callable[[fx.GraphModule], Callable], infos: dict[str, ParamInfo]
+        self,
+        gm: fx.GraphModule,
+        compile_graph: Callable[[fx.GraphModule], Callable],
+        infos: dict[str, ParamInfo],
+        compile_traced: Callable[[fx.GraphModule], Callable] | None = None,
     ):
         self._original, self._compile, self._infos = _copy(gm), compile_graph, infos
         self._context = current_compile_context()  # variants compile as part of it: the same id on every rank
         self._traced = {fqn: sync for fqn, sync in _traced_sync(gm).items() if fqn in infos}
-        self._variants: dict[frozenset[str], Callable] = {frozenset(): compile_graph(gm)}
+        self._variants: dict[frozenset[str], Callable] = {frozenset(): (compile_traced or compile_graph)(gm)}
 
     def __call__(self, args: list):
         flipped = frozenset(f for f, sync in self._traced.items() if self._infos[f].requires_gradient_sync != sync)

@@ -7,13 +7,19 @@ loaded is agreed at the first call (`first_call.py`), where a rank without `cach
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
+import importlib
 import importlib.metadata
+import inspect
 import logging
 import os
+import pickle
+import re
 import sys
 import tempfile
 import types
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -24,8 +30,11 @@ from torch.distributed.tensor import DTensor
 
 from fsdp2_compile._torch_private import (
     aot_compile_function,
+    aot_compiled_sources,
     aot_function_from_bytes,
     aot_function_to_bytes,
+    compile_settings_digest,
+    torch_cache_dir,
 )
 from fsdp2_compile.compiler import first_call
 from fsdp2_compile.compiler.graph_records import dump_requested
@@ -33,29 +42,85 @@ from fsdp2_compile.config import CompileConfig
 from fsdp2_compile.runtime.param_state import ParamInfo, own_parameters
 from fsdp2_compile.runtime.traced_blocks import compiling_ahead_of_time
 
-__all__ = ["WarmStart", "cache_events", "input_guards_only"]
+__all__ = ["WarmStart", "cache_events", "cache_path", "input_guards_only"]
 
 log = logging.getLogger("fsdp2_compile")
 
-MAGIC = b"fsdp2-compile ahead-of-time 1\n"
+MAGIC = b"fsdp2-compile ahead-of-time 2\n"
 _EVENTS: list[tuple[str, str]] = []
+_SAVED_HERE: set[str] = set()
+"""The files this process wrote: it compiles a module again rather than load its own (relaunches load them)."""
 
 
 def cache_events() -> list[tuple[str, str]]:
     """(what, file) for each cache file this process looked for: "hit" (loaded, every rank loaded its own),
-    "miss" (compiled), "stored", "unreadable" (warned, compiled again), "unstored" (warned), "uncompiled" (the
-    ahead-of-time compile raised: warned, the module's ordinary compile runs)."""
+    "miss" (compiled), "stored", "unreadable" (warned, compiled again), "stale" (code it traced has changed since:
+    compiled again), "unstored" (warned), "uncompiled" (the ahead-of-time compile raised: the module's ordinary
+    compile runs), "dropped" (deleted by the process that saved it: gradient sync changed between a forward and its
+    backward, which a saved backward cannot follow)."""
     return list(_EVENTS)
 
 
-def input_guards_only(entries: Sequence[Any]) -> list[bool]:
-    """The Dynamo guards saved: global state, symbolic shapes and the call's tensor inputs; none on the module,
-    whose state the key and `WarmStart`'s spec check cover."""
+AUTO = "auto"
+"""`CompileConfig.cache_dir`'s default: `fsdp2_compile/` in torch's compile cache directory (`cache_path`)."""
+
+
+def cache_path(cache_dir: str | os.PathLike) -> str:
+    """The directory `CompileConfig.cache_dir` names: "auto" is `fsdp2_compile/` under the directory of torch's
+    compile caches (Inductor's FX graph cache's: $TORCHINDUCTOR_CACHE_DIR, else `torchinductor_<user>` in the
+    temporary directory)."""
+    if cache_dir == AUTO:
+        return os.path.join(torch_cache_dir(), "fsdp2_compile")
+    return os.path.abspath(cache_dir)
+
+
+def input_guards_only(entries: Sequence[Any], module_state: set[tuple[str, str]] | None = None) -> list[bool]:
+    """The Dynamo guards saved: global state, symbolic shapes and the call's tensor inputs. Those on the module
+    cannot be saved (they would pickle it): the module's attributes and hook dicts they read are added to
+    `module_state` as (submodule name, attribute), for `WarmStart` to check at each call."""
+    if module_state is not None:
+        for e in entries:
+            if not e.is_global and (match := _MODULE_ATTRIBUTE.fullmatch(e.name)):
+                module_state.add((".".join(re.findall(r"\['([^']+)'\]", match[1])), match[2]))
     return [
         e.guard_type in ("GLOBAL_STATE", "SHAPE_ENV")
         or (e.guard_type == "TENSOR_MATCH" and not e.is_global and not e.name.startswith("module"))
         for e in entries
     ]
+
+
+_MODULE_ATTRIBUTE = re.compile(r"module((?:\._modules\['[^']+'\])*)\.(\w+)")
+"""A Dynamo guard's source that reads an attribute of the module or a submodule (`module._modules['blocks']
+._modules['0'].n_head`)."""
+_ABSENT = object()
+
+
+def _state_reader(module: nn.Module, state: Sequence[tuple[str, str]]) -> Callable[[], list[Any]]:
+    """What the traced code read of the module, as a function: each (submodule name, attribute)'s value, a dict's
+    (hooks) size."""
+    pairs = [(module.get_submodule(path), attribute) for path, attribute in state]
+
+    def read() -> list[Any]:
+        values = []
+        for owner, attribute in pairs:
+            value = getattr(owner, attribute, _ABSENT)
+            values.append(len(value) if isinstance(value, dict) else value)
+        return values
+
+    return read
+
+
+def _changed_sources(compiled: Any) -> list[str]:
+    """The modules whose code Dynamo traced into `compiled` and whose source differs now (or cannot be read)."""
+    changed = []
+    for name, content in aot_compiled_sources(compiled):
+        try:
+            now = inspect.getsource(sys.modules.get(name) or importlib.import_module(name))
+        except Exception:
+            now = None
+        if now != content:
+            changed.append(name)
+    return changed
 
 
 def tree_leaves(value: Any) -> list[Any]:
@@ -72,11 +137,6 @@ Places = Sequence[tuple[nn.Module, str, ParamInfo]]
 def _specs(places: Places) -> tuple:
     """What the traced graph baked in of each managed parameter: its `ParamSpec` and whether it requires grad."""
     return tuple((info.spec(), own_parameters(mod)[name].requires_grad) for mod, name, info in places)
-
-
-def _modes(module: nn.Module) -> tuple[bool, ...]:
-    """Each submodule's `training` flag, which the traced graph baked in (dropout, batch norm)."""
-    return tuple(m.training for m in module.modules())
 
 
 def _sync_flags(places: Places) -> tuple:
@@ -136,13 +196,22 @@ def _input_text(value: Any) -> str:
 _PLAIN = (int, float, bool, str, type(None))
 
 
+def _plain(value: Any) -> bool:
+    """A value whose repr is its content: a number, string, None, or a tuple, list or dict of them."""
+    if isinstance(value, (tuple, list)):
+        return all(_plain(v) for v in value)
+    if isinstance(value, dict):
+        return all(_plain(k) and _plain(v) for k, v in value.items())
+    return isinstance(value, _PLAIN)
+
+
 def _module_text(module: nn.Module) -> list[str]:
-    """Each submodule's name, class, training flag and plain attributes (`in_features`, `eps`, ...): what its code
-    reads besides tensors. Not `repr(module)`, whose `extra_repr` may read a managed parameter (`nn.Linear`'s
+    """Each submodule's name, class, training flag and plain attributes (`in_features`, `eps`, `normalized_shape`,
+    ...): what its code reads besides tensors. Not `repr(module)`, whose `extra_repr` may read a managed parameter (`nn.Linear`'s
     `self.bias`), which gathers it: a collective, here before the ranks agreed to compile."""
     return [
         f"module {name} {type(m).__module__}.{type(m).__qualname__} {m.training} "
-        + repr(sorted((k, v) for k, v in vars(m).items() if not k.startswith("_") and isinstance(v, _PLAIN)))
+        + repr(sorted((k, v) for k, v in vars(m).items() if not k.startswith("_") and _plain(v)))
         for name, m in module.named_modules()
     ]
 
@@ -152,6 +221,7 @@ def cache_key(module: nn.Module, places: Places, args: tuple, kwargs: dict, conf
     world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
     parts = [
         f"fsdp2_compile {importlib.metadata.version('fsdp2_compile')} torch {torch.__version__} python {sys.version}",
+        f"torch compile settings {compile_settings_digest()}",
         f"world {world} rank {rank} grad {torch.is_grad_enabled()}",
         f"config {dataclasses.replace(config, cache_dir=None)!r}",
         *_module_text(module),
@@ -164,19 +234,21 @@ def cache_key(module: nn.Module, places: Places, args: tuple, kwargs: dict, conf
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 
-def _read(path: str) -> Any:
-    """The compiled function saved at `path`; None if there is none, or (with a warning) if it cannot be used."""
-    if not os.path.exists(path):
+def _read(path: str) -> tuple[Any, list[tuple[str, str, Any]]] | None:
+    """The compiled function saved at `path` and the module state it read; None if there is none, or (with a
+    warning) if it cannot be used, or (logged) if code it traced has changed since."""
+    if path in _SAVED_HERE or not os.path.exists(path):
         return None
     try:
         with open(path, "rb") as f:
             data = f.read()
         if not data.startswith(MAGIC):
-            raise ValueError("not a fsdp2_compile cache file")
+            raise ValueError("not a fsdp2_compile cache file of this version")
         digest, payload = data[len(MAGIC) : len(MAGIC) + 64], data[len(MAGIC) + 65 :]
         if hashlib.sha256(payload).hexdigest().encode() != digest:
             raise ValueError("checksum mismatch: the file is cut short or altered")
-        return aot_function_from_bytes(payload)
+        state, compiled = pickle.loads(payload)
+        compiled = aot_function_from_bytes(compiled)
     except Exception as e:
         _EVENTS.append(("unreadable", path))
         log.warning(
@@ -186,6 +258,11 @@ def _read(path: str) -> Any:
             (str(e).splitlines() or [""])[0],
         )
         return None
+    if changed := _changed_sources(compiled):
+        _EVENTS.append(("stale", path))
+        log.info("fsdp2_compile: the code of %s changed since %s was saved; compiling again", ", ".join(changed), path)
+        return None
+    return compiled, state
 
 
 def _write(path: str, payload: bytes) -> None:
@@ -201,25 +278,25 @@ def _write(path: str, payload: bytes) -> None:
         raise
 
 
-# The key is a digest of what the saved graphs depend on: this package's, torch's and Python's versions, the world
-# size and rank, the `CompileConfig` (less `cache_dir`), the module's structure, parameters and buffers (names,
-# shapes, dtypes, meshes, placements), the code of its classes, every managed parameter's `ParamSpec` (process-group
-# names, mixed precision, resharding, gradient sync, ...) and the call's inputs. A hit needs every rank to hit;
-# otherwise every rank compiles and replaces its file (so does every rank when one keeps snapshots for a dump:
-# a hit compiles nothing to record). A file that cannot be used (cut short, altered, from an incompatible torch)
-# is named in a warning and compiled again; a module that cannot be compiled ahead of time (a graph break) is
-# compiled as usual, with a warning, and nothing is saved.
+# The key is a digest of what the saved graphs depend on: this package's, torch's and Python's versions, the
+# settings of Dynamo, AOTAutograd and Inductor, the world size and rank, the `CompileConfig` (less `cache_dir`), the module's structure, parameters and buffers (names,
+# shapes, dtypes, meshes, placements), its submodules' plain attributes, the code of its classes, every managed
+# parameter's `ParamSpec` (process-group names, mixed precision, resharding, gradient sync, ...) and the call's
+# inputs. A hit needs every rank to hit; otherwise every rank compiles and replaces its file (so does every rank
+# when one keeps snapshots for a dump: a hit compiles nothing to record). A file that cannot be used (cut short,
+# altered, from an incompatible torch) is named in a warning and compiled again, as is one whose traced code
+# (every module Dynamo traced through, by source) changed since; a module that cannot be compiled ahead of time (a
+# graph break) is compiled as usual, and nothing is saved.
 #
-# What torch saves is guarded on the inputs and global state only (guards on the module would pickle its generated
-# classes); the module is in the key instead, and each call checks that the managed parameters' specs and the
-# submodules' training flags are still the traced ones, else the module runs through its ordinary `torch.compile`
-# (which compiles as usual). Other changes to the module after its first call (hooks added, attributes its forward
-# reads) are not seen. A saved backward reduces as the forward's gradient-sync flags said: a backward run after they
-# changed raises.
+# What torch saves is guarded on the inputs and global state only (guards on the module would pickle it). The
+# module's attributes and hook dicts that Dynamo guarded are saved with it instead, and each call checks that they
+# and the managed parameters' specs are as traced, else the module runs through its ordinary `torch.compile`
+# (which compiles as usual, guarded by Dynamo). A saved backward reduces as the forward's gradient-sync flags said:
+# a backward run after they changed raises. The saved graphs are watched as compiled ones are (`step_watch.py`).
 class WarmStart:
     """The calls of one compiled module with `cache_dir`: the first loads or compiles (and saves) `fn(module, *args,
-    **kwargs)` ahead of time; later calls run that while the inputs pass its guards and the specs and training
-    flags are the traced ones, else `jit` (the module's ordinary `torch.compile`)."""
+    **kwargs)` ahead of time; later calls run that while the inputs pass its guards and the module's guarded state
+    and parameter specs are the traced ones, else `jit` (the module's ordinary `torch.compile`)."""
 
     def __init__(
         self,
@@ -230,54 +307,78 @@ class WarmStart:
         dynamic: bool | None,
         jit: Callable,
     ):
+        # a globals dict of its own, emptied when the module dies: what Dynamo installs there (the compiled function)
+        # goes with the module, though Dynamo's guard manager, kept alive by its finalizers, holds the dict
+        fn = types.FunctionType(fn.__code__, dict(fn.__globals__), fn.__name__, fn.__defaults__, fn.__closure__)
+        weakref.finalize(module, fn.__globals__.clear)
         self.module, self.fn, self.backend, self.jit = module, fn, backend, jit
         self.config, self.dynamic = config, dynamic
         self.compiled: Any = None
         self.specs: tuple | None = None
-        self.modes: tuple | None = None
-        self.tried = False
+        self.read_state: Callable[[], list[Any]] | None = None
+        self.state: list[Any] | None = None
+        self.tried = self.loaded = self.dropped = False
+        self.path = ""
 
     def __call__(self, places: Places, *args: Any, **kwargs: Any) -> Any:
         if not self.tried:
             self.tried = True
             self._load_or_compile(places, args, kwargs)
-        if self.compiled is not None and _specs(places) == self.specs and _modes(self.module) == self.modes:
+        if self.compiled is not None and _specs(places) == self.specs and self.read_state() == self.state:
             if self.compiled.guard_check(self.module, *args, **kwargs):
                 out = self.compiled(self.module, *args, **kwargs)
-                self._check_sync_at_backward(out, places)
+                if self.loaded or not self.dropped:
+                    self._check_sync_at_backward(out, places)
                 return out
         return self.jit(*args, **kwargs)
+
+    def _use(self, compiled: Any, places: Places, state: Sequence[tuple[str, str, Any]]) -> None:
+        """Run `compiled` while the parameters' specs are as now and the module's `state` (submodule name,
+        attribute, value traced) is as traced."""
+        self.compiled, self.specs = compiled, _specs(places)
+        self.read_state = _state_reader(self.module, [(path, attribute) for path, attribute, _ in state])
+        self.state = [value for _, _, value in state]
 
     def _load_or_compile(self, places: Places, args: tuple, kwargs: dict) -> None:
         rank = dist.get_rank() if dist.is_initialized() else 0
         key = cache_key(self.module, places, args, kwargs, self.config)
-        path = os.path.join(os.path.abspath(self.config.cache_dir), f"{key[:40]}.rank{rank}.bin")
+        path = self.path = os.path.join(cache_path(self.config.cache_dir), f"{key[:40]}.rank{rank}.bin")
         dumping = self.config.keep_snapshots or dump_requested()  # a hit compiles nothing to dump: all compile
         loaded = None if dumping else _read(path)
-        specs, self.modes = _specs(places), _modes(self.module)
         if first_call.start(places, self.config, loaded=loaded is not None):
             _EVENTS.append(("hit", path))
+            self.loaded = True
             log.info("fsdp2_compile: loaded the compiled module from %s", path)
-            self.compiled, self.specs = loaded, specs
+            self._use(loaded[0], places, loaded[1])
             return
         _EVENTS.append(("miss", path))
+        state: set[tuple[str, str]] = set()
         try:
             with compiling_ahead_of_time():
                 compiled = aot_compile_function(
-                    self.fn, (self.module, *args), kwargs, self.backend, input_guards_only, self.dynamic
+                    self.fn,
+                    (self.module, *args),
+                    kwargs,
+                    self.backend,
+                    functools.partial(input_guards_only, module_state=state),
+                    self.dynamic,
                 )
         except Exception as e:  # a graph break (one graph is needed), ...: the ordinary compile, nothing saved
             _EVENTS.append(("uncompiled", path))
-            log.warning(
+            log.log(
+                logging.INFO if self.config.cache_dir == AUTO else logging.WARNING,
                 "fsdp2_compile: CompileConfig.cache_dir: the module cannot be compiled ahead of time (%s: %s); it is "
                 "compiled as usual and nothing is saved",
                 type(e).__name__,
                 (str(e).splitlines() or [""])[0],
             )
             return
-        self.compiled, self.specs = compiled, specs
+        names = sorted(state)
+        traced = [(*name, value) for name, value in zip(names, _state_reader(self.module, names)()) if _plain(value)]
+        self._use(compiled, places, traced)
         try:
-            _write(path, aot_function_to_bytes(compiled))
+            _write(path, pickle.dumps((traced, aot_function_to_bytes(compiled))))
+            _SAVED_HERE.add(path)
             _EVENTS.append(("stored", path))
         except Exception as e:  # an unpicklable graph constant, a full disk: the compile is still used
             _EVENTS.append(("unstored", path))
@@ -288,19 +389,38 @@ class WarmStart:
                 (str(e).splitlines() or [""])[0],
             )
 
+    def _drop(self, reason: str) -> None:
+        """Delete the file this process saved, and run the ordinary compile from the next call: what it saved does
+        not serve this module (`reason`)."""
+        self.dropped, self.compiled = True, None
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            return
+        _EVENTS.append(("dropped", self.path))
+        log.info("fsdp2_compile: deleted %s (%s): a relaunch compiles as usual", self.path, reason)
+
     def _check_sync_at_backward(self, out: Any, places: Places) -> None:
-        """The saved backward reduces as the flags were at this forward: one run after they changed raises
-        before it runs (the ordinary compile keeps a variant per setting, `unsynced_backward.py`)."""
+        """The saved backward reduces as the flags were at this forward. Compiled in this process under `aot_eager`,
+        a run after they changed runs a variant (`unsynced_backward.py`), the file is deleted, so that a relaunch
+        compiles as usual, and the module runs its ordinary compile from then on; loaded (or Inductor's), it raises
+        before it runs."""
         flags = _sync_flags(places)
         nodes = {id(t.grad_fn): t.grad_fn for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.grad_fn}
 
         def check(_grad_outputs: Any) -> None:
-            if _sync_flags(places) != flags:
-                raise RuntimeError(
-                    "fsdp2_compile: set_requires_gradient_sync / set_requires_all_reduce changed between a forward "
-                    "and its backward of a module compiled with CompileConfig.cache_dir, whose saved backward "
-                    "reduces as the forward's flags said; set them before the forward, or leave cache_dir unset"
-                )
+            if _sync_flags(places) == flags:
+                return
+            if not self.loaded and self.config.compiler != "inductor":  # a variant runs here (backend.py)
+                self._drop("gradient sync changed between a forward and its backward")
+                return
+            how = "loaded from" if self.loaded else "compiled by Inductor for"
+            raise RuntimeError(
+                "fsdp2_compile: set_requires_gradient_sync / set_requires_all_reduce changed between a forward "
+                f"and its backward of a module whose compile was {how} {self.path}, whose saved backward "
+                "reduces as the forward's flags said; set them before the forward, or compile with "
+                "CompileConfig(cache_dir=None)"
+            )
 
         for node in nodes.values():
             node.register_prehook(check)
