@@ -62,7 +62,7 @@ def cache_events() -> list[tuple[str, str]]:
 
 
 AUTO = "auto"
-"""`CompileConfig.cache_dir`'s default: `fsdp2_compile/` in torch's compile cache directory (`cache_path`)."""
+"""`CompileConfig(cache_dir="auto")`: `fsdp2_compile/` in torch's compile cache directory (`cache_path`)."""
 
 
 def cache_path(cache_dir: str | os.PathLike) -> str:
@@ -207,8 +207,8 @@ def _plain(value: Any) -> bool:
 
 def _module_text(module: nn.Module) -> list[str]:
     """Each submodule's name, class, training flag and plain attributes (`in_features`, `eps`, `normalized_shape`,
-    ...): what its code reads besides tensors. Not `repr(module)`, whose `extra_repr` may read a managed parameter (`nn.Linear`'s
-    `self.bias`), which gathers it: a collective, here before the ranks agreed to compile."""
+    ...): what its code reads besides tensors. Not `repr(module)`, whose `extra_repr` may read a managed parameter
+    (`nn.Linear`'s `self.bias`), which gathers it: a collective, here before the ranks agreed to compile."""
     return [
         f"module {name} {type(m).__module__}.{type(m).__qualname__} {m.training} "
         + repr(sorted((k, v) for k, v in vars(m).items() if not k.startswith("_") and _plain(v)))
@@ -279,20 +279,22 @@ def _write(path: str, payload: bytes) -> None:
 
 
 # The key is a digest of what the saved graphs depend on: this package's, torch's and Python's versions, the
-# settings of Dynamo, AOTAutograd and Inductor, the world size and rank, the `CompileConfig` (less `cache_dir`), the module's structure, parameters and buffers (names,
-# shapes, dtypes, meshes, placements), its submodules' plain attributes, the code of its classes, every managed
-# parameter's `ParamSpec` (process-group names, mixed precision, resharding, gradient sync, ...) and the call's
-# inputs. A hit needs every rank to hit; otherwise every rank compiles and replaces its file (so does every rank
-# when one keeps snapshots for a dump: a hit compiles nothing to record). A file that cannot be used (cut short,
-# altered, from an incompatible torch) is named in a warning and compiled again, as is one whose traced code
-# (every module Dynamo traced through, by source) changed since; a module that cannot be compiled ahead of time (a
-# graph break) is compiled as usual, and nothing is saved.
+# settings of Dynamo, AOTAutograd and Inductor, the world size and rank, the `CompileConfig` (less `cache_dir`),
+# the module's structure, parameters and buffers (names, shapes, dtypes, meshes, placements), its submodules'
+# plain attributes, the code of its classes, every managed parameter's `ParamSpec` (process-group names, mixed
+# precision, resharding, gradient sync, ...) and the call's inputs. A hit needs every rank to hit; otherwise every
+# rank compiles and replaces its file (so does every rank when one keeps snapshots for a dump: a hit compiles
+# nothing to record). A file that cannot be used (cut short, altered, from an incompatible torch) is named in a
+# warning and compiled again, as is one whose traced code (every module Dynamo traced through, by source) changed
+# since; a module that cannot be compiled ahead of time (a graph break) is compiled as usual, and nothing is saved.
 #
 # What torch saves is guarded on the inputs and global state only (guards on the module would pickle it). The
 # module's attributes and hook dicts that Dynamo guarded are saved with it instead, and each call checks that they
 # and the managed parameters' specs are as traced, else the module runs through its ordinary `torch.compile`
-# (which compiles as usual, guarded by Dynamo). A saved backward reduces as the forward's gradient-sync flags said:
-# a backward run after they changed raises. The saved graphs are watched as compiled ones are (`step_watch.py`).
+# (which compiles as usual, guarded by Dynamo). A saved backward reduces as the forward's gradient-sync flags said;
+# where it was compiled, a backward run after they changed runs a variant (`backend.py`), and a loaded one raises
+# (`_check_sync_at_backward`). A process loads no file it saved. The saved graphs are watched as compiled ones are
+# (`saved_graphs.py`).
 class WarmStart:
     """The calls of one compiled module with `cache_dir`: the first loads or compiles (and saves) `fn(module, *args,
     **kwargs)` ahead of time; later calls run that while the inputs pass its guards and the module's guarded state
