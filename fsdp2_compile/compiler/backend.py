@@ -48,6 +48,7 @@ from fsdp2_compile.compiler.selective_unshard import KEPT_META, KeptGathered, bu
 from fsdp2_compile.compiler.step_watch import watched
 from fsdp2_compile.compiler.unsharded_after_backward import keep_unsharded_after_backward
 from fsdp2_compile.compiler.unsynced_backward import BackwardBySync
+from fsdp2_compile.compiler.warm_start import AUTO
 from fsdp2_compile.config import CompileConfig, compiler_for
 from fsdp2_compile.core.fx_edit import nodes_calling
 from fsdp2_compile.core.hardware import PROFILES, HardwareProfile
@@ -322,7 +323,7 @@ def compile_sharded(
     """What the fsdp2 backend does (`api.fsdp2_backend`): lowers the fsdp2 ops of a captured graph of a sharded
     module into collectives. `on_record` is called with each compiled graph's record (the debug dump)."""
     config = config or CompileConfig()
-    if config.cache_dir not in (None, "auto"):
+    if config.cache_dir not in (None, AUTO):
         raise ValueError(
             "CompileConfig.cache_dir is read by fsdp2_compile.shard_compile, which saves and loads the module's "
             "compile; with torch.compile(model, backend=...) use shard_compile(model, compile_config=...) instead"
