@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import importlib
 import os
 import re
@@ -469,6 +470,22 @@ def current_compile_id() -> tuple[int, int] | None:
     return cid.frame_id, cid.frame_compile_id
 
 
+maybe_mark_dynamic = _resolve("torch._dynamo:maybe_mark_dynamic")
+"""Dynamo compiles the next graph for this tensor with the dimension symbolic (unless it must specialise it)."""
+_TracingContext = _resolve("torch._guards:TracingContext")
+
+
+def donate_no_saved_tensors() -> None:
+    """Called in a forward graph's compiler: its backward frees none of the tensors the forward saved as it runs
+    (AOTAutograd's donated buffers), so its graph can be run again (`backward(retain_graph=True)`). torch.compile
+    decides this when its backward compiles, at the first backward; a backward compiled with its forward, ahead of
+    time, cannot know that run."""
+    context = _TracingContext.try_get()
+    donated = context.fw_metadata.bw_donated_idxs if context and context.fw_metadata else None
+    if donated:
+        donated.clear()  # the list the runtime's metadata shares
+
+
 _compile_context = _resolve("torch._guards:compile_context")
 
 
@@ -799,11 +816,21 @@ def aot_compiled_sources(compiled: Any) -> list[tuple[str, str]]:
 
 
 def compile_settings_digest() -> str:
-    """A digest of the settings of Dynamo, AOTAutograd and Inductor now (each config module's own hash, which
-    torch's FX graph cache keys on too)."""
-    return ".".join(
-        _resolve(f"torch.{name}.config").get_hash().hex() for name in ("_dynamo", "_functorch", "_inductor")
-    )
+    """A digest of the settings of Dynamo, AOTAutograd and Inductor now, the same in every process with the same
+    settings (the config modules' own hashes are not: they pickle sets, whose order changes with Python's hash
+    seed)."""
+
+    def canonical(value: Any) -> str:
+        if isinstance(value, (set, frozenset)):
+            return repr(sorted(map(canonical, value)))
+        return re.sub(r" at 0x[0-9a-f]+", "", repr(value))
+
+    text = [
+        f"{name}.{key}={canonical(value)}"
+        for name in ("_dynamo", "_functorch", "_inductor")
+        for key, value in sorted(_resolve(f"torch.{name}.config").get_config_copy().items())
+    ]
+    return hashlib.sha256("\n".join(text).encode()).hexdigest()
 
 
 def torch_cache_dir() -> str:

@@ -391,9 +391,10 @@ def skipped_step_then_exit(rank: int, world_size: int) -> dict:
 def sync_off_on_one_rank(rank: int, world_size: int) -> dict:
     """After a first step, rank 0 turns gradient sync off (as for accumulation) and rank 1 does not."""
 
+    model = _compiled(Net())
+    _steps(model, rank, steps=1)
+
     def run() -> None:
-        model = _compiled(Net())
-        _steps(model, rank, steps=1)
         model.set_requires_gradient_sync(rank != 0)
         _steps(model, rank, steps=1)
 

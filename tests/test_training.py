@@ -299,7 +299,8 @@ def test_set_requires_gradient_sync_accumulates_unsharded_and_reduces_once(mode,
 
 def test_ranks_recompiling_for_new_shapes_at_different_steps_do_not_wait_for_each_other():
     # rank 0 meets a new sequence length at step 1, rank 1 only at step 2: each recompiles alone, and the schedule
-    # check must not wait for the other rank (before, it waited 120 s and failed)
+    # check must not wait for the other rank (before, it waited 120 s and failed); so with a saved compile
+    # (`CompileConfig.cache_dir`), where the recompile is the ordinary compile's first, compiled or loaded
     lengths = [[16, 12, 12, 9], [16, 16, 12, 9]]
     results = run_ranks(rank_dependent_lengths, 2, lengths, timeout=300)
     # reference: one process, each step the mean of the ranks' losses on their own slices and lengths
@@ -322,3 +323,9 @@ def test_ranks_recompiling_for_new_shapes_at_different_steps_do_not_wait_for_eac
             torch.testing.assert_close(results[r]["losses"][step], per_rank[r].item(), rtol=1e-5, atol=0)
     assert_params_close(results[0]["full"], dict(model.named_parameters()), PARAM_RTOL, PARAM_ATOL)
     assert [r["forwards"] for r in results] == [2, 2]  # the static graph, then one dynamic recompile each
+    saved = run_ranks(rank_dependent_lengths, 2, lengths, "auto", timeout=300)
+    assert [r["saved"] for r in saved] == [["miss", "stored"]] * 2 and [r["forwards"] for r in saved] == [2, 2]
+    # a relaunch loads the static graph and still recompiles on each rank alone, once, dynamic: the same steps
+    again = run_ranks(rank_dependent_lengths, 2, lengths, "auto", timeout=300)
+    assert [r["saved"] for r in again] == [["hit"]] * 2 and [r["forwards"] for r in again] == [1, 1]
+    assert [r["losses"] for r in saved] == [r["losses"] for r in again] == [r["losses"] for r in results]

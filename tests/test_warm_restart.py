@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 from pathlib import Path
 
 import pytest
@@ -92,11 +93,13 @@ def _first_call(cache_dir, world: int, out_features: int = 8, cls: type = nn.Lin
 def test_gradient_sync_changed_after_a_forward_runs_a_variant_where_compiled_and_the_file_is_deleted(tmp_path):
     """As pipeline schedules do: the process that compiled the module runs the backward variant, as the ordinary
     compile does, and deletes its file (a loaded backward could not follow); the relaunch compiles again."""
-    first = run_ranks(train_cached, 2, str(tmp_path), [{}], "mlp", 2, True)
+    variant = [{}]
+    first = run_ranks(train_cached, 2, str(tmp_path), variant, "mlp", 2, True)
     for [r] in first:
         assert "flip_error" not in r and r["flip_events"] == ["miss", "stored", "dropped"], r
+        assert r["flip_reduced"] and not any(r["flip_reduced"])  # the variant ran: gradients kept unsharded
     assert not list(tmp_path.glob("*.bin"))
-    for [r], [before] in zip(run_ranks(train_cached, 2, str(tmp_path), [{}]), first):
+    for [r], [before] in zip(run_ranks(train_cached, 2, str(tmp_path), variant), first):
         assert _whats(r) == ["miss", "stored"] and r["losses"] == before["losses"], r
 
 
@@ -177,7 +180,6 @@ def _one_rank(fn):
 
 
 def test_auto_saves_in_torchs_cache_directory_and_the_default_saves_nothing(tmp_path, monkeypatch):
-    import os
 
     import fsdp2_compile as fc
     from fsdp2_compile.compiler.graph_records import compiled_graphs
@@ -243,6 +245,70 @@ def test_a_hook_added_or_an_attribute_changed_after_the_first_call_is_not_run_th
     assert _one_rank(hooked_before_its_first_call) == ["hit"]
 
 
+_DOUBLE = True
+"""A module-level setting the traced code reads (Dynamo guards it as a global)."""
+
+
+class _Flagged(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.inner(x)
+        return y * 2 if _DOUBLE else y
+
+
+def test_a_global_changed_after_the_first_call_and_a_retained_graph_are_as_without_a_saved_compile(tmp_path):
+    """A module-level variable the forward read is compared at every call, where compiled and where loaded; a
+    backward run twice (`retain_graph=True`) adds its gradients twice, as torch.compile's does."""
+    import copy
+
+    import fsdp2_compile as fc
+    from fsdp2_compile.compiler.warm_start import cache_events
+
+    def run() -> list[str]:
+        global _DOUBLE
+        before = len(cache_events())
+        torch.manual_seed(0)
+        reference = _Flagged()
+        model = fc.shard_compile(copy.deepcopy(reference), compile_config=fc.CompileConfig(cache_dir=str(tmp_path)))
+        x = torch.randn(4, 8)
+        try:
+            for double in (True, False):
+                _DOUBLE = double
+                loss, expected = model(x).sum(), reference(x).sum()
+                torch.testing.assert_close(loss, expected)
+                for _ in range(2):
+                    loss.backward(retain_graph=True)
+                    expected.backward(retain_graph=True)
+                grad = dict(model.named_parameters())["inner.weight"].grad.full_tensor()
+                torch.testing.assert_close(grad, reference.inner.weight.grad)
+        finally:
+            _DOUBLE = True
+        return [what for what, _ in cache_events()[before:]]
+
+    assert _one_rank(run) == ["miss", "stored"]
+    _relaunched()
+    assert _one_rank(run) == ["hit"]
+
+
+def test_the_key_is_the_same_in_every_process():
+    """torch's compile settings enter the key through a digest that does not depend on Python's hash seed (the
+    config modules' own hashes pickle sets, whose order does)."""
+    import subprocess
+    import sys
+
+    code = "from fsdp2_compile._torch_private import compile_settings_digest; print(compile_settings_digest())"
+    digests = {
+        subprocess.run(
+            [sys.executable, "-c", code], env={**os.environ, "PYTHONHASHSEED": seed}, capture_output=True, text=True
+        ).stdout
+        for seed in ("1", "2", "3")
+    }
+    assert len(digests) == 1 and len(digests.pop().strip()) == 64
+
+
 _HELPER = """
 import torch
 from torch import nn
@@ -295,15 +361,17 @@ def test_a_file_whose_traced_code_changed_since_it_was_saved_is_compiled_again(t
         sys.modules.pop("traced_helper", None)
 
 
-def test_an_inductor_relaunch_loads_and_trains_bitwise_equal(tmp_path):
-    """`compiler="inductor"`: the relaunch loads Inductor's output from the saved compile (its kernels from
-    Inductor's own cache, which a relaunch on the same machine keeps) and trains as the cold launch did."""
-    cache, variant = str(tmp_path), [{"compiler": "inductor"}]
-    cold = run_ranks(train_cached, 2, cache, variant)
-    warm = run_ranks(train_cached, 2, cache, variant)
-    for rank, [hit] in enumerate(warm):
-        assert _whats(cold[rank][0]) == ["miss", "stored"]
-        assert _whats(hit) == ["hit"] and _same(hit, cold[rank][0])
+def test_under_inductor_nothing_is_saved_and_the_module_trains_as_without_cache_dir(tmp_path):
+    """`compiler="inductor"`: no file is written or read (its saved graphs gave wrong gradients); a warning says so
+    and the module trains bitwise as with `cache_dir=None`."""
+    variant = [{"compiler": "inductor"}]
+    saved = run_ranks(train_cached, 2, str(tmp_path), variant)
+    plain = run_ranks(train_cached, 2, None, variant)
+    for [s], [p] in zip(saved, plain):
+        assert _whats(s) == ["uncompiled"] and _same(s, p) and _whats(p) == []
+        [warning] = s["warnings"]
+        assert "nothing is saved under Inductor" in warning
+    assert not list(tmp_path.iterdir())
 
 
 def test_a_rank_without_cache_dir_is_named_at_once_on_every_rank(tmp_path):

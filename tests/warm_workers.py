@@ -22,7 +22,7 @@ class _Warnings(logging.Handler):
 def train_cached(
     rank: int,
     world_size: int,
-    cache_dir: str,
+    cache_dir: str | None,
     variants: list[dict],
     name: str = "mlp",
     steps: int = 2,
@@ -31,7 +31,8 @@ def train_cached(
     """For each variant (CompileConfig fields) the test model `name` (`models.py`; a GPT's blocks sharded first)
     trained `steps` steps; returns per variant the losses, the parameters' local shards, the cache events of its
     first call and the warnings logged; with `flip_sync`, also the error of a backward run after gradient sync
-    was turned off following its forward (`flip_error`, if it raised) and the cache events after it."""
+    was turned off following its forward (`flip_error`, if it raised), whether it reduced into each parameter's
+    `.grad` (`flip_reduced`) and the cache events after it."""
     out = []
     for variant in variants:
         model = make_model(name)
@@ -64,6 +65,8 @@ def train_cached(
                 loss.backward()
             except RuntimeError as e:
                 out[-1]["flip_error"] = str(e)
+            # unsynced: kept unsharded, the sharded gradients zero
+            out[-1]["flip_reduced"] = [p.grad is not None and bool(p.grad.to_local().any()) for p in model.parameters()]
             model.set_requires_gradient_sync(True)
             out[-1]["flip_events"] = [what for what, _ in cache_events()[before:]]
     return out

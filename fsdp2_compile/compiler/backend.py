@@ -27,6 +27,7 @@ from fsdp2_compile._torch_private import (
     as_boxed,
     boxed_call,
     current_compile_id,
+    donate_no_saved_tensors,
     dynamo_input_name,
     has_post_accumulate_grad_hooks,
     inductor_compile,
@@ -42,7 +43,7 @@ from fsdp2_compile.compiler.graph_records import GraphRecord, collectives, recor
 from fsdp2_compile.compiler.group_split import split_reduce_groups, split_unshard_groups
 from fsdp2_compile.compiler.pass_list import PassContext, run_pipeline
 from fsdp2_compile.compiler.post_forward import gather_backward_from_post_forward_shards
-from fsdp2_compile.compiler.rank_consistency import graph_groups, rank_check
+from fsdp2_compile.compiler.rank_consistency import compile_frame, graph_groups, rank_check
 from fsdp2_compile.compiler.saved_graphs import SavedGraph
 from fsdp2_compile.compiler.selective_unshard import KEPT_META, KeptGathered, buckets_to_keep
 from fsdp2_compile.compiler.step_watch import watched
@@ -257,10 +258,12 @@ def _compiler(
                     e.add_note(_sync_off_note(unsynced))
                 raise
             if ahead_of_time():  # saved: watched as it runs, here and where it is loaded (`saved_graphs.py`)
+                if kind == "forward":
+                    donate_no_saved_tensors()  # its backward is compiled before any backward runs
                 return compiled
             return watched(compiled, kind, groups, owner, check=config.check_rank_consistency and on_cpu)
 
-        if kind == "backward" and infos and ahead_of_time() and config.compiler != "inductor":  # saved: traced flags
+        if kind == "backward" and infos and ahead_of_time():  # saved: the traced flags
             saved = []
 
             def compile_saved(graph: fx.GraphModule) -> Callable:
@@ -284,7 +287,15 @@ def _compiler(
             gm = run_pipeline(gm, ctx, recompile=config.compiler == "inductor")  # else `boxed_call` generates it
             check_same_schedule(gm)
         record = GraphRecord(
-            kind, gm, ctx.snapshots, ctx.timeline, current_compile_id(), ctx.profile, gm.meta.get(KEPT_META), owner
+            kind,
+            gm,
+            ctx.snapshots,
+            ctx.timeline,
+            current_compile_id(),
+            ctx.profile,
+            gm.meta.get(KEPT_META),
+            owner,
+            compile_frame(),
         )
         record_graph(record)
         if on_record is not None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections import Counter, deque
-from collections.abc import Iterator
+from collections.abc import Hashable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -192,6 +192,9 @@ class GraphRecord:
     owner: int | None = None
     """The id of the module `shard_compile` compiled this graph for (`records_owned_by`); its records are dropped
     when it dies. None for a module compiled with `torch.compile(backend="fsdp2")`."""
+    frame: Hashable | None = None
+    """What its compilation counts as a frame of (`rank_consistency.compile_frame`): its Dynamo frame, or, for a
+    module with a saved compile, the saved compile's (the ordinary compile it falls back to recompiles it)."""
 
 
 MAX_RECORDS = 64
@@ -200,8 +203,8 @@ MAX_RECORDS = 64
 
 _RECORDS: deque[GraphRecord] = deque(maxlen=MAX_RECORDS)
 _KINDS: Counter = Counter()
-_ATTEMPTS: dict[int, set[int]] = {}
-"""Dynamo frame -> the attempts (recompiles) of it that produced a forward or inference graph."""
+_ATTEMPTS: dict[Hashable, set[tuple[int, int]]] = {}
+"""Frame -> the compilations (Dynamo's compile ids) of it that produced a forward or inference graph."""
 
 
 def record_graph(record: GraphRecord) -> GraphRecord:
@@ -212,8 +215,8 @@ def record_graph(record: GraphRecord) -> GraphRecord:
     _RECORDS.append(record)
     _KINDS[record.kind] += 1
     if record.kind in ("forward", "inference") and record.compile_id is not None:
-        frame, attempt = record.compile_id
-        _ATTEMPTS.setdefault(frame, set()).add(attempt)
+        frame = record.frame if record.frame is not None else record.compile_id[0]
+        _ATTEMPTS.setdefault(frame, set()).add(record.compile_id)
     return record
 
 

@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 
 import torch.distributed as dist
 from torch import fx
 
+from fsdp2_compile._torch_private import current_compile_id
 from fsdp2_compile.compiler.graph_records import collectives
+from fsdp2_compile.core.group_caches import dropped_with_groups
 from fsdp2_compile.core.ir import Role, schema_args
 from fsdp2_compile.runtime.rank_agreement import _agree, _Exchange, _exchange_over
 
-__all__ = ["check_same_schedule", "graph_groups", "rank_check", "schedule_signature"]
+__all__ = ["check_same_schedule", "compile_frame", "compiled_as", "graph_groups", "rank_check", "schedule_signature"]
 
 
 def schedule_signature(gm: fx.GraphModule) -> str:
@@ -61,9 +64,9 @@ def graph_groups(gm: fx.GraphModule) -> set[str]:
 # `CompileConfig.check_rank_consistency=False` skips only the comparison of schedules; the configs are still
 # exchanged, so a rank that turned it off is named on every rank instead of leaving the others waiting.
 #
-# Graphs are paired across ranks by their Dynamo frame and kind; the groups are read off the graph as captured, so a
-# rank whose pass pipeline raises publishes its failure under the keys its peers wait on. A recompile of a frame
-# whose record the ranks already agreed on is not exchanged again.
+# Graphs are paired across ranks by their Dynamo frame (or the frame `compiled_as` names) and kind; the groups are
+# read off the graph as captured, so a rank whose pass pipeline raises publishes its failure under the keys its peers
+# wait on. A recompile of a frame whose record the ranks already agreed on is not exchanged again.
 #
 # What this cannot see: a rank that raises in its own code before compiling (or in Dynamo/AOTAutograd before the
 # backend's compiler runs) publishes nothing, so its peers end after the bounded wait, with a message naming it as not
@@ -76,7 +79,35 @@ def _exchange(gm: fx.GraphModule, kind: str, world_if_none: bool, timeout_s: flo
     if not dist.is_initialized() or dist.get_world_size() == 1 or dist.get_backend() == "fake":
         return None
     names = graph_groups(gm)
-    return _exchange_over(names or ({"world"} if world_if_none else set()), kind, timeout_s)
+    return _exchange_over(names or ({"world"} if world_if_none else set()), kind, timeout_s, compile_frame())
+
+
+_COMPILED_AS: contextvars.ContextVar[Hashable | None] = contextvars.ContextVar("compiled_as", default=None)
+_FRAME_NAMES: dict[int, Hashable] = dropped_with_groups({})
+"""Dynamo frame id -> the frame `compiled_as` named while its first graph compiled (its backward compiles later)."""
+
+
+@contextlib.contextmanager
+def compiled_as(frame: Hashable) -> Iterator[None]:
+    """Graphs compiled in this block are paired across ranks as `frame`'s, whatever their Dynamo frame: a saved
+    compile and the ordinary compile a module falls back to are one frame, so the fallback's compile of a schedule
+    the ranks agreed on is not exchanged again (`compiler/warm_start.py`)."""
+    token = _COMPILED_AS.set(frame)
+    try:
+        yield
+    finally:
+        _COMPILED_AS.reset(token)
+
+
+def compile_frame() -> Hashable | None:
+    """What this compilation is paired by across ranks (and counted in, `graph_records.compile_counts`): its
+    Dynamo frame, or what `compiled_as` named for it."""
+    compile_id = current_compile_id()
+    if compile_id is None:
+        return None
+    if (named := _COMPILED_AS.get()) is not None:
+        _FRAME_NAMES[compile_id[0]] = named
+    return _FRAME_NAMES.get(compile_id[0], compile_id[0])
 
 
 def _check(ex: _Exchange, gm: fx.GraphModule, config) -> None:

@@ -34,19 +34,22 @@ from fsdp2_compile._torch_private import (
     aot_function_from_bytes,
     aot_function_to_bytes,
     compile_settings_digest,
+    maybe_mark_dynamic,
     torch_cache_dir,
 )
 from fsdp2_compile.compiler import first_call
 from fsdp2_compile.compiler.graph_records import dump_requested
+from fsdp2_compile.compiler.rank_consistency import compiled_as
 from fsdp2_compile.config import CompileConfig
 from fsdp2_compile.runtime.param_state import ParamInfo, own_parameters
+from fsdp2_compile.runtime.rank_agreement import agreed_in, restore_agreed
 from fsdp2_compile.runtime.traced_blocks import compiling_ahead_of_time
 
 __all__ = ["WarmStart", "cache_events", "cache_path", "input_guards_only"]
 
 log = logging.getLogger("fsdp2_compile")
 
-MAGIC = b"fsdp2-compile ahead-of-time 2\n"
+MAGIC = b"fsdp2-compile ahead-of-time 3\n"
 _EVENTS: list[tuple[str, str]] = []
 _SAVED_HERE: set[str] = set()
 """The files this process wrote: it compiles a module again rather than load its own (relaunches load them)."""
@@ -55,9 +58,9 @@ _SAVED_HERE: set[str] = set()
 def cache_events() -> list[tuple[str, str]]:
     """(what, file) for each cache file this process looked for: "hit" (loaded, every rank loaded its own),
     "miss" (compiled), "stored", "unreadable" (warned, compiled again), "stale" (code it traced has changed since:
-    compiled again), "unstored" (warned), "uncompiled" (the ahead-of-time compile raised: the module's ordinary
-    compile runs), "dropped" (deleted by the process that saved it: gradient sync changed between a forward and its
-    backward, which a saved backward cannot follow)."""
+    compiled again), "unstored" (warned), "uncompiled" (under Inductor, or the ahead-of-time compile raised: the
+    module's ordinary compile runs), "dropped" (deleted by the process that saved it: gradient sync changed between
+    a forward and its backward, which a saved backward cannot follow)."""
     return list(_EVENTS)
 
 
@@ -74,14 +77,22 @@ def cache_path(cache_dir: str | os.PathLike) -> str:
     return os.path.abspath(cache_dir)
 
 
-def input_guards_only(entries: Sequence[Any], module_state: set[tuple[str, str]] | None = None) -> list[bool]:
-    """The Dynamo guards saved: global state, symbolic shapes and the call's tensor inputs. Those on the module
-    cannot be saved (they would pickle it): the module's attributes and hook dicts they read are added to
-    `module_state` as (submodule name, attribute), for `WarmStart` to check at each call."""
-    if module_state is not None:
+State = tuple[str, str, tuple[str, ...]]
+"""What traced code read besides its inputs, as ("module", submodule name, (attribute,)) or ("global", Python
+module name, (attribute, ...)): Dynamo guards it, but a saved compile cannot hold those guards."""
+
+
+def input_guards_only(entries: Sequence[Any], read: set[State] | None = None) -> list[bool]:
+    """The Dynamo guards saved: global state, symbolic shapes and the call's tensor inputs. Those on the module and
+    on Python globals cannot be saved (they would pickle the module or a Python module): what they read, module
+    attributes and hook dicts, module-level variables and dicts, is added to `read`, for `WarmStart` to compare at
+    each call."""
+    if read is not None:
         for e in entries:
             if not e.is_global and (match := _MODULE_ATTRIBUTE.fullmatch(e.name)):
-                module_state.add((".".join(re.findall(r"\['([^']+)'\]", match[1])), match[2]))
+                read.add(("module", ".".join(re.findall(r"\['([^']+)'\]", match[1])), (match[2],)))
+            elif e.is_global and (match := _GLOBAL.fullmatch(e.name)):
+                read.add(("global", match[1].replace("_dot_", "."), tuple(match[2].split(".")[1:])))
     return [
         e.guard_type in ("GLOBAL_STATE", "SHAPE_ENV")
         or (e.guard_type == "TENSOR_MATCH" and not e.is_global and not e.name.startswith("module"))
@@ -92,19 +103,28 @@ def input_guards_only(entries: Sequence[Any], module_state: set[tuple[str, str]]
 _MODULE_ATTRIBUTE = re.compile(r"module((?:\._modules\['[^']+'\])*)\.(\w+)")
 """A Dynamo guard's source that reads an attribute of the module or a submodule (`module._modules['blocks']
 ._modules['0'].n_head`)."""
+_GLOBAL = re.compile(r"G\['__import_(\w+)'\]((?:\.\w+)+)")
+"""A Dynamo guard's source that reads a variable of a Python module, or an attribute of one
+(`G['__import___main__'].FLAG`, `G['__import_torch_dot_nn_dot_modules_dot_module']._global_forward_hooks`)."""
 _ABSENT = object()
 
 
-def _state_reader(module: nn.Module, state: Sequence[tuple[str, str]]) -> Callable[[], list[Any]]:
-    """What the traced code read of the module, as a function: each (submodule name, attribute)'s value, a dict's
-    (hooks) size."""
-    pairs = [(module.get_submodule(path), attribute) for path, attribute in state]
+def _state_reader(module: nn.Module, state: Sequence[State]) -> Callable[[], list[Any]]:
+    """What the traced code read of `state`, as a function: each value, a dict's keys as Dynamo guards them (their
+    number where they are not plain values)."""
+    roots = [
+        (module.get_submodule(name) if scope == "module" else sys.modules.get(name, _ABSENT), attributes)
+        for scope, name, attributes in state
+    ]
 
     def read() -> list[Any]:
         values = []
-        for owner, attribute in pairs:
-            value = getattr(owner, attribute, _ABSENT)
-            values.append(len(value) if isinstance(value, dict) else value)
+        for value, attributes in roots:
+            for attribute in attributes:
+                value = getattr(value, attribute, _ABSENT)
+            if isinstance(value, dict):
+                value = tuple(value) if _plain(list(value)) else len(value)
+            values.append(value)
         return values
 
     return read
@@ -135,8 +155,12 @@ Places = Sequence[tuple[nn.Module, str, ParamInfo]]
 
 
 def _specs(places: Places) -> tuple:
-    """What the traced graph baked in of each managed parameter: its `ParamSpec` and whether it requires grad."""
-    return tuple((info.spec(), own_parameters(mod)[name].requires_grad) for mod, name, info in places)
+    """What the traced graph baked in of each managed parameter: its `ParamSpec`, whether it requires grad and
+    whether it is still a DTensor (the ordinary compile names one replaced after `shard`)."""
+    params = [own_parameters(mod)[name] for mod, name, _ in places]
+    return tuple(
+        (info.spec(), p.requires_grad, isinstance(p, DTensor)) for (_, _, info), p in zip(places, params, strict=True)
+    )
 
 
 def _sync_flags(places: Places) -> tuple:
@@ -234,9 +258,10 @@ def cache_key(module: nn.Module, places: Places, args: tuple, kwargs: dict, conf
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 
-def _read(path: str) -> tuple[Any, list[tuple[str, str, Any]]] | None:
-    """The compiled function saved at `path` and the module state it read; None if there is none, or (with a
-    warning) if it cannot be used, or (logged) if code it traced has changed since."""
+def _read(path: str) -> tuple[Any, list[tuple[str, str, tuple, Any]], list] | None:
+    """The compiled function saved at `path`, the state it read besides its inputs and the records the ranks
+    agreed on as it compiled; None if there is none, or (with a warning) if it cannot be used, or (logged) if code it
+    traced has changed since."""
     if path in _SAVED_HERE or not os.path.exists(path):
         return None
     try:
@@ -247,7 +272,7 @@ def _read(path: str) -> tuple[Any, list[tuple[str, str, Any]]] | None:
         digest, payload = data[len(MAGIC) : len(MAGIC) + 64], data[len(MAGIC) + 65 :]
         if hashlib.sha256(payload).hexdigest().encode() != digest:
             raise ValueError("checksum mismatch: the file is cut short or altered")
-        state, compiled = pickle.loads(payload)
+        state, agreed, compiled = pickle.loads(payload)
         compiled = aot_function_from_bytes(compiled)
     except Exception as e:
         _EVENTS.append(("unreadable", path))
@@ -262,7 +287,7 @@ def _read(path: str) -> tuple[Any, list[tuple[str, str, Any]]] | None:
         _EVENTS.append(("stale", path))
         log.info("fsdp2_compile: the code of %s changed since %s was saved; compiling again", ", ".join(changed), path)
         return None
-    return compiled, state
+    return compiled, state, agreed
 
 
 def _write(path: str, payload: bytes) -> None:
@@ -317,10 +342,13 @@ class WarmStart:
         self.config, self.dynamic = config, dynamic
         self.compiled: Any = None
         self.specs: tuple | None = None
+        self.sizes: list[tuple[int, ...] | None] = []
         self.read_state: Callable[[], list[Any]] | None = None
         self.state: list[Any] | None = None
         self.tried = self.loaded = self.dropped = False
         self.path = ""
+        self.frame = object()
+        """What its compiles are paired by across ranks (`rank_consistency.compiled_as`) once it has a saved one."""
 
     def __call__(self, places: Places, *args: Any, **kwargs: Any) -> Any:
         if not self.tried:
@@ -332,37 +360,62 @@ class WarmStart:
                 if self.loaded or not self.dropped:
                     self._check_sync_at_backward(out, places)
                 return out
-        return self.jit(*args, **kwargs)
+        if self.specs is None:  # no saved compile (a graph break): Dynamo's frames, as without cache_dir
+            return self.jit(*args, **kwargs)
+        if self.dynamic is None:
+            self._mark_changed_sizes((args, kwargs))
+        with compiled_as(self.frame):  # a recompile of the saved one (a new shape on one rank waits for no other)
+            return self.jit(*args, **kwargs)
 
-    def _use(self, compiled: Any, places: Places, state: Sequence[tuple[str, str, Any]]) -> None:
-        """Run `compiled` while the parameters' specs are as now and the module's `state` (submodule name,
-        attribute, value traced) is as traced."""
+    def _mark_changed_sizes(self, inputs: Any) -> None:
+        """The input sizes that differ from the saved compile's, marked dynamic: Dynamo's first compile after it
+        is dynamic in them, as its recompile of the saved one would be (`dynamic=None`: static, then dynamic in
+        the sizes that changed)."""
+        for now, then in zip(tree_leaves(inputs), self.sizes):
+            if isinstance(now, torch.Tensor) and then is not None and now.dim() == len(then):
+                for dim in (d for d, (a, b) in enumerate(zip(now.shape, then)) if a != b):
+                    maybe_mark_dynamic(now, dim)
+
+    def _use(self, compiled: Any, places: Places, state: Sequence[tuple[str, str, tuple, Any]], inputs: Any) -> None:
+        """Run `compiled` (for `inputs`' sizes) while the parameters' specs are as now and what it read besides
+        its inputs (`state`: scope, name, attributes, value traced) is as traced."""
         self.compiled, self.specs = compiled, _specs(places)
-        self.read_state = _state_reader(self.module, [(path, attribute) for path, attribute, _ in state])
-        self.state = [value for _, _, value in state]
+        self.sizes = [tuple(t.shape) if isinstance(t, torch.Tensor) else None for t in tree_leaves(inputs)]
+        self.read_state = _state_reader(self.module, [read for *read, _ in state])
+        self.state = [value for *_, value in state]
 
     def _load_or_compile(self, places: Places, args: tuple, kwargs: dict) -> None:
         rank = dist.get_rank() if dist.is_initialized() else 0
         key = cache_key(self.module, places, args, kwargs, self.config)
         path = self.path = os.path.join(cache_path(self.config.cache_dir), f"{key[:40]}.rank{rank}.bin")
+        if self.config.compiler == "inductor":  # its saved graphs gave wrong gradients (a world of one, accumulation)
+            first_call.start(places, self.config, loaded=False)
+            _EVENTS.append(("uncompiled", path))
+            log.log(
+                logging.INFO if self.config.cache_dir == AUTO else logging.WARNING,
+                "fsdp2_compile: CompileConfig.cache_dir: nothing is saved under Inductor; the module is compiled as "
+                "usual",
+            )
+            return
         dumping = self.config.keep_snapshots or dump_requested()  # a hit compiles nothing to dump: all compile
         loaded = None if dumping else _read(path)
         if first_call.start(places, self.config, loaded=loaded is not None):
             _EVENTS.append(("hit", path))
             self.loaded = True
             log.info("fsdp2_compile: loaded the compiled module from %s", path)
-            self._use(loaded[0], places, loaded[1])
+            self._use(loaded[0], places, loaded[1], (args, kwargs))
+            restore_agreed(self.frame, loaded[2])
             return
         _EVENTS.append(("miss", path))
-        state: set[tuple[str, str]] = set()
+        state: set[State] = set()
         try:
-            with compiling_ahead_of_time():
+            with compiling_ahead_of_time(), compiled_as(self.frame):
                 compiled = aot_compile_function(
                     self.fn,
                     (self.module, *args),
                     kwargs,
                     self.backend,
-                    functools.partial(input_guards_only, module_state=state),
+                    functools.partial(input_guards_only, read=state),
                     self.dynamic,
                 )
         except Exception as e:  # a graph break (one graph is needed), ...: the ordinary compile, nothing saved
@@ -377,9 +430,9 @@ class WarmStart:
             return
         names = sorted(state)
         traced = [(*name, value) for name, value in zip(names, _state_reader(self.module, names)()) if _plain(value)]
-        self._use(compiled, places, traced)
+        self._use(compiled, places, traced, (args, kwargs))
         try:
-            _write(path, pickle.dumps((traced, aot_function_to_bytes(compiled))))
+            _write(path, pickle.dumps((traced, agreed_in(self.frame), aot_function_to_bytes(compiled))))
             _SAVED_HERE.add(path)
             _EVENTS.append(("stored", path))
         except Exception as e:  # an unpicklable graph constant, a full disk: the compile is still used
@@ -403,23 +456,21 @@ class WarmStart:
         log.info("fsdp2_compile: deleted %s (%s): a relaunch compiles as usual", self.path, reason)
 
     def _check_sync_at_backward(self, out: Any, places: Places) -> None:
-        """The saved backward reduces as the flags were at this forward. Compiled in this process under `aot_eager`,
-        a run after they changed runs a variant (`unsynced_backward.py`), the file is deleted, so that a relaunch
-        compiles as usual, and the module runs its ordinary compile from then on; loaded (or Inductor's), it raises
-        before it runs."""
+        """The saved backward reduces as the flags were at this forward. Compiled in this process, a run after they
+        changed runs a variant (`unsynced_backward.py`), the file is deleted, so that a relaunch compiles as usual,
+        and the module runs its ordinary compile from then on; loaded, it raises before it runs."""
         flags = _sync_flags(places)
         nodes = {id(t.grad_fn): t.grad_fn for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.grad_fn}
 
         def check(_grad_outputs: Any) -> None:
             if _sync_flags(places) == flags:
                 return
-            if not self.loaded and self.config.compiler != "inductor":  # a variant runs here (backend.py)
+            if not self.loaded:  # a variant runs here (backend.py)
                 self._drop("gradient sync changed between a forward and its backward")
                 return
-            how = "loaded from" if self.loaded else "compiled by Inductor for"
             raise RuntimeError(
                 "fsdp2_compile: set_requires_gradient_sync / set_requires_all_reduce changed between a forward "
-                f"and its backward of a module whose compile was {how} {self.path}, whose saved backward "
+                f"and its backward of a module whose compile was loaded from {self.path}, whose saved backward "
                 "reduces as the forward's flags said; set them before the forward, or compile with "
                 "CompileConfig(cache_dir=None)"
             )

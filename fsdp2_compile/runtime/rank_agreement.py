@@ -10,6 +10,7 @@ import hashlib
 import itertools
 import json
 import time
+from collections.abc import Hashable
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -18,13 +19,21 @@ from fsdp2_compile._torch_private import current_compile_id, default_store, grou
 from fsdp2_compile.core.group_caches import dropped_with_groups
 from fsdp2_compile.runtime.process_groups import attempt_token
 
-__all__ = ["agree_at_first_call", "agree_to_call", "agree_to_shard", "exchange", "wait_for_key"]
+__all__ = [
+    "agree_at_first_call",
+    "agree_to_call",
+    "agree_to_shard",
+    "agreed_in",
+    "exchange",
+    "restore_agreed",
+    "wait_for_key",
+]
 
 _UNNAMED: dict[str, itertools.count] = dropped_with_groups({})
 """Process group -> the counter of its checks made outside a Dynamo compilation."""
-_FRAMES: dict[str, dict[int, int]] = dropped_with_groups({})
-"""Process group -> Dynamo frame id -> the order in which the backend first compiled it with that group's
-collectives (the same on every rank of the group)."""
+_FRAMES: dict[str, dict[Hashable, int]] = dropped_with_groups({})
+"""Process group -> frame (a Dynamo frame id, or what `rank_consistency.compiled_as` names) -> the order in which the
+backend first compiled it with that group's collectives (the same on every rank of the group)."""
 _AGREED: dict[str, list[str]] = dropped_with_groups({})
 """Store key of a (group, frame, kind) -> the records all the group's ranks agreed on, in order."""
 _SPENT = "<failed exchange>"
@@ -385,33 +394,63 @@ class _Exchange:
                 pause = min(2 * pause, 0.2)
 
 
-def _channel(name: str, ranks: list[int], kind: str) -> _Channel:
-    """The store key of this compilation in the group called `name`: the group and its ranks, the Dynamo frame
-    (numbered in the order the backend met the group's frames), the kind and how many records were agreed."""
+def _channel(name: str, ranks: list[int], kind: str, frame: Hashable | None) -> _Channel:
+    """The store key of this compilation in the group called `name`: the group and its ranks, the compilation's
+    `frame` (numbered in the order the backend met the group's frames), the kind and how many records were
+    agreed."""
     scope = f"{name}@{','.join(map(str, ranks))}"
-    compile_id = current_compile_id()
-    frames = _FRAMES.setdefault(scope, {})
-    if compile_id:
-        frame = f"f{frames.setdefault(compile_id[0], len(frames))}"
+    if frame is not None:
+        numbered = f"f{_FRAMES.setdefault(scope, {}).setdefault(frame, len(_FRAMES[scope]))}"
     else:  # outside Dynamo (a direct `check_same_schedule`): numbered per group, as the group's ranks call it
-        frame = f"n{next(_UNNAMED.setdefault(scope, itertools.count()))}"
+        numbered = f"n{next(_UNNAMED.setdefault(scope, itertools.count()))}"
     token = attempt_token(name)  # the group's ranks drew it in this attempt: no record of an earlier one is read
-    key = f"fsdp2_compile/check/{token + '/' if token else ''}{scope}/{frame}/{kind}"
+    key = f"fsdp2_compile/check/{token + '/' if token else ''}{scope}/{numbered}/{kind}"
     agreed = _AGREED.setdefault(key, [])
     return _Channel(ranks, f"{key}/{len(agreed)}", agreed)
 
 
-def _exchange_over(names: set[str], kind: str, timeout_s: float | None) -> _Exchange | None:
-    """An exchange over the process groups called `names` ("world": the default group) of more than one rank."""
+def _group_ranks(names: set[str]) -> dict[str, list[int]]:
+    """The ranks of each process group called in `names` ("world": the default group) that has more than one."""
     world = list(range(dist.get_world_size()))
-    groups = {g: world if g == "world" else group_ranks(g) for g in sorted(names)}
-    groups = {g: ranks for g, ranks in groups.items() if len(ranks) > 1}
+    groups = {g: world if g == "world" else sorted(group_ranks(g)) for g in sorted(names)}
+    return {g: ranks for g, ranks in groups.items() if len(ranks) > 1}
+
+
+def _exchange_over(
+    names: set[str], kind: str, timeout_s: float | None, frame: Hashable | None = None
+) -> _Exchange | None:
+    """An exchange over the process groups called `names` ("world": the default group) of more than one rank, for
+    a compilation of `frame` (None: outside a compilation)."""
+    groups = _group_ranks(names)
     if not groups:
         return None
     pg_timeout = min(group_timeout(None if g == "world" else g) for g in groups)
     wait_s = timeout_s if timeout_s is not None else max(min(0.9 * pg_timeout, pg_timeout - 5), pg_timeout / 2)
-    channels = [_channel(g, sorted(ranks), kind) for g, ranks in groups.items()]
+    channels = [_channel(g, ranks, kind, frame) for g, ranks in groups.items()]
     return _Exchange(kind, channels, wait_s, pg_timeout, default_store(), dist.get_rank())
+
+
+def agreed_in(frame: Hashable) -> list[tuple[str, str, list[str]]]:
+    """(process group name, graph kind, records) for each exchange the ranks agreed on in compilations of `frame`,
+    for `restore_agreed` in a relaunch."""
+    out = []
+    for scope, frames in _FRAMES.items():
+        if frame in frames:
+            part = f"/{scope}/f{frames[frame]}/"
+            for key, agreed in _AGREED.items():
+                if part in key and _SPENT not in agreed and agreed:
+                    out.append((scope.rsplit("@", 1)[0], key.rsplit("/", 1)[1], list(agreed)))
+    return out
+
+
+def restore_agreed(frame: Hashable, records: list[tuple[str, str, list[str]]]) -> None:
+    """Take `records` (`agreed_in` of an earlier launch with the same ranks) as agreed for compilations of `frame`:
+    a compilation of it whose record is among them exchanges nothing, as a recompile does."""
+    for name, kind, texts in records:
+        for ranks in _group_ranks({name}).values():
+            channel = _channel(name, ranks, kind, frame)
+            if not channel.agreed:
+                channel.agreed.extend(texts)
 
 
 def _agree(ex: _Exchange, record: dict, vote: bool = True) -> str | None:
