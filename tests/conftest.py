@@ -1,7 +1,5 @@
 import os
-import shutil
 import sys
-import tempfile
 
 import pytest
 import torch.distributed as dist
@@ -19,13 +17,3 @@ def fake_pg():
     yield dist.group.WORLD.group_name
     dist.destroy_process_group()
     clear_dtensor_caches()
-
-
-# `CompileConfig(cache_dir="auto")` saves in a directory of this test run's (with Inductor's caches), emptied
-# before each test, so that no test loads what another saved.
-os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="fsdp2-compile-tests-")
-
-
-@pytest.fixture(autouse=True)
-def _no_saved_compiles():
-    shutil.rmtree(os.path.join(os.environ["TORCHINDUCTOR_CACHE_DIR"], "fsdp2_compile"), ignore_errors=True)

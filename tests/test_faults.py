@@ -178,7 +178,7 @@ def test_a_saved_compile_is_watched_where_compiled_and_where_a_relaunch_loads_it
             assert (
                 f"{words} (forwards 3, backwards 1); rank(s) [1] in backward 2 (forwards 2, backwards 2)" in r["error"]
             )
-            assert r["seconds"] < PG_TIMEOUT_S / 2, r
+            assert r["seconds"] < WAIT_S, r  # its compile and save included; no wait for an absent rank
 
 
 def test_an_extra_no_grad_forward_on_one_rank_is_named_at_once():
