@@ -81,6 +81,7 @@ __all__ = [
     "resolve_group",
     "root_mesh_groups",
     "serializable_graph",
+    "serializable_inductor_graph",
     "set_compiled_call_impl",
     "set_fully_shard_state",
     "storage_id",
@@ -771,41 +772,65 @@ def serializable_graph(gm: fx.GraphModule, wrap: Callable[[Callable], Callable])
     return _wrapped_output_code()(gm, wrap)
 
 
+def serializable_inductor_graph(compiled: Any, wrap: Callable[[Callable], Callable]) -> Callable:
+    """Inductor's `compiled` (a `CompiledFxGraph`), saved and loaded as torch's ahead-of-time compile does, run as
+    `serializable_graph`'s are: as `wrap(run)`, or here as its `run_here` if one is set."""
+    compiled.__class__ = _wrapped_inductor_code()
+    compiled._set_wrap(wrap)
+    return compiled
+
+
+class _RunsWrapped:
+    """An output code that runs as `wrap(run)` (`wrap` pickled with it), or in the process that compiled it as
+    `run_here` if one is set (not saved)."""
+
+    run_here: Callable | None = None
+
+    def _set_wrap(self, wrap: Callable[[Callable], Callable]) -> None:
+        self._wrap = wrap
+        self._run = wrap(super().__call__)
+
+    def __call__(self, inputs: list[Any]) -> Any:
+        return (self.run_here or self._run)(inputs)
+
+    def run_saved(self, inputs: list[Any]) -> Any:
+        return self._run(inputs)
+
+    def post_compile(self, *args: Any, **kwargs: Any) -> None:
+        super().post_compile(*args, **kwargs)
+        if self._run is None:
+            self._run = self._wrap(super().__call__)
+
+    def prepare_for_serialization(self) -> None:
+        super().prepare_for_serialization()
+        self._run = self.run_here = None
+
+
 @functools.cache
 def _wrapped_output_code() -> type:
-    output_code = _resolve("torch._inductor.output_code:RegionalOutputCode")
-
-    class WrappedOutputCode(output_code):
-        run_here: Callable | None = None
-        """What runs instead in the process that compiled it (not saved): given `run_saved`."""
-
+    class WrappedOutputCode(_RunsWrapped, _resolve("torch._inductor.output_code:RegionalOutputCode")):
         def __init__(self, gm: fx.GraphModule, wrap: Callable[[Callable], Callable]):
             super().__init__(gm, ops_filter=None, node_metadata_key_filter=_no_node_meta)
-            self._wrap = wrap
-            self._run = wrap(super().__call__)
-
-        def __call__(self, inputs: list[Any]) -> Any:
-            return (self.run_here or self._run)(inputs)
-
-        def run_saved(self, inputs: list[Any]) -> Any:
-            return self._run(inputs)
-
-        def post_compile(self, *args: Any, **kwargs: Any) -> None:
-            super().post_compile(*args, **kwargs)
-            if self._run is None:
-                self._run = self._wrap(super().__call__)
-
-        def prepare_for_serialization(self) -> None:
-            super().prepare_for_serialization()
-            self._run = self.run_here = None
+            self._set_wrap(wrap)
 
     WrappedOutputCode.__module__, WrappedOutputCode.__qualname__ = __name__, "WrappedOutputCode"
     return WrappedOutputCode
 
 
+@functools.cache
+def _wrapped_inductor_code() -> type:
+    class WrappedInductorCode(_RunsWrapped, _resolve("torch._inductor.output_code:CompiledFxGraph")):
+        pass
+
+    WrappedInductorCode.__module__, WrappedInductorCode.__qualname__ = __name__, "WrappedInductorCode"
+    return WrappedInductorCode
+
+
 def __getattr__(name: str) -> Any:
     if name == "WrappedOutputCode":  # what a saved graph is unpickled as
         return _wrapped_output_code()
+    if name == "WrappedInductorCode":
+        return _wrapped_inductor_code()
     raise AttributeError(name)
 
 

@@ -104,8 +104,7 @@ class CompileConfig:
     loads it instead of compiling (the key: versions, world, config, the module's structure, code, attributes,
     parameters and specs, the inputs). "auto": `fsdp2_compile/` in torch's compile cache directory, beside
     Inductor's FX graph cache ($TORCHINDUCTOR_CACHE_DIR, else `torchinductor_<user>` in the temporary directory).
-    None (the default): nothing saved or loaded. An unusable or outdated file is compiled again and replaced.
-    Under Inductor nothing is saved (its saved graphs gave wrong gradients): the module compiles as usual."""
+    None (the default): nothing saved or loaded. An unusable or outdated file is compiled again and replaced."""
 
     def __post_init__(self) -> None:
         if self.cache_dir is not None and not isinstance(self.cache_dir, (str, os.PathLike)):

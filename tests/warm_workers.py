@@ -27,18 +27,20 @@ def train_cached(
     name: str = "mlp",
     steps: int = 2,
     flip_sync: bool = False,
+    accumulate: bool = False,
 ) -> list[dict]:
-    """For each variant (CompileConfig fields) the test model `name` (`models.py`; a GPT's blocks sharded first)
+    """For each variant (CompileConfig fields, `cache_dir` by default) the test model `name` (`models.py`; a GPT's blocks sharded first)
     trained `steps` steps; returns per variant the losses, the parameters' local shards, the cache events of its
     first call and the warnings logged; with `flip_sync`, also the error of a backward run after gradient sync
     was turned off following its forward (`flip_error`, if it raised), whether it reduced into each parameter's
-    `.grad` (`flip_reduced`) and the cache events after it."""
+    `.grad` (`flip_reduced`) and the cache events after it. `accumulate`: each step's batch in two micro-batches,
+    gradient sync off for the first."""
     out = []
     for variant in variants:
         model = make_model(name)
         for block in getattr(model, "blocks", []):
             fc.shard(block)
-        fc.shard_compile(model, compile_config=fc.CompileConfig(cache_dir=cache_dir, **variant))
+        fc.shard_compile(model, compile_config=fc.CompileConfig(**{"cache_dir": cache_dir} | variant))
         opt = make_optimizer(model)
         warnings = _Warnings()
         logging.getLogger("fsdp2_compile").addHandler(warnings)
@@ -46,9 +48,11 @@ def train_cached(
         losses = []
         try:
             for step in range(steps):
-                x, y = batch(name, step)
-                loss = loss_fn(name, model(local_slice(x, rank, world_size)), local_slice(y, rank, world_size))
-                loss.backward()
+                x, y = (local_slice(t, rank, world_size) for t in batch(name, step))
+                for micro in (slice(0, None, 2), slice(1, None, 2)) if accumulate else (slice(None),):
+                    model.set_requires_gradient_sync(micro.start != 0)
+                    loss = loss_fn(name, model(x[micro]), y[micro])
+                    loss.backward()
                 opt.step()
                 opt.zero_grad()
                 losses.append(loss.item())

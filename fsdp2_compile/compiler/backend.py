@@ -35,6 +35,7 @@ from fsdp2_compile._torch_private import (
     mark_boxed,
     min_cut_partition,
     serializable_graph,
+    serializable_inductor_graph,
     subgraph_schemas_reused,
 )
 from fsdp2_compile.compiler.block_gathers import gather_again_in_backward, gather_outside_blocks
@@ -300,13 +301,15 @@ def _compiler(
         record_graph(record)
         if on_record is not None:
             on_record(record)
+        saved = SavedGraph(kind, frozenset(groups), config.check_rank_consistency) if ahead_of_time() else None
         if config.compiler == "inductor":
             compiled = inductor_compile(
                 gm, example_inputs, is_backward=kind == "backward", is_inference=kind == "inference"
             )
-        elif ahead_of_time():
+            compiled = serializable_inductor_graph(compiled, saved) if saved is not None else compiled
+        elif saved is not None:
             boxed_call(gm)
-            compiled = serializable_graph(gm, SavedGraph(kind, frozenset(groups), config.check_rank_consistency))
+            compiled = serializable_graph(gm, saved)
         else:
             compiled = boxed_call(gm)
         counts = Counter(c.kind for c in collectives(gm))

@@ -388,15 +388,6 @@ class WarmStart:
         rank = dist.get_rank() if dist.is_initialized() else 0
         key = cache_key(self.module, places, args, kwargs, self.config)
         path = self.path = os.path.join(cache_path(self.config.cache_dir), f"{key[:40]}.rank{rank}.bin")
-        if self.config.compiler == "inductor":  # its saved graphs gave wrong gradients (a world of one, accumulation)
-            first_call.start(places, self.config, loaded=False)
-            _EVENTS.append(("uncompiled", path))
-            log.log(
-                logging.INFO if self.config.cache_dir == AUTO else logging.WARNING,
-                "fsdp2_compile: CompileConfig.cache_dir: nothing is saved under Inductor; the module is compiled as "
-                "usual",
-            )
-            return
         dumping = self.config.keep_snapshots or dump_requested()  # a hit compiles nothing to dump: all compile
         loaded = None if dumping else _read(path)
         if first_call.start(places, self.config, loaded=loaded is not None):
@@ -409,7 +400,7 @@ class WarmStart:
         _EVENTS.append(("miss", path))
         state: set[State] = set()
         try:
-            with compiling_ahead_of_time(), compiled_as(self.frame):
+            with compiling_ahead_of_time(self.config), compiled_as(self.frame):
                 compiled = aot_compile_function(
                     self.fn,
                     (self.module, *args),

@@ -83,7 +83,7 @@ class FSDPModule(fsdp.FSDPModule):
         for info in self._param_infos(recurse):
             info.requires_all_reduce = requires_all_reduce
             if not requires_all_reduce and not info.partial_key:
-                info.partial_key = f"{info.fqn}@{id(info):x}/partial"
+                info.partial_key = info.state_key("/partial")
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """This module's group (not its children's, as in FSDP2): each rank's gradient is multiplied by 1 / factor

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -78,6 +79,9 @@ ANONYMOUS_SPECS: dict[str, ParamSpec] = dropped_with_groups({})
 share one entry."""
 
 
+_SERIALS = itertools.count()
+
+
 @dataclass
 class ParamInfo:
     """What the property of a managed parameter needs to gather it (what `fsdp2::unshard`'s `ParamSpec` holds)."""
@@ -140,6 +144,14 @@ class ParamInfo:
     compiled_once: bool = False
     """Its module is one of several identical blocks traced once (`block_gathers.py`): in a compiled graph its
     `fsdp2::unshard` leaves out what names it (`spec(anonymous=True)`); the backend names it again."""
+    serial: int = field(default_factory=lambda: next(_SERIALS), repr=False, compare=False)
+    """Its number among the parameters managed in this process: the keys of its kept state hold it (with its fqn),
+    so that they differ between models and are the same in a relaunch that shards its models in the same order
+    (a saved compile's key holds them: `warm_start.py`)."""
+
+    def state_key(self, what: str) -> str:
+        """The key of its kept state `what` (`/grad`, `/gathered`, ...; "" for its unsynced gradient)."""
+        return f"{self.fqn}@{self.serial}{what}"
 
     def gather(self, param: nn.Parameter) -> torch.Tensor:
         if _SHARDED_ACCESS.active:
@@ -230,7 +242,7 @@ class ParamInfo:
         if hooked != bool(self.grad_key):
             if not hooked:  # the hooks were removed: its receiver (sharing the shard's storage) goes too
                 self._drop_receiver()
-            self.grad_key = f"{self.fqn}@{id(self):x}/grad" if hooked else ""
+            self.grad_key = self.state_key("/grad") if hooked else ""
         # what a compiled forward gathers from (`self.__dict__`: not a field, changes no spec)
         self.__dict__["grad_source"] = receive_grads(self.grad_key, param) if hooked else None
 
@@ -268,7 +280,7 @@ class ParamInfo:
     def set_reshard_after_backward(self, reshard_after_backward: bool) -> None:
         self.reshard_after_backward = reshard_after_backward
         if not reshard_after_backward and not self.kept_key:
-            self.kept_key = f"{self.fqn}@{id(self):x}/gathered"
+            self.kept_key = self.state_key("/gathered")
 
     def drop_kept(self) -> None:
         if self.kept_key:
@@ -295,7 +307,7 @@ class ParamInfo:
     def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
         self.requires_gradient_sync = requires_gradient_sync
         if not requires_gradient_sync and not self.pending_key:
-            self.pending_key = f"{self.fqn}@{id(self):x}"
+            self.pending_key = self.state_key("")
 
 
 @dataclass(frozen=True, eq=False)

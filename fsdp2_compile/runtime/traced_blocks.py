@@ -37,25 +37,27 @@ def traced_once(forward: Callable) -> Callable:
 
 
 class _AheadOfTime:
-    active = False
+    config: Any = None
+    """The `CompileConfig` compiled ahead of time now, else None."""
 
 
 _AHEAD_OF_TIME = _AheadOfTime()
 
 
 @contextlib.contextmanager
-def compiling_ahead_of_time() -> Iterator[None]:
-    """Inside, Dynamo traces for the fsdp2 backend through torch's ahead-of-time compile (`CompileConfig.cache_dir`),
-    whose capture names no backend, and that backend returns graphs torch can save (`ahead_of_time()`)."""
-    _AHEAD_OF_TIME.active = True
+def compiling_ahead_of_time(config: Any) -> Iterator[None]:
+    """Inside, Dynamo traces for the fsdp2 backend compiling with `config` through torch's ahead-of-time compile
+    (`CompileConfig.cache_dir`), whose capture names no backend, and that backend returns graphs torch can save
+    (`ahead_of_time()`)."""
+    _AHEAD_OF_TIME.config = config
     try:
         yield
     finally:
-        _AHEAD_OF_TIME.active = False
+        _AHEAD_OF_TIME.config = None
 
 
 def ahead_of_time() -> bool:
-    return _AHEAD_OF_TIME.active
+    return _AHEAD_OF_TIME.config is not None
 
 
 TRACES_BLOCKS_ONCE = "fsdp2_traces_blocks_once"
@@ -65,8 +67,9 @@ _WARNED: set[str] = set()
 
 @torch.compiler.assume_constant_result
 def _fsdp2_backend_tracing() -> bool:
-    """Whether the backend Dynamo traces for is fsdp2's; run (not traced) by Dynamo, its result a constant. A
-    sharded module compiled with another backend gets a warning, once per backend."""
+    """Whether blocks are traced once: the backend Dynamo traces for is fsdp2's (or it compiles ahead of time) and
+    its compiler takes nested regions; run (not traced) by Dynamo, its result a constant. A sharded module compiled
+    with another backend gets a warning, once per backend."""
     from fsdp2_compile._torch_private import (  # AOTAutograd's imports wait for a compile
         inductor_takes_nested_regions,
         tracing_backend,
@@ -74,15 +77,13 @@ def _fsdp2_backend_tracing() -> bool:
     from fsdp2_compile.config import CompileConfig, compiler_for
     from fsdp2_compile.runtime.validation import default_device_type
 
-    if _AHEAD_OF_TIME.active:
-        return True
     backend = tracing_backend()
+    fn = getattr(backend, "func", backend)  # make_backend's functools.partial
+    if ahead_of_time() or getattr(fn, TRACES_BLOCKS_ONCE, False):
+        config = _AHEAD_OF_TIME.config or getattr(backend, "keywords", {}).get("config") or CompileConfig()
+        return inductor_takes_nested_regions or compiler_for(config, default_device_type()) != "inductor"
     if backend is None:
         return False
-    fn = getattr(backend, "func", backend)  # make_backend's functools.partial
-    if getattr(fn, TRACES_BLOCKS_ONCE, False):
-        config = getattr(backend, "keywords", {}).get("config") or CompileConfig()
-        return inductor_takes_nested_regions or compiler_for(config, default_device_type()) != "inductor"
     name = getattr(fn, "__name__", repr(fn))
     if name not in _WARNED:
         _WARNED.add(name)
