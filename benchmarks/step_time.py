@@ -68,8 +68,7 @@ def build(args) -> torch.nn.Module:
             config = dataclasses.replace(config, prefetch_depth=args.prefetch_depth)
         if args.budget_mib is not None:
             config = dataclasses.replace(config, memory_budget_bytes=int(args.budget_mib * 2**20))
-        if args.cache_dir is not None:
-            config = dataclasses.replace(config, cache_dir=args.cache_dir)
+        config = dataclasses.replace(config, cache_dir=args.cache_dir)  # none by default: the first step compiles
         if args.mode == "backend-route":
             fc.shard(model)
             return torch.compile(model, backend=make_backend(config))

@@ -22,7 +22,7 @@ from fsdp2_compile.compiler.graph_records import GraphRecord, drop_records_of, d
 from fsdp2_compile.compiler.step_errors import note_step_error
 from fsdp2_compile.compiler.step_watch import forget_counts_of
 from fsdp2_compile.compiler.warm_start import WarmStart
-from fsdp2_compile.config import CompileConfig, MixedPrecisionPolicy, compiler_for
+from fsdp2_compile.config import CompileConfig, MixedPrecisionPolicy, cache_dir_for, compiler_for
 from fsdp2_compile.runtime.free_memory import resolve_memory_budget
 from fsdp2_compile.runtime.param_state import GradDeliveryRefresh
 from fsdp2_compile.runtime.sharding import shard
@@ -96,7 +96,10 @@ def shard_compile(
     mesh = resolve_mesh(mesh)
     if compile_config.memory_budget_fraction is not None:
         compile_config = resolve_memory_budget(compile_config, mesh)
-    compile_config = dataclasses.replace(compile_config, compiler=compiler_for(compile_config, mesh.device_type))
+    compiler = compiler_for(compile_config, mesh.device_type)
+    compile_config = dataclasses.replace(
+        compile_config, compiler=compiler, cache_dir=cache_dir_for(compile_config, compiler)
+    )
     backend = make_backend(dataclasses.replace(compile_config, cache_dir=None))  # WarmStart reads cache_dir
     compile_in_place(module, backend, dynamic=dynamic, config=compile_config)
     return module
@@ -110,7 +113,7 @@ def _call_ahead_of_time(module: nn.Module, *args, **kwargs):
 
 
 def compile_in_place(
-    module: nn.Module, backend, dynamic: bool | None = None, config: CompileConfig = CompileConfig()
+    module: nn.Module, backend, dynamic: bool | None = None, config: CompileConfig = CompileConfig(cache_dir=None)
 ) -> None:
     """Like `module.compile(...)`, but traced from a frame outside torch.nn so Dynamo does not skip it. With
     `config.defer_full_gc`, Python's full collections wait during each call (`compile_gc.py`: Dynamo's tracing

@@ -51,6 +51,10 @@ class MixedPrecisionPolicy:
             raise TypeError(f"MixedPrecisionPolicy.cast_forward_inputs={self.cast_forward_inputs!r}: use True or False")
 
 
+AUTO = "auto"
+"""`CompileConfig(cache_dir="auto")`, the default: torch's compile cache directory, under Inductor."""
+
+
 @dataclass(frozen=True)
 class CompileConfig:
     """How the backend turns captured graphs into executable sharded graphs."""
@@ -98,13 +102,14 @@ class CompileConfig:
     """While the fsdp2 backend compiles (for a `shard_compile`d module: its whole call, Dynamo's tracing included),
     Python's full garbage collections wait, young ones still run; the thresholds are restored afterwards, raising or
     not (`compile_gc.py`). Other compiles in the process are untouched. It changes no decision: ranks may differ."""
-    cache_dir: str | None = field(default=None, metadata={"rank_local": True})
+    cache_dir: str | None = field(default=AUTO, metadata={"rank_local": True})
     """Warm restarts: a directory (created if absent) where a `shard_compile`d module's first call is saved, traced
     and compiled ahead of time, one file per rank; a relaunch whose every rank finds its file of the same key
     loads it instead of compiling (the key: versions, world, config, the module's structure, code, attributes,
-    parameters and specs, the inputs). "auto": `fsdp2_compile/` in torch's compile cache directory, beside
-    Inductor's FX graph cache ($TORCHINDUCTOR_CACHE_DIR, else `torchinductor_<user>` in the temporary directory).
-    None (the default): nothing saved or loaded. An unusable or outdated file is compiled again and replaced."""
+    parameters and specs, the inputs). "auto" (the default): under Inductor, `fsdp2_compile/` in torch's compile
+    cache directory, beside Inductor's FX graph cache ($FSDP2_COMPILE_CACHE_DIR overrides it); under aot_eager,
+    whose compile is short, nothing (`cache_dir_for`). None: nothing saved or loaded. An unusable or outdated file
+    is compiled again and replaced."""
 
     def __post_init__(self) -> None:
         if self.cache_dir is not None and not isinstance(self.cache_dir, (str, os.PathLike)):
@@ -162,6 +167,12 @@ class CompileConfig:
 def _is_int(value: object) -> bool:
     """An int that is not a bool (True would otherwise pass as 1)."""
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def cache_dir_for(config: CompileConfig, compiler: str) -> str | os.PathLike | None:
+    """Where a module that `compiler` compiles with `config` saves its compile: `config.cache_dir`, except that
+    "auto" saves nothing under aot_eager."""
+    return None if config.cache_dir == AUTO and compiler != "inductor" else config.cache_dir
 
 
 def compiler_for(config: CompileConfig, device_type: str) -> str:

@@ -297,7 +297,7 @@ def test_set_requires_gradient_sync_accumulates_unsharded_and_reduces_once(mode,
         assert all(b.count("reduce_scatter") == 3 for b in backward[1:])
 
 
-def test_ranks_recompiling_for_new_shapes_at_different_steps_do_not_wait_for_each_other(tmp_path, monkeypatch):
+def test_ranks_recompiling_for_new_shapes_at_different_steps_do_not_wait_for_each_other(tmp_path):
     # rank 0 meets a new sequence length at step 1, rank 1 only at step 2: each recompiles alone, and the schedule
     # check must not wait for the other rank (before, it waited 120 s and failed); so with a saved compile
     # (`CompileConfig.cache_dir`), where the recompile is the ordinary compile's first, compiled or loaded
@@ -323,10 +323,9 @@ def test_ranks_recompiling_for_new_shapes_at_different_steps_do_not_wait_for_eac
             torch.testing.assert_close(results[r]["losses"][step], per_rank[r].item(), rtol=1e-5, atol=0)
     assert_params_close(results[0]["full"], dict(model.named_parameters()), PARAM_RTOL, PARAM_ATOL)
     assert [r["forwards"] for r in results] == [2, 2]  # the static graph, then one dynamic recompile each
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # where cache_dir="auto" saves, for both launches
-    saved = run_ranks(rank_dependent_lengths, 2, lengths, "auto", timeout=300)
+    saved = run_ranks(rank_dependent_lengths, 2, lengths, str(tmp_path), timeout=300)
     assert [r["saved"] for r in saved] == [["miss", "stored"]] * 2 and [r["forwards"] for r in saved] == [2, 2]
     # a relaunch loads the static graph and still recompiles on each rank alone, once, dynamic: the same steps
-    again = run_ranks(rank_dependent_lengths, 2, lengths, "auto", timeout=300)
+    again = run_ranks(rank_dependent_lengths, 2, lengths, str(tmp_path), timeout=300)
     assert [r["saved"] for r in again] == [["hit"]] * 2 and [r["forwards"] for r in again] == [1, 1]
     assert [r["losses"] for r in saved] == [r["losses"] for r in again] == [r["losses"] for r in results]

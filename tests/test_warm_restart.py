@@ -4,6 +4,7 @@ and replaced; a file of another world size, config or model is never loaded."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -179,12 +180,14 @@ def _one_rank(fn):
         clear_dtensor_caches()
 
 
-def test_auto_saves_in_torchs_cache_directory_and_the_default_saves_nothing(tmp_path, monkeypatch):
-
+def test_by_default_inductor_saves_in_torchs_cache_directory_and_aot_eager_saves_nothing(tmp_path, monkeypatch):
+    """`cache_dir="auto"`, the default: under Inductor, `fsdp2_compile/` in torch's compile cache directory, or the
+    directory $FSDP2_COMPILE_CACHE_DIR names; under aot_eager nothing is saved."""
     import fsdp2_compile as fc
     from fsdp2_compile.compiler.graph_records import compiled_graphs
     from fsdp2_compile.compiler.warm_start import cache_events
 
+    monkeypatch.delenv("FSDP2_COMPILE_CACHE_DIR")
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     records = []
 
@@ -197,12 +200,15 @@ def test_auto_saves_in_torchs_cache_directory_and_the_default_saves_nothing(tmp_
             records.append(sorted(r.kind for r in compiled_graphs() if r.owner == id(model)))
         return cache_events()[before:]
 
-    events = _one_rank(lambda: first_calls(fc.CompileConfig(cache_dir="auto")))
+    events = _one_rank(lambda: first_calls(fc.CompileConfig(compiler="inductor")))
     assert [what for what, _ in events] == ["miss", "stored"] * 2
     assert records == [["backward", "forward"]] * 2
-    directory = os.path.join(os.environ["TORCHINDUCTOR_CACHE_DIR"], "fsdp2_compile")
-    assert os.path.dirname(events[0][1]) == directory and os.path.exists(events[0][1])
-    assert _one_rank(lambda: first_calls(fc.CompileConfig())) == []
+    assert os.path.dirname(events[0][1]) == str(tmp_path / "fsdp2_compile") and os.path.exists(events[0][1])
+    monkeypatch.setenv("FSDP2_COMPILE_CACHE_DIR", str(tmp_path / "elsewhere"))
+    events = _one_rank(lambda: first_calls(fc.CompileConfig(compiler="inductor")))
+    assert os.path.dirname(events[0][1]) == str(tmp_path / "elsewhere") and os.path.exists(events[0][1])
+    for config in (fc.CompileConfig(), fc.CompileConfig(compiler="aot_eager", cache_dir="auto")):  # the CPU default
+        assert _one_rank(functools.partial(first_calls, config)) == []
 
 
 def test_a_hook_added_or_an_attribute_changed_after_the_first_call_is_not_run_through_the_saved_compile(tmp_path):

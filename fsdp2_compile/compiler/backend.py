@@ -50,8 +50,7 @@ from fsdp2_compile.compiler.selective_unshard import KEPT_META, KeptGathered, bu
 from fsdp2_compile.compiler.step_watch import watched
 from fsdp2_compile.compiler.unsharded_after_backward import keep_unsharded_after_backward
 from fsdp2_compile.compiler.unsynced_backward import BackwardBySync
-from fsdp2_compile.compiler.warm_start import AUTO
-from fsdp2_compile.config import CompileConfig, compiler_for
+from fsdp2_compile.config import AUTO, CompileConfig, compiler_for
 from fsdp2_compile.core.fx_edit import nodes_calling
 from fsdp2_compile.core.hardware import PROFILES, HardwareProfile
 from fsdp2_compile.core.ir import REDUCE_GRAD, UNSHARD, ReduceGradArgs, UnshardArgs

@@ -40,7 +40,7 @@ from fsdp2_compile._torch_private import (
 from fsdp2_compile.compiler import first_call
 from fsdp2_compile.compiler.graph_records import dump_requested
 from fsdp2_compile.compiler.rank_consistency import compiled_as
-from fsdp2_compile.config import CompileConfig
+from fsdp2_compile.config import AUTO, CompileConfig
 from fsdp2_compile.runtime.param_state import ParamInfo, own_parameters
 from fsdp2_compile.runtime.rank_agreement import agreed_in, restore_agreed
 from fsdp2_compile.runtime.traced_blocks import compiling_ahead_of_time
@@ -58,22 +58,22 @@ _SAVED_HERE: set[str] = set()
 def cache_events() -> list[tuple[str, str]]:
     """(what, file) for each cache file this process looked for: "hit" (loaded, every rank loaded its own),
     "miss" (compiled), "stored", "unreadable" (warned, compiled again), "stale" (code it traced has changed since:
-    compiled again), "unstored" (warned), "uncompiled" (under Inductor, or the ahead-of-time compile raised: the
-    module's ordinary compile runs), "dropped" (deleted by the process that saved it: gradient sync changed between
+    compiled again), "unstored" (warned), "uncompiled" (the ahead-of-time compile raised: the module's
+    ordinary compile runs), "dropped" (deleted by the process that saved it: gradient sync changed between
     a forward and its backward, which a saved backward cannot follow)."""
     return list(_EVENTS)
 
 
-AUTO = "auto"
-"""`CompileConfig(cache_dir="auto")`: `fsdp2_compile/` in torch's compile cache directory (`cache_path`)."""
+CACHE_DIR_VARIABLE = "FSDP2_COMPILE_CACHE_DIR"
+"""The environment variable naming where `CompileConfig(cache_dir="auto")` saves."""
 
 
 def cache_path(cache_dir: str | os.PathLike) -> str:
-    """The directory `CompileConfig.cache_dir` names: "auto" is `fsdp2_compile/` under the directory of torch's
-    compile caches (Inductor's FX graph cache's: $TORCHINDUCTOR_CACHE_DIR, else `torchinductor_<user>` in the
-    temporary directory)."""
+    """The directory `CompileConfig.cache_dir` names: "auto" is $FSDP2_COMPILE_CACHE_DIR, else `fsdp2_compile/`
+    under the directory of torch's compile caches (Inductor's FX graph cache's: $TORCHINDUCTOR_CACHE_DIR, else
+    `torchinductor_<user>` in the temporary directory)."""
     if cache_dir == AUTO:
-        return os.path.join(torch_cache_dir(), "fsdp2_compile")
+        return os.path.abspath(os.environ.get(CACHE_DIR_VARIABLE) or os.path.join(torch_cache_dir(), "fsdp2_compile"))
     return os.path.abspath(cache_dir)
 
 
