@@ -21,17 +21,17 @@ def fake_pg():
     clear_dtensor_caches()
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _saved_compiles_dir():
+def pytest_configure(config):
     """Compiles saved by default (`CompileConfig(cache_dir="auto")`, under Inductor) go to a directory of this run's,
     removed afterwards; ranks a test spawns inherit it."""
-    path = tempfile.mkdtemp(prefix="fsdp2-compile-tests-")
-    os.environ["FSDP2_COMPILE_CACHE_DIR"] = path
-    yield
-    shutil.rmtree(path, ignore_errors=True)
+    os.environ["FSDP2_COMPILE_CACHE_DIR"] = tempfile.mkdtemp(prefix="fsdp2-compile-tests-")
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(os.environ.pop("FSDP2_COMPILE_CACHE_DIR", ""), ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)
-def _no_saved_compiles(_saved_compiles_dir):
+def _no_saved_compiles():
     """Emptied before each test, so that no test loads what another saved."""
     shutil.rmtree(os.environ["FSDP2_COMPILE_CACHE_DIR"], ignore_errors=True)
