@@ -6,12 +6,13 @@
 For each parameter dtype (fp32; bf16 params with fp32 reduction) it trains the GPT of `examples/gpt.py` from the same
 initial weights and batches with: `fully_shard` (eager, blocks then root), `fully_shard` again (the control: is the
 reference itself reproducible on this device?), `fully_shard` with each block `torch.compile`d first (torchtitan's
-recipe, Inductor), and ours (`fc.shard` blocks, `fc.shard_compile` root) once per `CompileConfig(compiler=...)`, nothing
-saved (`cache_dir=None`: the first step compiles). Every rank's loss at every step is compared bitwise with `fully_shard`'s; the step time
-is the median after warm-up (the slowest rank's), memory is the peak `max_memory_allocated` per rank on CUDA, counted
-from the sharded model and optimizer on (on CPU: peak RSS sampled after forward, backward and step; it only grows
-within the process, so it depends on the order of the runs). "Host issues the step in" is the time until the step's
-Python returns, before waiting for the device: near the step time, the host bounds the step (or a call in it waits).
+recipe, Inductor), and ours (`fc.shard` blocks, `fc.shard_compile` root) once per `CompileConfig(compiler=...)`,
+nothing saved (`cache_dir=None`: the first step compiles). Every rank's loss at every step is compared bitwise with
+`fully_shard`'s; the step time is the median after warm-up (the slowest rank's), memory is the peak
+`max_memory_allocated` per rank on CUDA, counted from the sharded model and optimizer on (on CPU: peak RSS sampled
+after forward, backward and step; it only grows within the process, so it depends on the order of the runs). "Host
+issues the step in" is the time until the step's Python returns, before waiting for the device: near the step time,
+the host bounds the step (or a call in it waits).
 `--sdpa math` keeps attention on the math kernel, whose backward is deterministic on CUDA.
 
 Checks (exit code 1 when one fails, after printing the table):

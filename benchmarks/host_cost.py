@@ -7,8 +7,8 @@ ranks (1: gloo; more: torch's fake process group, whose collectives return at on
 Systems: `fsdp2` (`fully_shard` per block and on the root, eager), `fsdp2-compiled` (the same, each block compiled
 first with `torch.compile`, Inductor, as torchtitan does), `ours` (`shard` per block, `shard_compile` on the root,
 the default `CompileConfig`), `ours-inductor` (`compiler="inductor"`), nothing saved (`cache_dir=None`). Each is
-built and its first step timed (Inductor's caches in a fresh directory, so the first step compiles cold), then warmed up; the steps are timed in
-alternation (`--runs` rounds, the order reversed every other round, `--steps` steps each). Prints one JSON line:
+built and its first step timed (Inductor's caches in a fresh directory, so the first step compiles cold), then
+warmed up; the steps are timed in alternation (`--runs` rounds, the order reversed every other round, `--steps` steps each). Prints one JSON line:
 per system the first step and the median over rounds of each round's median step, its ratio to `fsdp2`'s, and for
 ours the nodes our emitted forward and backward graphs execute per managed parameter, by kind.
 """

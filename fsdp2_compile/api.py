@@ -112,12 +112,11 @@ def _call_ahead_of_time(module: nn.Module, *args, **kwargs):
     return module_call_impl(module)(*args, **kwargs)
 
 
-def compile_in_place(
-    module: nn.Module, backend, dynamic: bool | None = None, config: CompileConfig = CompileConfig(cache_dir=None)
-) -> None:
+def compile_in_place(module: nn.Module, backend, config: CompileConfig, dynamic: bool | None = None) -> None:
     """Like `module.compile(...)`, but traced from a frame outside torch.nn so Dynamo does not skip it. With
     `config.defer_full_gc`, Python's full collections wait during each call (`compile_gc.py`: Dynamo's tracing
-    included); with `config.cache_dir`, the first call loads or compiles ahead of time (`compiler/warm_start.py`).
+    included); with `config.cache_dir` (as `cache_dir_for` resolved it), the first call loads or compiles ahead of
+    time (`compiler/warm_start.py`).
 
     (`nn.Module.compile` compiles `_call_impl`, a frame Dynamo skips for built-in containers such as
     `nn.Sequential`; `torch.compile(module)` would add an `_orig_mod.` prefix to every parameter name.)
