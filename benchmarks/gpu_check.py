@@ -7,7 +7,7 @@ For each parameter dtype (fp32; bf16 params with fp32 reduction) it trains the G
 initial weights and batches with: `fully_shard` (eager, blocks then root), `fully_shard` again (the control: is the
 reference itself reproducible on this device?), `fully_shard` with each block `torch.compile`d first (torchtitan's
 recipe, Inductor), and ours (`fc.shard` blocks, `fc.shard_compile` root) once per `CompileConfig(compiler=...)`,
-nothing saved (`cache_dir=None`: the first step compiles). Every rank's loss at every step is compared bitwise with
+`compile_cache` off (the default: the first step compiles). Every rank's loss at every step is compared bitwise with
 `fully_shard`'s; the step time is the median after warm-up (the slowest rank's), memory is the peak
 `max_memory_allocated` per rank on CUDA, counted from the sharded model and optimizer on (on CPU: peak RSS sampled
 after forward, backward and step; it only grows within the process, so it depends on the order of the runs). "Host
@@ -181,9 +181,7 @@ def run_one(
         mp = fc.MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
         for block in model.blocks:
             fc.shard(block, mesh, mp_policy=mp)
-        fc.shard_compile(
-            model, mesh, mp_policy=mp, compile_config=fc.CompileConfig(compiler=system.split(" ")[1], cache_dir=None)
-        )
+        fc.shard_compile(model, mesh, mp_policy=mp, compile_config=fc.CompileConfig(compiler=system.split(" ")[1]))
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     dev.reset_peak()  # from the sharded model on: what training needs, not the unsharded copy before sharding
     cfg = model.cfg

@@ -6,7 +6,7 @@ ranks (1: gloo; more: torch's fake process group, whose collectives return at on
 
 Systems: `fsdp2` (`fully_shard` per block and on the root, eager), `fsdp2-compiled` (the same, each block compiled
 first with `torch.compile`, Inductor, as torchtitan does), `ours` (`shard` per block, `shard_compile` on the root,
-the default `CompileConfig`), `ours-inductor` (`compiler="inductor"`), nothing saved (`cache_dir=None`). Each is
+the default `CompileConfig`, whose `compile_cache` is off), `ours-inductor` (`compiler="inductor"`). Each is
 built and its first step timed (Inductor's caches in a fresh directory, so the first step compiles cold), then
 warmed up; the steps are timed in alternation (`--runs` rounds, the order reversed every other round, `--steps` steps each). Prints one JSON line:
 per system the first step and the median over rounds of each round's median step, its ratio to `fsdp2`'s, and for
@@ -59,7 +59,7 @@ def build(system: str, args) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         for block in model.blocks:
             fc.shard(block)
         compiler = "inductor" if system == "ours-inductor" else fc.CompileConfig().compiler
-        fc.shard_compile(model, compile_config=fc.CompileConfig(compiler=compiler, cache_dir=None))
+        fc.shard_compile(model, compile_config=fc.CompileConfig(compiler=compiler))
     return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
 
 

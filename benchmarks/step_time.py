@@ -11,8 +11,11 @@ it with --nproc-per-node 1 and --batch set to the per-rank batch), backend-route
 with --optimizer-in-backward autograd runs them after the whole compiled backward, as before the graph delivered
 gradients itself). --optimizer-in-backward: FSDP2's recipe, one AdamW per parameter stepped by a
 post-accumulate-grad hook instead of one `opt.step()` after backward.
+--compile-cache: CompileConfig(compile_cache=True), the compiled graphs saved in and loaded from torch's AOTAutograd
+cache under $TORCHINDUCTOR_CACHE_DIR (set it per launch to choose a cold or a warm cache).
 Prints one JSON line (rank 0): median/mean step seconds after warm-up, first-step seconds, compile seconds (torch's
-own timers, the slowest rank), peak RSS per rank, collectives and bytes per step.
+own timers, the slowest rank), rank 0's compile-cache events ("hit", "miss", "stored", "bypass"), peak RSS per
+rank, collectives and bytes per step (none for graphs loaded from the cache, which record no graph).
 """
 
 from __future__ import annotations
@@ -34,8 +37,8 @@ from gpt import GPT, GPTConfig, gpt_loss, make_batch  # noqa: E402
 
 import fsdp2_compile as fc  # noqa: E402
 from fsdp2_compile.api import make_backend  # noqa: E402
+from fsdp2_compile.compiler.compile_cache import cache_events  # noqa: E402
 from fsdp2_compile.compiler.graph_records import collectives, compiled_graphs  # noqa: E402
-from fsdp2_compile.compiler.warm_start import cache_events  # noqa: E402
 
 CONFIGS = {
     "plain": fc.CompileConfig(buckets="none", prefetch=False, schedule=False),
@@ -68,7 +71,8 @@ def build(args) -> torch.nn.Module:
             config = dataclasses.replace(config, prefetch_depth=args.prefetch_depth)
         if args.budget_mib is not None:
             config = dataclasses.replace(config, memory_budget_bytes=int(args.budget_mib * 2**20))
-        config = dataclasses.replace(config, cache_dir=args.cache_dir)  # none by default: the first step compiles
+        if args.compile_cache:  # off by default: the first step compiles
+            config = dataclasses.replace(config, compile_cache=True)
         if args.mode == "backend-route":
             fc.shard(model)
             return torch.compile(model, backend=make_backend(config))
@@ -107,7 +111,11 @@ def argument_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--prefetch-depth", type=int, help="override CompileConfig.prefetch_depth")
     p.add_argument("--budget-mib", type=float, help="override CompileConfig.memory_budget_bytes (MiB)")
-    p.add_argument("--cache-dir", help="CompileConfig.cache_dir (warm restarts)")
+    p.add_argument(
+        "--compile-cache",
+        action="store_true",
+        help="CompileConfig(compile_cache=True) (warm restarts): saved in and loaded from $TORCHINDUCTOR_CACHE_DIR",
+    )
     p.add_argument("--losses", action="store_true", help="also print every step's loss (exact, as hex)")
     p.add_argument("--optimizer-in-backward", action="store_true", help="an AdamW per parameter, stepped by its hook")
     return p
@@ -166,7 +174,7 @@ def main() -> None:
                     median_s=statistics.median(timed),
                     mean_s=statistics.mean(timed),
                     first_step_s=times[0],
-                    cache=[what for what, _ in cache_events()],
+                    cache=cache_events(),
                     compile_s=compiling.item(),
                     peak_rss_mib=[int(b) / 2**20 for b in every.tolist()],
                     collectives_per_step=len(colls) or None,

@@ -1,18 +1,18 @@
-"""Warm restarts: the first step of a 2-rank launch with an empty `CompileConfig.cache_dir` (cold) and of the same
-launch again (warm, the cache filled by the cold one), at each depth, alternated over several runs; medians.
+"""Warm restarts: the first step of a 2-rank launch with `CompileConfig(compile_cache=True)` and an empty
+`TORCHINDUCTOR_CACHE_DIR` (cold) and of the same launch again (warm, the cache filled by the cold one), at each
+depth, alternated over several runs; medians.
 
     .venv/bin/python benchmarks/warm_restart.py [--layers 8 32] [--runs 3] [--d-model 512] [--mode full|inductor]
-        [--fresh-inductor-cache]
 
-Each launch is `benchmarks/step_time.py --mode MODE --cache-dir DIR --losses` under torchrun (one thread per rank),
-whose first step is, cold, Dynamo's tracing, AOTAutograd, the partition, the passes (and, under `inductor`,
-Inductor's code generation and C++ compiles) and one training step (and the compile saved), warm, the saved compile
-loaded and one training step. Each cold launch starts with an empty `cache_dir` and an empty Inductor cache
-(`TORCHINDUCTOR_CACHE_DIR`); its warm launch reuses both, as a relaunch of the same job on the same machines does
-(`--fresh-inductor-cache`: the warm launch gets an empty Inductor cache, as a relaunch on other machines that
-carries `cache_dir` only). Also printed: each launch's second step, the first step's excess over it (what
-compiling, or loading, adds), and whether every warm launch's losses equal its cold launch's bitwise. On a 2-core
-machine shared with other work, runs move by a third: compare the ratio within a run.
+Each launch is `benchmarks/step_time.py --mode MODE --compile-cache --losses` under torchrun (one thread per rank),
+with `TORCHINDUCTOR_CACHE_DIR` set to the run's directory: cold, Dynamo's tracing, AOTAutograd, the partition, the
+passes (and, under `inductor`, Inductor's code generation and C++ compiles), the graphs stored in torch's
+AOTAutograd cache and one training step; warm, Dynamo's tracing, the graphs loaded from that cache and one
+training step. Each cold launch starts with an empty directory; its warm launch reuses it, as a relaunch of the
+same job on the same machines does. Also printed: each launch's second step, the first step's excess over it (what
+compiling, or loading, adds), how many warm launches only loaded (rank 0's `compile_cache.cache_events()` all
+"hit"), and whether every warm launch's losses equal its cold launch's bitwise. On a 2-core machine shared with
+other work, runs move by a third: compare the ratio within a run.
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
 
 
-def launch(mode: str, layers: int, d_model: int, cache_dir: str, inductor_cache: str, port: int) -> dict:
+def launch(mode: str, layers: int, d_model: int, cache_dir: str, port: int) -> dict:
+    """One launch of step_time.py with `--compile-cache`, torch's compile cache directory set to `cache_dir`."""
     cmd = [
         TORCHRUN,
         "--master-addr",
@@ -50,8 +51,7 @@ def launch(mode: str, layers: int, d_model: int, cache_dir: str, inductor_cache:
         "1",
         "--warmup",
         "1",
-        "--cache-dir",
-        cache_dir,
+        "--compile-cache",
         "--losses",
     ]
     out = subprocess.run(
@@ -62,7 +62,7 @@ def launch(mode: str, layers: int, d_model: int, cache_dir: str, inductor_cache:
         env={
             **os.environ,
             "OMP_NUM_THREADS": "1",
-            "TORCHINDUCTOR_CACHE_DIR": inductor_cache,
+            "TORCHINDUCTOR_CACHE_DIR": cache_dir,
         },
     )
     lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
@@ -77,9 +77,6 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--d-model", type=int, default=512)
     p.add_argument("--mode", choices=["full", "inductor"], default="full", help="step_time.py's mode")
-    p.add_argument(
-        "--fresh-inductor-cache", action="store_true", help="the warm launch starts with an empty Inductor cache"
-    )
     p.add_argument("--port", type=int, default=29731)
     args = p.parse_args()
     rows = []
@@ -88,11 +85,8 @@ def main() -> None:
         for run in range(args.runs):  # cold, warm, cold, warm, ...: both see the same drift of the machine
             cache = tempfile.mkdtemp(prefix="fsdp2-warm-")
             try:
-                inductor = os.path.join(cache, "inductor")
-                cold.append(launch(args.mode, layers, args.d_model, cache, inductor, args.port))
-                if args.fresh_inductor_cache:
-                    inductor = os.path.join(cache, "inductor-warm")
-                warm.append(launch(args.mode, layers, args.d_model, cache, inductor, args.port + 1))
+                cold.append(launch(args.mode, layers, args.d_model, cache, args.port))
+                warm.append(launch(args.mode, layers, args.d_model, cache, args.port + 1))
             finally:
                 shutil.rmtree(cache, ignore_errors=True)
             print(
@@ -116,7 +110,7 @@ def main() -> None:
             f"({spread(warm)}) | {med(warm, 'first_step_s') / med(cold, 'first_step_s'):.2f}x | "
             f"{med(cold, 'median_s'):.1f} s / {med(warm, 'median_s'):.1f} s | "
             f"{extra(warm):.1f} s / {extra(cold):.1f} s = {extra(warm) / extra(cold):.2f}x | "
-            f"{sum(r['cache'] == ['hit'] for r in warm)} of {len(warm)} | "
+            f"{sum(bool(r['cache']) and set(r['cache']) == {'hit'} for r in warm)} of {len(warm)} | "
             f"{'yes' if all(c['losses'] == w['losses'] for c, w in zip(cold, warm)) else 'NO'} |"
         )
 

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import importlib
 import os
 import re
 import types
 import warnings
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -21,12 +20,9 @@ from torch.utils.checkpoint import CheckpointPolicy
 __all__ = [
     "all_gather_single",
     "ALLOW_UNSUPPORTED_TORCH",
-    "aot_compile_function",
-    "aot_compiled_sources",
-    "aot_function_from_bytes",
-    "aot_function_to_bytes",
     "aot_module_simplified",
     "as_boxed",
+    "autograd_cache_counts",
     "boxed_call",
     "check_torch_version",
     "check_torchao_version",
@@ -35,7 +31,6 @@ __all__ = [
     "CheckpointPolicy",
     "CheckpointWrapper",
     "clear_dtensor_caches",
-    "compile_settings_digest",
     "compile_times",
     "concatenate_meshes",
     "current_compile_context",
@@ -80,6 +75,7 @@ __all__ = [
     "register_value_type",
     "resolve_group",
     "root_mesh_groups",
+    "saved_compile_settings",
     "serializable_graph",
     "serializable_inductor_graph",
     "set_compiled_call_impl",
@@ -93,7 +89,6 @@ __all__ = [
     "SUPPORTED_TORCHAO",
     "SUPPORTED_TORCHAO_SPEC",
     "to_copy",
-    "torch_cache_dir",
     "TorchDispatchMode",
     "trace_graph_artifact",
     "tracing_backend",
@@ -834,74 +829,37 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(name)
 
 
-def aot_compiled_sources(compiled: Any) -> list[tuple[str, str]]:
-    """(module name, that module's source when it was traced) for every module whose code Dynamo traced into what
-    `aot_compile_function` returned (its `SourceInfo`)."""
-    return sorted({(s.module, s.content) for s in compiled.source_info().inlined_sources})
+@contextlib.contextmanager
+def saved_compile_settings(graph: fx.GraphModule, extra_key: str, functions: Sequence[Callable]) -> Iterator[None]:
+    """Inside, `aot_module_simplified(graph, ...)` goes through torch's AOTAutograd cache, bundled (the compiled
+    graphs themselves are stored, not references to Inductor's cache) and with the backward compiled with the
+    forward: a hit loads what a compile of the same key stored; a miss compiles and stores it, if the compiled
+    graphs can be saved. `extra_key` joins torch's key (as the backend id that torch's ahead-of-time compile puts
+    there), for what the compile depends on beyond the captured graph and its inputs. `functions`: what the graph
+    may call besides ops, as torch lets a user mark cacheable (their code is in `extra_key`)."""
+    previous = getattr(graph, "_backend_id", None)
+    graph._backend_id = extra_key
+    marked = {f"{f.__module__}.{f.__name__}": extra_key for f in functions}
+    inductor = _resolve("torch._inductor.config")
+    try:
+        with inductor.patch(unsafe_marked_cacheable_functions={**inductor.unsafe_marked_cacheable_functions, **marked}):
+            with _resolve("torch._functorch.config").patch(
+                enable_autograd_cache=True,
+                force_autograd_cache=True,
+                bundled_autograd_cache=True,
+                force_non_lazy_backward_lowering=True,
+                strict_autograd_cache=False,
+                bypass_autograd_cache_key=False,
+            ):
+                yield
+    finally:
+        graph._backend_id = previous
 
 
-def compile_settings_digest() -> str:
-    """A digest of the settings of Dynamo, AOTAutograd and Inductor now, the same in every process with the same
-    settings (the config modules' own hashes are not: they pickle sets, whose order changes with Python's hash
-    seed)."""
-
-    def canonical(value: Any) -> str:
-        if isinstance(value, (set, frozenset)):
-            return repr(sorted(map(canonical, value)))
-        return re.sub(r" at 0x[0-9a-f]+", "", repr(value))
-
-    text = [
-        f"{name}.{key}={canonical(value)}"
-        for name in ("_dynamo", "_functorch", "_inductor")
-        for key, value in sorted(_resolve(f"torch.{name}.config").get_config_copy().items())
-    ]
-    return hashlib.sha256("\n".join(text).encode()).hexdigest()
-
-
-def torch_cache_dir() -> str:
-    """The directory of torch's compile caches, as Inductor's FX graph cache finds it ($TORCHINDUCTOR_CACHE_DIR, else
-    one per user under the temporary directory), without setting the variable or creating the directory as
-    Inductor's own lookup does."""
-    return os.path.abspath(
-        os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-        or _resolve("torch._inductor.runtime.cache_dir_utils:default_cache_dir")()
-    )
-
-
-def aot_compile_function(
-    fn: Callable, args: tuple, kwargs: dict, backend: Callable, guard_filter_fn: Callable, dynamic: bool | None
-) -> Any:
-    """torch's ahead-of-time compile of `fn(*args, **kwargs)` (`aot_compile_fullgraph`: one graph, no break):
-    Dynamo traces it now and `backend` compiles it, forward and backward; the result is called as `fn` where
-    `.guard_check(*args, **kwargs)`, the guards `guard_filter_fn` keeps, passes (the call does not check them
-    again), and can be saved (`aot_function_to_bytes`). It compiles as a Dynamo frame of its own
-    (`current_compile_id`)."""
-    compile_fullgraph = _resolve("torch._dynamo.aot_compile:aot_compile_fullgraph")
-    hooks = _resolve("torch._dynamo.hooks:Hooks")(guard_filter_fn=guard_filter_fn)
-    convert_frame = _resolve("torch._dynamo.convert_frame")
-    guards = _resolve("torch._guards")
-    with guards.compile_context(guards.CompileContext(convert_frame.get_compile_id({}))):
-        compiled = compile_fullgraph(fn, (args, kwargs), hooks=hooks, backend=backend, dynamic=dynamic)
-    compiled.disable_guard_check()
-    return compiled
-
-
-def aot_function_to_bytes(compiled: Any) -> bytes:
-    """What `aot_compile_function` returned, serialised (Dynamo's bytecode and guards, the backend's graphs)."""
-    return _resolve("torch._dynamo.aot_compile:AOTCompiledFunction").serialize(compiled).serialized_data
-
-
-def aot_function_from_bytes(data: bytes) -> Any:
-    """What `aot_function_to_bytes` wrote, ready to call as `aot_compile_function`'s result: nothing traced or
-    compiled again."""
-    compiled_function = _resolve("torch._dynamo.aot_compile:AOTCompiledFunction")
-    convert_frame = _resolve("torch._dynamo.convert_frame")
-    get_metrics_context = _resolve("torch._dynamo.utils:get_metrics_context")
-    guards = _resolve("torch._guards")
-    with guards.compile_context(guards.CompileContext(convert_frame.get_compile_id({}))), get_metrics_context():
-        compiled = compiled_function.deserialize(data)
-    compiled.disable_guard_check()
-    return compiled
+def autograd_cache_counts() -> dict[str, int]:
+    """torch's counts of AOTAutograd cache lookups in this process: "autograd_cache_hit", "autograd_cache_miss",
+    "autograd_cache_bypass", "autograd_cache_saved"."""
+    return dict(_resolve("torch._dynamo.utils:counters")["aot_autograd"])
 
 
 _reset_code = _resolve("torch._C._dynamo.eval_frame:reset_code")

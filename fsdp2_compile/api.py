@@ -21,8 +21,7 @@ from fsdp2_compile.compiler.compile_gc import full_collections_deferred
 from fsdp2_compile.compiler.graph_records import GraphRecord, drop_records_of, dump_requested, records_owned_by
 from fsdp2_compile.compiler.step_errors import note_step_error
 from fsdp2_compile.compiler.step_watch import forget_counts_of
-from fsdp2_compile.compiler.warm_start import WarmStart
-from fsdp2_compile.config import CompileConfig, MixedPrecisionPolicy, cache_dir_for, compiler_for
+from fsdp2_compile.config import CompileConfig, MixedPrecisionPolicy, compiler_for
 from fsdp2_compile.runtime.free_memory import resolve_memory_budget
 from fsdp2_compile.runtime.param_state import GradDeliveryRefresh
 from fsdp2_compile.runtime.sharding import shard
@@ -97,26 +96,15 @@ def shard_compile(
     if compile_config.memory_budget_fraction is not None:
         compile_config = resolve_memory_budget(compile_config, mesh)
     compiler = compiler_for(compile_config, mesh.device_type)
-    compile_config = dataclasses.replace(
-        compile_config, compiler=compiler, cache_dir=cache_dir_for(compile_config, compiler)
-    )
-    backend = make_backend(dataclasses.replace(compile_config, cache_dir=None))  # WarmStart reads cache_dir
-    compile_in_place(module, backend, dynamic=dynamic, config=compile_config)
+    compile_config = dataclasses.replace(compile_config, compiler=compiler)
+    compile_in_place(module, make_backend(compile_config), dynamic=dynamic, config=compile_config)
     return module
-
-
-def _call_ahead_of_time(module: nn.Module, *args, **kwargs):
-    """What a module compiled with `CompileConfig.cache_dir` compiles ahead of time: a function of the module, so
-    that the saved compile holds no module (`compiler/warm_start.py`)."""
-    _check_call_inputs(module, args, kwargs)
-    return module_call_impl(module)(*args, **kwargs)
 
 
 def compile_in_place(module: nn.Module, backend, config: CompileConfig, dynamic: bool | None = None) -> None:
     """Like `module.compile(...)`, but traced from a frame outside torch.nn so Dynamo does not skip it. With
     `config.defer_full_gc`, Python's full collections wait during each call (`compile_gc.py`: Dynamo's tracing
-    included); with `config.cache_dir` (as `cache_dir_for` resolved it), the first call loads or compiles ahead of
-    time (`compiler/warm_start.py`).
+    included).
 
     (`nn.Module.compile` compiles `_call_impl`, a frame Dynamo skips for built-in containers such as
     `nn.Sequential`; `torch.compile(module)` would add an `_orig_mod.` prefix to every parameter name.)
@@ -134,9 +122,6 @@ def compile_in_place(module: nn.Module, backend, config: CompileConfig, dynamic:
     weakref.finalize(module, _forget_compiled, call.__code__, owner)
     compiled = torch.compile(call, backend=backend, dynamic=dynamic)
     refresh = GradDeliveryRefresh(module)
-    warm = None
-    if config.cache_dir is not None:
-        warm = WarmStart(module, _call_ahead_of_time, backend, config, dynamic, compiled)
     started = False
 
     def refreshed_call(*args, **kwargs):
@@ -147,10 +132,7 @@ def compile_in_place(module: nn.Module, backend, config: CompileConfig, dynamic:
                 if not started:
                     started = True
                     check_no_new_params(module)  # before the first call's exchange: on every rank alike
-                    if warm is None:
-                        first_call.start(refresh.places, config)
-                if warm is not None:
-                    return warm(refresh.places, *args, **kwargs)
+                    first_call.start(refresh.places, config)
                 return compiled(*args, **kwargs)
         except Exception as e:
             note_step_error(e, module, [*_named_leaves("args", args), *_named_leaves("kwargs", kwargs)])

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import torch
@@ -49,10 +48,6 @@ class MixedPrecisionPolicy:
             _check_floating(name, getattr(self, name))
         if not isinstance(self.cast_forward_inputs, bool):
             raise TypeError(f"MixedPrecisionPolicy.cast_forward_inputs={self.cast_forward_inputs!r}: use True or False")
-
-
-AUTO = "auto"
-"""`CompileConfig(cache_dir="auto")`, the default: torch's compile cache directory, under Inductor."""
 
 
 @dataclass(frozen=True)
@@ -102,18 +97,16 @@ class CompileConfig:
     """While the fsdp2 backend compiles (for a `shard_compile`d module: its whole call, Dynamo's tracing included),
     Python's full garbage collections wait, young ones still run; the thresholds are restored afterwards, raising or
     not (`compile_gc.py`). Other compiles in the process are untouched. It changes no decision: ranks may differ."""
-    cache_dir: str | None = field(default=AUTO, metadata={"rank_local": True})
-    """Warm restarts: a directory (created if absent) where a `shard_compile`d module's first call is saved, traced
-    and compiled ahead of time, one file per rank; a relaunch whose every rank finds its file of the same key
-    loads it instead of compiling (the key: versions, world, config, the module's structure, code, attributes,
-    parameters and specs, the inputs). "auto" (the default): under Inductor, `fsdp2_compile/` in torch's compile
-    cache directory, beside Inductor's FX graph cache ($FSDP2_COMPILE_CACHE_DIR overrides it); under aot_eager,
-    whose compile is short, nothing (`cache_dir_for`). None: nothing saved or loaded. An unusable or outdated file
-    is compiled again and replaced."""
+    compile_cache: bool = False
+    """Save what the backend compiles in torch's AOTAutograd cache (in torch's compile cache directory,
+    $TORCHINDUCTOR_CACHE_DIR), so that a later compile of the same graph, in this process or a relaunch, loads it
+    instead of compiling. Dynamo traces and guards every call as without it; the key is torch's AOTAutograd cache
+    key of the captured graph (its code and constants, the inputs' metadata, grad mode, autocast, torch's settings
+    and source) with this package's source, this config, the ranks and process groups, and each parameter's state.
+    Graphs with symbolic sizes are compiled as usual. The link is not measured: the scheduler uses `hardware` (else
+    the device's named profile), so that a relaunch finds the same key. Set it alike on every rank."""
 
     def __post_init__(self) -> None:
-        if self.cache_dir is not None and not isinstance(self.cache_dir, (str, os.PathLike)):
-            raise TypeError(f"CompileConfig.cache_dir={self.cache_dir!r}: use a directory path (str) or None")
         if self.compiler not in (None, "aot_eager", "inductor"):
             raise ValueError(f"CompileConfig.compiler={self.compiler!r} is not one of: None, 'aot_eager', 'inductor'")
         ok = (
@@ -157,7 +150,14 @@ class CompileConfig:
                 f"CompileConfig.keep_gathered={keep!r}: use a number of bytes (int >= 0), a fraction of the "
                 "gathered parameter bytes (float in [0, 1]), or None"
             )
-        for name in ("prefetch", "schedule", "check_rank_consistency", "keep_snapshots", "defer_full_gc"):
+        for name in (
+            "prefetch",
+            "schedule",
+            "check_rank_consistency",
+            "keep_snapshots",
+            "defer_full_gc",
+            "compile_cache",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"CompileConfig.{name}={getattr(self, name)!r}: use True or False")
         if self.hardware is not None and not isinstance(self.hardware, str):
@@ -167,12 +167,6 @@ class CompileConfig:
 def _is_int(value: object) -> bool:
     """An int that is not a bool (True would otherwise pass as 1)."""
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-def cache_dir_for(config: CompileConfig, compiler: str) -> str | os.PathLike | None:
-    """Where a module that `compiler` compiles with `config` saves its compile: `config.cache_dir`, except that
-    "auto" saves nothing under aot_eager."""
-    return None if config.cache_dir == AUTO and compiler != "inductor" else config.cache_dir
 
 
 def compiler_for(config: CompileConfig, device_type: str) -> str:

@@ -1,7 +1,5 @@
 import os
-import shutil
 import sys
-import tempfile
 
 import pytest
 import torch.distributed as dist
@@ -19,19 +17,3 @@ def fake_pg():
     yield dist.group.WORLD.group_name
     dist.destroy_process_group()
     clear_dtensor_caches()
-
-
-def pytest_configure(config):
-    """Compiles saved by default (`CompileConfig(cache_dir="auto")`, under Inductor) go to a directory of this run's,
-    removed afterwards; ranks a test spawns inherit it."""
-    os.environ["FSDP2_COMPILE_CACHE_DIR"] = tempfile.mkdtemp(prefix="fsdp2-compile-tests-")
-
-
-def pytest_unconfigure(config):
-    shutil.rmtree(os.environ.pop("FSDP2_COMPILE_CACHE_DIR", ""), ignore_errors=True)
-
-
-@pytest.fixture(autouse=True)
-def _no_saved_compiles():
-    """Emptied before each test, so that no test loads what another saved."""
-    shutil.rmtree(os.environ["FSDP2_COMPILE_CACHE_DIR"], ignore_errors=True)

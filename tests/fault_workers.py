@@ -342,15 +342,15 @@ def skipped_steps(rank: int, world_size: int) -> dict:
 
 
 def skipped_backward_saved(rank: int, world_size: int) -> dict:
-    """`skipped_steps`' skipped backward on a model compiled ahead of time and saved (`CompileConfig.cache_dir`: the
-    directory $FSDP2_COMPILE_CACHE_DIR names); a second run of the job loads it. Also its cache events."""
-    from fsdp2_compile.compiler.warm_start import cache_events
+    """`skipped_steps`' skipped backward on a model whose compile is saved (`CompileConfig.compile_cache`, in the
+    directory $TORCHINDUCTOR_CACHE_DIR names); a second run of the job loads it. Also its cache events."""
+    from fsdp2_compile.compiler.compile_cache import cache_events
 
     def skip(r: int, s: int) -> str:
         return "backward" if (r, s) == (0, 1) else ""
 
-    case = _case(lambda: _steps_skipping(_compiled(Net(), cache_dir=os.environ["FSDP2_COMPILE_CACHE_DIR"]), rank, skip))
-    return {"skipped_backward": case | {"cache": [what for what, _ in cache_events()]}}
+    case = _case(lambda: _steps_skipping(_compiled(Net(), compile_cache=True), rank, skip))
+    return {"skipped_backward": case | {"cache": cache_events()}}
 
 
 def elsewhere(rank: int, world_size: int) -> dict:

@@ -170,7 +170,7 @@ def test_a_rank_a_backward_behind_is_named_at_once_with_every_ranks_counts():
 
 
 def test_a_saved_compile_is_watched_where_compiled_and_where_a_relaunch_loads_it(tmp_path, monkeypatch):
-    monkeypatch.setenv("FSDP2_COMPILE_CACHE_DIR", str(tmp_path))  # where the job saves, for both launches
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # where the job saves, for both launches
     words = "ranks of process group [0, 1] are at different steps of the compiled model: rank(s) [0] in forward 3"
     for events in (["miss", "stored"], ["hit"]):  # a launch compiles and saves, the relaunch loads
         for r in (r["skipped_backward"] for r in run_faults(fault_workers.skipped_backward_saved, 2)):

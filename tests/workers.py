@@ -11,8 +11,8 @@ from models import batch, local_slice, loss_fn, make_model, make_optimizer
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import fsdp2_compile as fc
+from fsdp2_compile.compiler.compile_cache import cache_events
 from fsdp2_compile.compiler.graph_records import clear_compiled_graphs, collectives, compiled_graphs
-from fsdp2_compile.compiler.warm_start import cache_events
 
 _funcol = torch.ops._c10d_functional
 
@@ -433,14 +433,14 @@ def unpublished_schedule(rank: int, world_size: int, recompiling: bool = False) 
     return message
 
 
-def rank_dependent_lengths(rank: int, world_size: int, lengths: list[list[int]], cache_dir: str | None = None) -> dict:
+def rank_dependent_lengths(rank: int, world_size: int, lengths: list[list[int]], compile_cache: bool = False) -> dict:
     """GPT steps where each rank's sequence length follows its own list (`lengths[rank]`), so ranks recompile
     for new shapes at different steps. Returns this rank's losses, its forward-graph count, its cache events
-    (`CompileConfig.cache_dir`) and, on rank 0, the final parameters."""
+    (`CompileConfig.compile_cache`) and, on rank 0, the final parameters."""
     model = make_model("gpt")
     for block in model.blocks:
         fc.shard(block)
-    fc.shard_compile(model, compile_config=fc.CompileConfig(cache_dir=cache_dir))
+    fc.shard_compile(model, compile_config=fc.CompileConfig(compile_cache=compile_cache))
     opt = make_optimizer(model)
     losses = []
     for step, seq in enumerate(lengths[rank]):
@@ -455,7 +455,7 @@ def rank_dependent_lengths(rank: int, world_size: int, lengths: list[list[int]],
     forwards = sum(r.kind == "forward" for r in compiled_graphs())
     with torch.no_grad():
         full = {k: p.full_tensor() for k, p in model.named_parameters()}  # collective: every rank gathers
-    saved = [what for what, _ in cache_events()]
+    saved = cache_events()
     return dict(losses=losses, forwards=forwards, full=full if rank == 0 else None, saved=saved)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import logging
 import operator
 import time
@@ -25,6 +26,7 @@ from fsdp2_compile._torch_private import (
     FakeScriptObject,
     aot_module_simplified,
     as_boxed,
+    autograd_cache_counts,
     boxed_call,
     current_compile_id,
     donate_no_saved_tensors,
@@ -34,31 +36,40 @@ from fsdp2_compile._torch_private import (
     inductor_decompositions,
     mark_boxed,
     min_cut_partition,
+    saved_compile_settings,
     serializable_graph,
     serializable_inductor_graph,
     subgraph_schemas_reused,
 )
+from fsdp2_compile.compiler import compile_cache
 from fsdp2_compile.compiler.block_gathers import gather_again_in_backward, gather_outside_blocks
 from fsdp2_compile.compiler.compile_gc import full_collections_deferred
-from fsdp2_compile.compiler.graph_records import GraphRecord, collectives, record_graph, record_owner
+from fsdp2_compile.compiler.graph_records import (
+    GraphRecord,
+    collectives,
+    dump_requested,
+    record_graph,
+    record_owner,
+)
 from fsdp2_compile.compiler.group_split import split_reduce_groups, split_unshard_groups
 from fsdp2_compile.compiler.pass_list import PassContext, run_pipeline
 from fsdp2_compile.compiler.post_forward import gather_backward_from_post_forward_shards
-from fsdp2_compile.compiler.rank_consistency import compile_frame, graph_groups, rank_check
+from fsdp2_compile.compiler.rank_consistency import compile_frame, graph_groups, rank_check, schedule_record
 from fsdp2_compile.compiler.saved_graphs import SavedGraph
 from fsdp2_compile.compiler.selective_unshard import KEPT_META, KeptGathered, buckets_to_keep
 from fsdp2_compile.compiler.step_watch import watched
 from fsdp2_compile.compiler.unsharded_after_backward import keep_unsharded_after_backward
 from fsdp2_compile.compiler.unsynced_backward import BackwardBySync
-from fsdp2_compile.config import AUTO, CompileConfig, compiler_for
+from fsdp2_compile.config import CompileConfig, compiler_for
 from fsdp2_compile.core.fx_edit import nodes_calling
+from fsdp2_compile.core.grouped_unshard import gather_group
 from fsdp2_compile.core.hardware import PROFILES, HardwareProfile
 from fsdp2_compile.core.ir import REDUCE_GRAD, UNSHARD, ReduceGradArgs, UnshardArgs
 from fsdp2_compile.runtime.grad_delivery import one_unshard_per_delivered_param
 from fsdp2_compile.runtime.link_profile import measured_profile
 from fsdp2_compile.runtime.param_state import ParamInfo, infos_of_values
 from fsdp2_compile.runtime.sharding import is_known_param
-from fsdp2_compile.runtime.traced_blocks import ahead_of_time
+from fsdp2_compile.runtime.traced_blocks import ahead_of_time, compiling_ahead_of_time
 from fsdp2_compile.runtime.validation import default_device_type
 
 __all__ = ["check_input_devices", "compile_sharded"]
@@ -215,15 +226,16 @@ def _partition(joint: fx.GraphModule, joint_inputs: Any, *, config: CompileConfi
 
 def resolve_profile(config: CompileConfig, gm: fx.GraphModule) -> HardwareProfile:
     """The named profile, or the one measured on the graph's process group at a `shard_compile`d module's first
-    call; else (`torch.compile(backend=...)` directly) the named profile of the device: h100-nvlink with an
-    accelerator, cpu-gloo-loopback without."""
+    call (not with `compile_cache`, whose keys need the same figures in every launch); else (`torch.compile(
+    backend=...)` directly) the named profile of the device: h100-nvlink with an accelerator, cpu-gloo-loopback
+    without."""
     if config.hardware is not None:
         if config.hardware not in PROFILES:
             raise ValueError(f"CompileConfig.hardware={config.hardware!r} is not one of {sorted(PROFILES)}")
         return PROFILES[config.hardware]
     op = next((n for n in gm.graph.nodes if n.target in (UNSHARD, REDUCE_GRAD)), None)
     measured = None
-    if op is not None:
+    if op is not None and not config.compile_cache:
         measured = measured_profile((UnshardArgs if op.target is UNSHARD else ReduceGradArgs).of(op).group_name)
     return measured or PROFILES["cpu-gloo-loopback" if default_device_type() == "cpu" else "h100-nvlink"]
 
@@ -300,7 +312,10 @@ def _compiler(
         record_graph(record)
         if on_record is not None:
             on_record(record)
-        saved = SavedGraph(kind, frozenset(groups), config.check_rank_consistency) if ahead_of_time() else None
+        saved = None
+        if ahead_of_time():
+            record = json.dumps(schedule_record(gm, config))
+            saved = SavedGraph(kind, frozenset(groups), config.check_rank_consistency, record)
         if config.compiler == "inductor":
             compiled = inductor_compile(
                 gm, example_inputs, is_backward=kind == "backward", is_inference=kind == "inference"
@@ -336,11 +351,6 @@ def compile_sharded(
     """What the fsdp2 backend does (`api.fsdp2_backend`): lowers the fsdp2 ops of a captured graph of a sharded
     module into collectives. `on_record` is called with each compiled graph's record (the debug dump)."""
     config = config or CompileConfig()
-    if config.cache_dir not in (None, AUTO):
-        raise ValueError(
-            "CompileConfig.cache_dir is read by fsdp2_compile.shard_compile, which saves and loads the module's "
-            "compile; with torch.compile(model, backend=...) use shard_compile(model, compile_config=...) instead"
-        )
     if config.memory_budget_fraction is not None:
         raise ValueError(
             "CompileConfig.memory_budget_fraction is measured and agreed over the ranks by "
@@ -362,14 +372,34 @@ def _compile(
     _check_hooks_delivered(example_inputs)
     gather_outside_blocks(gm, example_inputs)
     one_unshard_per_delivered_param(gm)
-    infos = {info.fqn: info for info in infos_of_values(example_inputs) if info is not None}
-    with subgraph_schemas_reused():
-        return aot_module_simplified(
-            gm,
-            example_inputs,
-            fw_compiler=_compiler("forward", config, on_record),
-            bw_compiler=_compiler("backward", config, on_record, infos),
-            inference_compiler=_compiler("inference", config, on_record),
-            partition_fn=functools.partial(_partition, config=config),
-            decompositions=inductor_decompositions() if config.compiler == "inductor" else None,
-        )
+    values = infos_of_values(example_inputs)
+    infos = {info.fqn: info for info in values if info is not None}
+
+    def compile_all() -> Callable:
+        with subgraph_schemas_reused():
+            return aot_module_simplified(
+                gm,
+                example_inputs,
+                fw_compiler=_compiler("forward", config, on_record),
+                bw_compiler=_compiler("backward", config, on_record, infos),
+                inference_compiler=_compiler("inference", config, on_record),
+                partition_fn=functools.partial(_partition, config=config),
+                decompositions=inductor_decompositions() if config.compiler == "inductor" else None,
+            )
+
+    if not config.compile_cache or config.keep_snapshots or dump_requested():  # a hit records no graph to dump
+        return compile_all()
+    before = autograd_cache_counts()
+    key = compile_cache.extra_key(gm, example_inputs, values, config)
+    with saved_compile_settings(gm, key, [gather_group]):
+        with compiling_ahead_of_time(config):
+            compiled = compile_all()
+    counts = {k: v - before.get(k, 0) for k, v in autograd_cache_counts().items()}
+    if counts.get("autograd_cache_hit"):
+        compile_cache.note_event("hit")
+        log.info("loaded the compiled graphs from torch's AOTAutograd cache")
+        return compile_cache.sync_checked(compiled, infos)
+    compile_cache.note_event("miss" if counts.get("autograd_cache_miss") else "bypass")
+    if counts.get("autograd_cache_saved"):
+        compile_cache.note_event("stored")
+    return compiled

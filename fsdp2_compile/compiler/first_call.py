@@ -1,8 +1,8 @@
 """A compiled module's first call, on every rank, before anything is compiled: the ranks of its parameters'
-process groups agree on how the call starts — whether each has `CompileConfig.cache_dir` (a rank that differs is
-named at once on every rank) and whether every one loaded its saved compile (`warm_start.py`) — through one store
-exchange costing each rank a constant number of operations (`rank_agreement.agree_at_first_call`). When they
-compile and `CompileConfig.hardware` names no profile, each of those groups has its link measured once
+process groups agree on how the call starts — whether each has `CompileConfig.compile_cache` (a rank that differs
+is named at once on every rank) — through one store exchange costing each rank a constant number of operations
+(`rank_agreement.agree_at_first_call`). Unless `CompileConfig.hardware` names a profile or `compile_cache` is on
+(whose keys need the same figures in every launch), each of those groups has its link measured once
 (`link_profile.measure_profile`, bounded in bytes), so the scheduler's figures are agreed before the first graph.
 """
 
@@ -24,16 +24,12 @@ __all__ = ["start"]
 Places = Sequence[tuple[nn.Module, str, ParamInfo]]
 
 
-def start(places: Places, config: CompileConfig, loaded: bool = False) -> bool:
-    """What every rank runs at a compiled module's first call (`loaded`: this rank loaded its saved compile);
-    returns whether every rank did, i.e. nothing is compiled."""
+def start(places: Places, config: CompileConfig) -> None:
+    """What every rank runs at a compiled module's first call."""
     groups = {name for _, _, info in places for name in (info.group_name, info.replicate_group_name) if name}
-    every_rank_loaded = agree_at_first_call(
-        groups, {"cache_dir": "None" if config.cache_dir is None else "a directory"}, vote=loaded
-    )
-    if not every_rank_loaded and config.hardware is None:
+    agree_at_first_call(groups, {"compile_cache": str(config.compile_cache)})
+    if config.hardware is None and not config.compile_cache:
         _measure_links(places)
-    return every_rank_loaded
 
 
 def _measure_links(places: Places) -> None:

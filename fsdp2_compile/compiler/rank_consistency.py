@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 from collections.abc import Callable, Hashable, Iterator
 
@@ -12,11 +11,18 @@ from torch import fx
 
 from fsdp2_compile._torch_private import current_compile_id
 from fsdp2_compile.compiler.graph_records import collectives
-from fsdp2_compile.core.group_caches import dropped_with_groups
 from fsdp2_compile.core.ir import Role, schema_args
 from fsdp2_compile.runtime.rank_agreement import _agree, _Exchange, _exchange_over
 
-__all__ = ["check_same_schedule", "compile_frame", "compiled_as", "graph_groups", "rank_check", "schedule_signature"]
+__all__ = [
+    "check_loaded_schedule",
+    "check_same_schedule",
+    "compile_frame",
+    "graph_groups",
+    "rank_check",
+    "schedule_record",
+    "schedule_signature",
+]
 
 
 def schedule_signature(gm: fx.GraphModule) -> str:
@@ -64,7 +70,7 @@ def graph_groups(gm: fx.GraphModule) -> set[str]:
 # `CompileConfig.check_rank_consistency=False` skips only the comparison of schedules; the configs are still
 # exchanged, so a rank that turned it off is named on every rank instead of leaving the others waiting.
 #
-# Graphs are paired across ranks by their Dynamo frame (or the frame `compiled_as` names) and kind; the groups are
+# Graphs are paired across ranks by their Dynamo frame and kind; the groups are
 # read off the graph as captured, so a rank whose pass pipeline raises publishes its failure under the keys its peers
 # wait on. A recompile of a frame whose record the ranks already agreed on is not exchanged again.
 #
@@ -82,43 +88,28 @@ def _exchange(gm: fx.GraphModule, kind: str, world_if_none: bool, timeout_s: flo
     return _exchange_over(names or ({"world"} if world_if_none else set()), kind, timeout_s, compile_frame())
 
 
-_COMPILED_AS: contextvars.ContextVar[Hashable | None] = contextvars.ContextVar("compiled_as", default=None)
-_FRAME_NAMES: dict[int, Hashable] = dropped_with_groups({})
-"""Dynamo frame id -> the frame `compiled_as` named while its first graph compiled (its backward compiles later)."""
-
-
-@contextlib.contextmanager
-def compiled_as(frame: Hashable) -> Iterator[None]:
-    """Graphs compiled in this block are paired across ranks as `frame`'s, whatever their Dynamo frame: a saved
-    compile and the ordinary compile a module falls back to are one frame, so the fallback's compile of a schedule
-    the ranks agreed on is not exchanged again (`compiler/warm_start.py`)."""
-    token = _COMPILED_AS.set(frame)
-    try:
-        yield
-    finally:
-        _COMPILED_AS.reset(token)
-
-
 def compile_frame() -> Hashable | None:
     """What this compilation is paired by across ranks (and counted in, `graph_records.compile_counts`): its
-    Dynamo frame, or what `compiled_as` named for it."""
+    Dynamo frame."""
     compile_id = current_compile_id()
-    if compile_id is None:
-        return None
-    if (named := _COMPILED_AS.get()) is not None:
-        _FRAME_NAMES[compile_id[0]] = named
-    return _FRAME_NAMES.get(compile_id[0], compile_id[0])
+    return None if compile_id is None else compile_id[0]
 
 
-def _check(ex: _Exchange, gm: fx.GraphModule, config) -> None:
-    """Publish this rank's config and schedule, read the verdict, raise on any difference."""
+def schedule_record(gm: fx.GraphModule, config) -> dict:
+    """What a rank publishes for the compiled graph `gm`: its config (less the rank-local fields) and, unless
+    `check_rank_consistency` is off, its schedule."""
     config_fields = (
         {f.name: repr(getattr(config, f.name)) for f in dataclasses.fields(config) if not f.metadata.get("rank_local")}
         if config
         else {}
     )
     compare = config is None or config.check_rank_consistency
-    error = _agree(ex, {"config": config_fields, "schedule": schedule_signature(gm) if compare else None})
+    return {"config": config_fields, "schedule": schedule_signature(gm) if compare else None}
+
+
+def _check(ex: _Exchange, gm: fx.GraphModule, config) -> None:
+    """Publish this rank's config and schedule, read the verdict, raise on any difference."""
+    error = _agree(ex, schedule_record(gm, config))
     if error is not None:
         raise RuntimeError(error)
 
@@ -162,3 +153,22 @@ def check_same_schedule(gm: fx.GraphModule, kind: str, config=None, *, timeout_s
     except Exception:
         ex.spend()
         raise
+
+
+def check_loaded_schedule(group_names: set[str], kind: str, record: dict) -> None:
+    """A graph loaded from the compile cache (`CompileConfig.compile_cache`): its `record`, as the ranks of the
+    launch that saved it agreed on it, is exchanged as a compiled graph's is, so that ranks that loaded and ranks
+    that compiled check one another (a record this process agreed on already is not exchanged again)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1 or dist.get_backend() == "fake" or not group_names:
+        return
+    ex = _exchange_over(group_names, kind, None, compile_frame())
+    if ex is None:
+        return
+    try:
+        error = _agree(ex, record)
+    except Exception:
+        ex.spend()
+        raise
+    if error is not None:
+        ex.spend()
+        raise RuntimeError(error)

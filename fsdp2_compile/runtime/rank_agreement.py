@@ -23,16 +23,14 @@ __all__ = [
     "agree_at_first_call",
     "agree_to_call",
     "agree_to_shard",
-    "agreed_in",
     "exchange",
-    "restore_agreed",
     "wait_for_key",
 ]
 
 _UNNAMED: dict[str, itertools.count] = dropped_with_groups({})
 """Process group -> the counter of its checks made outside a Dynamo compilation."""
 _FRAMES: dict[str, dict[Hashable, int]] = dropped_with_groups({})
-"""Process group -> frame (a Dynamo frame id, or what `rank_consistency.compiled_as` names) -> the order in which the
+"""Process group -> frame (a Dynamo frame id) -> the order in which the
 backend first compiled it with that group's collectives (the same on every rank of the group)."""
 _AGREED: dict[str, list[str]] = dropped_with_groups({})
 """Store key of a (group, frame, kind) -> the records all the group's ranks agreed on, in order."""
@@ -430,29 +428,6 @@ def _exchange_over(
     return _Exchange(kind, channels, wait_s, pg_timeout, default_store(), dist.get_rank())
 
 
-def agreed_in(frame: Hashable) -> list[tuple[str, str, list[str]]]:
-    """(process group name, graph kind, records) for each exchange the ranks agreed on in compilations of `frame`,
-    for `restore_agreed` in a relaunch."""
-    out = []
-    for scope, frames in _FRAMES.items():
-        if frame in frames:
-            part = f"/{scope}/f{frames[frame]}/"
-            for key, agreed in _AGREED.items():
-                if part in key and _SPENT not in agreed and agreed:
-                    out.append((scope.rsplit("@", 1)[0], key.rsplit("/", 1)[1], list(agreed)))
-    return out
-
-
-def restore_agreed(frame: Hashable, records: list[tuple[str, str, list[str]]]) -> None:
-    """Take `records` (`agreed_in` of an earlier launch with the same ranks) as agreed for compilations of `frame`:
-    a compilation of it whose record is among them exchanges nothing, as a recompile does."""
-    for name, kind, texts in records:
-        for ranks in _group_ranks({name}).values():
-            channel = _channel(name, ranks, kind, frame)
-            if not channel.agreed:
-                channel.agreed.extend(texts)
-
-
 def _agree(ex: _Exchange, record: dict, vote: bool = True) -> str | None:
     """Exchange this rank's record (and vote); the error it raises, or None once the ranks agreed on it."""
     text = json.dumps(record)
@@ -497,13 +472,11 @@ def _agree_outside_compile(names: set[str], kind: str, fields: dict[str, str], v
     return ex.verdicts
 
 
-def agree_at_first_call(group_names: set[str], config_fields: dict[str, str], vote: bool) -> bool:
+def agree_at_first_call(group_names: set[str], config_fields: dict[str, str]) -> None:
     """At a compiled module's first call, before anything is compiled: agree over the process groups of its
     parameters on `config_fields` (the `CompileConfig` fields that decide how the call starts), raising on every
-    rank, naming the ranks, when they differ or a rank is missing, as the schedule exchange does; returns whether
-    every rank voted yes (every rank loaded its saved compile)."""
-    verdicts = _agree_outside_compile(group_names, "first-call", config_fields, vote)
-    return all(v.get("unanimous", True) for v in verdicts) if verdicts else vote
+    rank, naming the ranks, when they differ or a rank is missing, as the schedule exchange does."""
+    _agree_outside_compile(group_names, "first-call", config_fields)
 
 
 def agree_to_call(what: str) -> None:
