@@ -830,30 +830,25 @@ def __getattr__(name: str) -> Any:
 
 
 @contextlib.contextmanager
-def saved_compile_settings(graph: fx.GraphModule, extra_key: str, functions: Sequence[Callable]) -> Iterator[None]:
-    """Inside, `aot_module_simplified(graph, ...)` goes through torch's AOTAutograd cache, bundled (the compiled
-    graphs themselves are stored, not references to Inductor's cache) and with the backward compiled with the
-    forward: a hit loads what a compile of the same key stored; a miss compiles and stores it, if the compiled
-    graphs can be saved. `extra_key` joins torch's key (as the backend id that torch's ahead-of-time compile puts
-    there), for what the compile depends on beyond the captured graph and its inputs. `functions`: what the graph
-    may call besides ops, as torch lets a user mark cacheable (their code is in `extra_key`)."""
-    previous = getattr(graph, "_backend_id", None)
-    graph._backend_id = extra_key
-    marked = {f"{f.__module__}.{f.__name__}": extra_key for f in functions}
+def saved_compile_settings(extra_key: str, functions: Sequence[Callable]) -> Iterator[None]:
+    """Inside, `aot_module_simplified` goes through torch's AOTAutograd cache, bundled (the compiled graphs
+    themselves are stored, not references to Inductor's cache) and with the backward compiled with the forward: a
+    hit loads what a compile of the same key stored; a miss compiles and stores it, if the compiled graphs can be
+    saved. `functions` (what the graph may call besides ops and torch's functions) are marked cacheable as torch
+    lets a user mark them, each with `extra_key` as its version: the marks are in torch's key, so `extra_key` (what
+    the compile depends on beyond the captured graph and its inputs) is too."""
     inductor = _resolve("torch._inductor.config")
-    try:
-        with inductor.patch(unsafe_marked_cacheable_functions={**inductor.unsafe_marked_cacheable_functions, **marked}):
-            with _resolve("torch._functorch.config").patch(
-                enable_autograd_cache=True,
-                force_autograd_cache=True,
-                bundled_autograd_cache=True,
-                force_non_lazy_backward_lowering=True,
-                strict_autograd_cache=False,
-                bypass_autograd_cache_key=False,
-            ):
-                yield
-    finally:
-        graph._backend_id = previous
+    marked = {f"{f.__module__}.{f.__name__}": extra_key for f in functions}
+    with inductor.patch(unsafe_marked_cacheable_functions={**inductor.unsafe_marked_cacheable_functions, **marked}):
+        with _resolve("torch._functorch.config").patch(
+            enable_autograd_cache=True,
+            force_autograd_cache=True,
+            bundled_autograd_cache=True,
+            force_non_lazy_backward_lowering=True,
+            strict_autograd_cache=False,
+            bypass_autograd_cache_key=False,
+        ):
+            yield
 
 
 def autograd_cache_counts() -> dict[str, int]:

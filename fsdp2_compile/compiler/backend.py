@@ -391,7 +391,7 @@ def _compile(
         return compile_all()
     before = autograd_cache_counts()
     key = compile_cache.extra_key(gm, example_inputs, values, config)
-    with saved_compile_settings(gm, key, [gather_group]):
+    with saved_compile_settings(key, [gather_group]):
         with compiling_ahead_of_time(config):
             compiled = compile_all()
     counts = {k: v - before.get(k, 0) for k, v in autograd_cache_counts().items()}
