@@ -33,9 +33,9 @@ import torch.distributed as dist
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from fsdp2_compile.compiler.step_watch import exchange_steps  # noqa: E402
+from fsdp2_compile.compiler.step_watch import _Group, exchange_steps  # noqa: E402
 from fsdp2_compile.config import CompileConfig  # noqa: E402
-from fsdp2_compile.runtime.rank_agreement import exchange  # noqa: E402
+from fsdp2_compile.runtime.rank_agreement import check_key, exchange, group_scope  # noqa: E402
 
 
 def gpt_record(layers: int = 12, width: int = 768) -> dict:
@@ -190,7 +190,8 @@ def simulate(
     clients = {r: wrap(raw[r]) for r in present}
     keys_before = master.num_keys()
     errors: dict[int, str | None] = {}
-    key, ranks = f"fsdp2_compile/check/sim@{n}/n{next(_CALLS)}/forward/0", list(range(n))
+    ranks = list(range(n))  # the key as the backend builds it, for a group named as torch names them
+    key = check_key(group_scope(str(next(_CALLS)), ranks), "f0", "forward") + "/0"
 
     def run(r: int) -> None:
         mine = differing.get(r, record)
@@ -251,7 +252,8 @@ def simulate_stall(n: int, wait_s: float = 3.0) -> Outcome:
     clients = {r: CountingStore(raw[r]) for r in present}
     keys_before = master.num_keys()
     messages: dict[int, str | None] = {}
-    key, ranks = f"fsdp2_compile/step/sim@{n}/{next(_CALLS)}", list(range(n))
+    ranks = list(range(n))
+    key = _Group(str(next(_CALLS)), ranks, wait_s).key  # the step watch's key
 
     def run(r: int) -> None:
         record = "forward:3:2:0" if r < n // 2 else "backward:2:2:0"

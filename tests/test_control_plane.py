@@ -34,6 +34,9 @@ def test_each_ranks_store_operations_do_not_grow_with_the_ranks():
     # the digests, writes the verdict and deletes them (4), the last one done deletes the 6 keys of the exchange
     for out in (small, large):
         assert max(out.ops) <= 7 + 4 + 6 and sorted(out.ops)[-3] == 7, out.ops
+    # nor do a rank's bytes: its keys name each group by a digest of its ranks, not by the list
+    median = [sorted(out.bytes)[len(out.bytes) // 2] for out in (small, large)]
+    assert median[1] - median[0] <= 7 * 4, median  # the group's size in each key: a few digits more
 
 
 def test_a_rank_with_another_schedule_is_named_on_every_rank():

@@ -21,8 +21,7 @@ from fsdp2_compile._torch_private import (
     resolve_group,
 )
 from fsdp2_compile.core.group_caches import dropped_with_groups
-from fsdp2_compile.runtime.process_groups import attempt_token
-from fsdp2_compile.runtime.rank_agreement import _LISTED, _named, wait_for_key
+from fsdp2_compile.runtime.rank_agreement import _LISTED, _named, group_scope, wait_for_key
 
 __all__ = ["STEP_COUNTS", "exchange_steps", "forget_counts_of", "watched"]
 
@@ -69,8 +68,7 @@ class _Group:
 
     @property
     def key(self) -> str:
-        token = attempt_token(self.name)
-        return f"fsdp2_compile/step/{token + '/' if token else ''}{self.name}@{','.join(map(str, self.ranks))}"
+        return f"fsdp2_compile/step/{group_scope(self.name, self.ranks)}"
 
 
 _KINDS = ("forward", "backward", "inference")

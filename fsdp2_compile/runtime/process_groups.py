@@ -112,9 +112,11 @@ def serial_gloo_group(parent_name: str, ranks: list[int], desc: str) -> str:
 
 
 def attempt_token(group_name: str) -> str:
-    """The token the ranks of `group_name` (a twin or a post-forward group) drew when it was made, "" for other
-    groups: store keys scoped by it are this attempt's alone."""
-    return _TOKENS.get(group_name, "")
+    """What scopes store keys to this attempt of the job: the token the ranks of `group_name` drew when it was
+    made (a twin or a post-forward group), else under torchrun the attempt's restart count ("r2"), else "" (a
+    launch whose store does not outlive it)."""
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "")
+    return _TOKENS.get(group_name) or (f"r{restart}" if restart else "")
 
 
 _GROUPS: dict[tuple[str, int], str] = dropped_with_groups({})

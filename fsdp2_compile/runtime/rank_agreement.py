@@ -23,7 +23,9 @@ __all__ = [
     "agree_at_first_call",
     "agree_to_call",
     "agree_to_shard",
+    "check_key",
     "exchange",
+    "group_scope",
     "wait_for_key",
 ]
 
@@ -186,7 +188,8 @@ def wait_for_key(store: dist.Store, key: str, seconds: float) -> bool:
 # of the ranks that joined deletes the exchange's keys; when a rank never joined, the verdict naming it stays, for it
 # to read should it come.
 #
-# A rank exchanges once per group, under keys naming the group and its ranks, with that group's ranks: stages of a
+# A rank exchanges once per group, under keys naming the group and a digest of its ranks (O(1) bytes whatever the
+# group's size), with that group's ranks: stages of a
 # pipeline-parallel job on disjoint sub-meshes never wait for or compare with each other, and with HSDP rank 0
 # compares with its shard peer and its replica, each of which compares with theirs. Within a group, exchanges are
 # paired across ranks by their Dynamo frame (numbered per group in the order the backend first meets it) and kind;
@@ -194,8 +197,9 @@ def wait_for_key(store: dist.Store, key: str, seconds: float) -> bool:
 # the ranks already agreed on under a key (a recompile of a frame, e.g. for a new input shape, which ranks with
 # different data meet at different steps) is not exchanged again, so it never waits for the other ranks.
 #
-# Keys carry the token the group's ranks drew when `shard` made the group (`process_groups.attempt_token`), so a
-# job restarted in place by torchrun's agent, whose store keeps the keys of the attempt that died, never reads them.
+# Keys carry the token the group's ranks drew when `shard` made the group, else torchrun's restart count
+# (`process_groups.attempt_token`), so a job restarted in place by torchrun's agent, whose store keeps the keys of
+# the attempt that died (a verdict naming missing ranks among them), never reads them.
 @dataclasses.dataclass
 class _Channel:
     """One process group's part of an exchange: its ranks, the store key of this compilation there, and the records
@@ -392,17 +396,29 @@ class _Exchange:
                 pause = min(2 * pause, 0.2)
 
 
+def group_scope(name: str, ranks: list[int]) -> str:
+    """A process group as store keys name it: its name, this attempt's token (`process_groups.attempt_token`: no
+    key of an earlier attempt is read), its size and a digest of its ranks. O(1) bytes in the group's size."""
+    token = attempt_token(name)
+    digest = hashlib.sha256(",".join(map(str, ranks)).encode()).hexdigest()[:16]
+    return f"{token + '/' if token else ''}{name}@{len(ranks)}:{digest}"
+
+
+def check_key(scope: str, numbered: str, kind: str) -> str:
+    """The store key of an exchange in the group `scope` (`group_scope`): the compilation (`numbered`) and kind."""
+    return f"fsdp2_compile/check/{scope}/{numbered}/{kind}"
+
+
 def _channel(name: str, ranks: list[int], kind: str, frame: Hashable | None) -> _Channel:
-    """The store key of this compilation in the group called `name`: the group and its ranks, the compilation's
+    """The store key of this compilation in the group called `name`: the group (`group_scope`), the compilation's
     `frame` (numbered in the order the backend met the group's frames), the kind and how many records were
     agreed."""
-    scope = f"{name}@{','.join(map(str, ranks))}"
+    scope = group_scope(name, ranks)
     if frame is not None:
         numbered = f"f{_FRAMES.setdefault(scope, {}).setdefault(frame, len(_FRAMES[scope]))}"
     else:  # outside Dynamo (a direct `check_same_schedule`): numbered per group, as the group's ranks call it
         numbered = f"n{next(_UNNAMED.setdefault(scope, itertools.count()))}"
-    token = attempt_token(name)  # the group's ranks drew it in this attempt: no record of an earlier one is read
-    key = f"fsdp2_compile/check/{token + '/' if token else ''}{scope}/{numbered}/{kind}"
+    key = check_key(scope, numbered, kind)
     agreed = _AGREED.setdefault(key, [])
     return _Channel(ranks, f"{key}/{len(agreed)}", agreed)
 
