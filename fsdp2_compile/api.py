@@ -19,6 +19,7 @@ from fsdp2_compile.compiler import first_call
 from fsdp2_compile.compiler.backend import check_input_devices, compile_sharded
 from fsdp2_compile.compiler.compile_gc import full_collections_deferred
 from fsdp2_compile.compiler.graph_records import GraphRecord, drop_records_of, dump_requested, records_owned_by
+from fsdp2_compile.compiler.rank_consistency import forget_frames_of
 from fsdp2_compile.compiler.step_errors import note_step_error
 from fsdp2_compile.compiler.step_watch import forget_counts_of
 from fsdp2_compile.config import CompileConfig, MixedPrecisionPolicy, compiler_for
@@ -146,6 +147,7 @@ def _forget_compiled(code, owner: int) -> None:
     forget_compiled_code(code)
     drop_records_of(owner)
     forget_counts_of(owner)
+    forget_frames_of(owner)
 
 
 def _check_bucket_names(module: nn.Module, config: CompileConfig) -> None:

@@ -134,3 +134,12 @@ def test_the_step_watch_names_every_place_and_the_absent_rank_at_a_constant_cost
 def _lower(n: int) -> str:
     """The lower half of `n` ranks as an error lists them (ranges past 8 ranks)."""
     return ", ".join(map(str, range(n // 2))) if n <= 8 else f"0-{n // 2 - 1}"
+
+
+def test_nothing_kept_per_model_or_per_save_outlives_it(tmp_path):
+    from harness import run_ranks
+    from workers import kept_after_models_and_saves
+
+    for r in run_ranks(kept_after_models_and_saves, 2, 20, 100, str(tmp_path)):
+        assert r["after_models"] == r["after_one"] == {"agreed": 0, "frames": 0, "owners": 0, "counted": 0}, r
+        assert r["after_saves"] == r["after_models"], r

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import operator
+import os
 
 import torch
 import torch.distributed as dist
@@ -493,3 +494,34 @@ def two_process_group_rounds(rank: int, world_size: int) -> list[list[float]]:
         model, opt, step = _gpt_for_checkpoint(rank, world_size)
         rounds.append([step(i) for i in range(3)])
     return rounds
+
+
+def kept_after_models_and_saves(rank: int, world_size: int, models: int, saves: int, path: str) -> dict:
+    """`models` MLPs compiled, run for a step and dropped, then `saves` checkpoints of one more: how many entries
+    the rank-agreement and step-watch state hold after each phase."""
+    from fsdp2_compile.checkpoint import save_checkpoint
+    from fsdp2_compile.compiler import rank_consistency, step_watch
+    from fsdp2_compile.runtime import rank_agreement
+
+    def kept() -> dict:
+        gc.collect()
+        frames = sum(len(f) for f in rank_agreement._FRAMES.values())
+        return dict(
+            agreed=len(rank_agreement._AGREED),
+            frames=frames,
+            owners=len(rank_consistency._FRAMES_OF),
+            counted=len(step_watch._GROUPS),
+        )
+
+    for i in range(models):
+        model = fc.shard_compile(make_model("mlp"))
+        x, y = batch("mlp", i)
+        loss_fn("mlp", model(local_slice(x, rank, world_size)), local_slice(y, rank, world_size)).backward()
+        del model
+        if i == 0:
+            after_one = kept()
+    after_models = kept()
+    model = fc.shard(make_model("mlp"))
+    for i in range(saves):
+        save_checkpoint(os.path.join(path, str(i % 2)), model)
+    return dict(after_one=after_one, after_models=after_models, after_saves=kept())

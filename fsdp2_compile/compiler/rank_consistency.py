@@ -10,14 +10,15 @@ import torch.distributed as dist
 from torch import fx
 
 from fsdp2_compile._torch_private import current_compile_id
-from fsdp2_compile.compiler.graph_records import collectives
+from fsdp2_compile.compiler.graph_records import collectives, record_owner
 from fsdp2_compile.core.ir import Role, schema_args
-from fsdp2_compile.runtime.rank_agreement import _agree, _Exchange, _exchange_over
+from fsdp2_compile.runtime.rank_agreement import _agree, _Exchange, _exchange_over, forget_frames
 
 __all__ = [
     "check_loaded_schedule",
     "check_same_schedule",
     "compile_frame",
+    "forget_frames_of",
     "graph_groups",
     "rank_check",
     "schedule_record",
@@ -88,11 +89,24 @@ def _exchange(gm: fx.GraphModule, kind: str, world_if_none: bool, timeout_s: flo
     return _exchange_over(names or ({"world"} if world_if_none else set()), kind, timeout_s, compile_frame())
 
 
+_FRAMES_OF: dict[int, set[Hashable]] = {}
+"""Owner (`graph_records.record_owner`: the module compiled) -> the frames compiled for it."""
+
+
 def compile_frame() -> Hashable | None:
     """What this compilation is paired by across ranks (and counted in, `graph_records.compile_counts`): its
     Dynamo frame."""
     compile_id = current_compile_id()
-    return None if compile_id is None else compile_id[0]
+    if compile_id is None:
+        return None
+    if (owner := record_owner()) is not None:
+        _FRAMES_OF.setdefault(owner, set()).add(compile_id[0])
+    return compile_id[0]
+
+
+def forget_frames_of(owner: int) -> None:
+    """The module `owner` died: forget what the ranks agreed on for its frames."""
+    forget_frames(_FRAMES_OF.pop(owner, set()))
 
 
 def schedule_record(gm: fx.GraphModule, config) -> dict:

@@ -25,6 +25,7 @@ __all__ = [
     "agree_to_shard",
     "check_key",
     "exchange",
+    "forget_frames",
     "group_scope",
     "wait_for_key",
 ]
@@ -34,6 +35,8 @@ _UNNAMED: dict[str, itertools.count] = dropped_with_groups({})
 _FRAMES: dict[str, dict[Hashable, int]] = dropped_with_groups({})
 """Process group -> frame (a Dynamo frame id) -> the order in which the
 backend first compiled it with that group's collectives (the same on every rank of the group)."""
+_FRAME_COUNT: dict[str, itertools.count] = dropped_with_groups({})
+"""Process group -> the counter numbering its frames (numbers are not reused when a frame is forgotten)."""
 _AGREED: dict[str, list[str]] = dropped_with_groups({})
 """Store key of a (group, frame, kind) -> the records all the group's ranks agreed on, in order."""
 _SPENT = "<failed exchange>"
@@ -396,6 +399,14 @@ class _Exchange:
                 pause = min(2 * pause, 0.2)
 
 
+def forget_frames(frames: set[Hashable]) -> None:
+    """Forget the numbers and agreed records of `frames` (their module died)."""
+    for scope, numbers in _FRAMES.items():
+        prefixes = [check_key(scope, f"f{numbers.pop(f)}", "") for f in frames if f in numbers]
+        for key in [k for k in _AGREED if any(k.startswith(p) for p in prefixes)]:
+            del _AGREED[key]
+
+
 def group_scope(name: str, ranks: list[int]) -> str:
     """A process group as store keys name it: its name, this attempt's token (`process_groups.attempt_token`: no
     key of an earlier attempt is read), its size and a digest of its ranks. O(1) bytes in the group's size."""
@@ -414,11 +425,13 @@ def _channel(name: str, ranks: list[int], kind: str, frame: Hashable | None) -> 
     `frame` (numbered in the order the backend met the group's frames), the kind and how many records were
     agreed."""
     scope = group_scope(name, ranks)
-    if frame is not None:
-        numbered = f"f{_FRAMES.setdefault(scope, {}).setdefault(frame, len(_FRAMES[scope]))}"
-    else:  # outside Dynamo (a direct `check_same_schedule`): numbered per group, as the group's ranks call it
-        numbered = f"n{next(_UNNAMED.setdefault(scope, itertools.count()))}"
-    key = check_key(scope, numbered, kind)
+    if frame is None:  # outside Dynamo (`agree_to_call`, ...): numbered per group, as the group's ranks call it
+        key = check_key(scope, f"n{next(_UNNAMED.setdefault(scope, itertools.count()))}", kind)
+        return _Channel(ranks, f"{key}/0", [])  # a key of its own: nothing to remember
+    frames = _FRAMES.setdefault(scope, {})
+    if frame not in frames:
+        frames[frame] = next(_FRAME_COUNT.setdefault(scope, itertools.count()))
+    key = check_key(scope, f"f{frames[frame]}", kind)
     agreed = _AGREED.setdefault(key, [])
     return _Channel(ranks, f"{key}/{len(agreed)}", agreed)
 
