@@ -35,6 +35,7 @@ __all__ = [
     "concatenate_meshes",
     "current_compile_context",
     "current_compile_id",
+    "default_reduce_dtype",
     "default_store",
     "detect_fake_mode",
     "disable_torch_function_subclass",
@@ -51,6 +52,7 @@ __all__ = [
     "forget_compiled_code",
     "FullyShardStateView",
     "functional_collectives",
+    "gradient_reduction_handle_base",
     "group_ranks",
     "group_size",
     "group_timeout",
@@ -98,7 +100,7 @@ __all__ = [
     "view_base",
 ]
 
-SUPPORTED_TORCH = ((2, 13), (2, 15))
+SUPPORTED_TORCH = ((2, 13), (2, 16))
 """The torch releases this project supports: (major, minor) from the first, up to and excluding the second."""
 SUPPORTED_TORCH_SPEC = ">={}.{},<{}.{}".format(*SUPPORTED_TORCH[0], *SUPPORTED_TORCH[1])
 ALLOW_UNSUPPORTED_TORCH = "FSDP2_COMPILE_ALLOW_UNSUPPORTED_TORCH"
@@ -264,6 +266,18 @@ for _path in (
     _resolve(_path)
 for _name in ("_parameters", "_buffers"):  # set on every module by `nn.Module.__init__`
     _attribute(torch.nn.Module(), _name)
+
+
+def default_reduce_dtype(param_dtype: torch.dtype | None, param: torch.Tensor) -> torch.dtype:
+    """The dtype the installed torch's `fully_shard` reduces a parameter's gradients in when its policy's
+    `reduce_dtype` is None: from torch 2.15 the parameter's own dtype, before it `param_dtype` (else its own)."""
+    return param.dtype if _TORCH_RELEASE >= (2, 15) else (param_dtype or param.dtype)
+
+
+def gradient_reduction_handle_base() -> type:
+    """torch's `torch.distributed.fsdp.GradientReductionHandle` (torch 2.15 on: what `FSDPModule.finalize_backward(
+    async_op=True)` returns), else `object`."""
+    return getattr(torch.distributed.fsdp, "GradientReductionHandle", object)
 
 
 def op_schema(op: Any) -> torch.FunctionSchema | None:

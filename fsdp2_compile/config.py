@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 
 __all__ = ["CPUOffloadPolicy", "CompileConfig", "MixedPrecisionPolicy", "OffloadPolicy"]
@@ -33,7 +35,8 @@ class MixedPrecisionPolicy:
     param_dtype: torch.dtype | None = None
     """Dtype parameters are cast to *before* the all-gather and computed in; None keeps the stored dtype."""
     reduce_dtype: torch.dtype | None = None
-    """Dtype gradients are reduce-scattered in; None means `param_dtype` (or the stored dtype if that is None)."""
+    """Dtype gradients are reduce-scattered in; None as the installed torch's `fully_shard` reads it: from torch
+    2.15 the parameter's stored dtype, before it `param_dtype` (or the stored dtype if that is None)."""
     output_dtype: torch.dtype | None = None
     """Dtype floating-point forward outputs of the sharded module are cast to; None leaves them as they are."""
     cast_forward_inputs: bool = True
@@ -42,12 +45,59 @@ class MixedPrecisionPolicy:
     """Dtype the module's floating-point buffers (e.g. BatchNorm statistics) are kept and computed in: `shard`
     casts them once, in place; None leaves them. Not in torch's FSDP2 policy (FSDP1 had it); the FSDP2 overview
     names it."""
+    param_dtype_override_fn: Callable[[nn.Parameter], torch.dtype | None] | None = field(default=None, kw_only=True)
+    """Per parameter, as torch 2.15's FSDP2 policy: called once per managed parameter by `shard`; returning the
+    parameter's own dtype keeps it in that dtype, None or `param_dtype` uses `param_dtype`."""
 
     def __post_init__(self) -> None:
         for name in ("param_dtype", "reduce_dtype", "output_dtype", "buffer_dtype"):
             _check_floating(name, getattr(self, name))
         if not isinstance(self.cast_forward_inputs, bool):
             raise TypeError(f"MixedPrecisionPolicy.cast_forward_inputs={self.cast_forward_inputs!r}: use True or False")
+        if self.param_dtype_override_fn is not None and not callable(self.param_dtype_override_fn):
+            raise TypeError(
+                f"MixedPrecisionPolicy.param_dtype_override_fn={self.param_dtype_override_fn!r}: use a function of "
+                "a parameter returning a dtype or None"
+            )
+
+    @classmethod
+    def of(cls, policy: object) -> MixedPrecisionPolicy:
+        """`policy`, ours or torch's `torch.distributed.fsdp.MixedPrecisionPolicy` (the same fields and meaning)."""
+        if isinstance(policy, cls):
+            return policy
+        from torch.distributed.fsdp import MixedPrecisionPolicy as TorchPolicy
+
+        if not isinstance(policy, TorchPolicy):
+            raise TypeError(
+                "shard(mp_policy=...) takes a fsdp2_compile.MixedPrecisionPolicy or torch's "
+                f"torch.distributed.fsdp.MixedPrecisionPolicy, got {type(policy).__name__}"
+            )
+        return cls(
+            param_dtype=policy.param_dtype,
+            reduce_dtype=policy.reduce_dtype,
+            output_dtype=policy.output_dtype,
+            cast_forward_inputs=policy.cast_forward_inputs,
+            param_dtype_override_fn=getattr(policy, "param_dtype_override_fn", None),
+        )
+
+    def param_dtype_of(self, param: nn.Parameter) -> torch.dtype | None:
+        """The dtype `param` is gathered and computed in (`param_dtype_override_fn` applied); None: its own."""
+        dtype = self.param_dtype
+        if self.param_dtype_override_fn is not None:
+            override = self.param_dtype_override_fn(param)
+            if override is not None and not isinstance(override, torch.dtype):
+                raise ValueError(
+                    f"MixedPrecisionPolicy.param_dtype_override_fn must return a torch.dtype or None, got "
+                    f"{type(override).__name__}"
+                )
+            if override is not None and override not in (self.param_dtype, param.dtype):
+                raise ValueError(
+                    "MixedPrecisionPolicy.param_dtype_override_fn must return None, param_dtype or the "
+                    f"parameter's own dtype, got {override} for a parameter of {param.dtype} with param_dtype "
+                    f"{self.param_dtype}"
+                )
+            dtype = override or dtype
+        return None if dtype == param.dtype else dtype
 
 
 @dataclass(frozen=True)

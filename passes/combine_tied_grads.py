@@ -5,7 +5,9 @@ reductions — into `reduce_grad(add(a, b), *args)` until no such pair is left, 
 reduce-scatter, as in FSDP2 (where autograd accumulates before the reduction). Valid because the averaging
 reduce-scatter is linear. When both reductions first add the gradient kept from unsynced micro-batches
 (`fsdp2::add_pending_grad`, same parameter), the uses are summed before that one add: `kept + (a + b)`, FSDP2's
-order (autograd sums the uses, then accumulates into the kept `.grad`), not `(kept + a) + b`. Contract: provides
+order (autograd sums the uses, then accumulates into the kept `.grad`), not `(kept + a) + b`. Gradients kept
+unsynced (`fsdp2::stash_grad`, whose zero shards are added) are summed the same way before the one stash, so that
+what is kept is `kept + (a + b)` there too. Contract: provides
 "tied_grads_combined", which `lower_reduce_grad` requires (it needs the un-lowered `fsdp2::reduce_grad` nodes).
 """
 
@@ -17,18 +19,30 @@ from torch import fx
 from fsdp2_compile._torch_private import unsafe_view
 from fsdp2_compile.compiler.pass_api import Fact, PassContext, contract
 from fsdp2_compile.core.fx_edit import insert_call, insert_op, nodes_calling, val
-from fsdp2_compile.core.ir import ADD_PENDING_GRAD, REDUCE_GRAD, AddPendingGradArgs, ReduceGradArgs, schema_args
+from fsdp2_compile.core.ir import (
+    ADD_PENDING_GRAD,
+    REDUCE_GRAD,
+    STASH_GRAD,
+    AddPendingGradArgs,
+    ReduceGradArgs,
+    StashGradArgs,
+    schema_args,
+)
 
 aten = torch.ops.aten
 _IDENTITY_VIEWS = (aten.view.default, aten.alias.default, unsafe_view.default)
 
 
+_VIEWS = {REDUCE_GRAD: ReduceGradArgs, STASH_GRAD: StashGradArgs}
+
+
 def _reduction_chain(node: object) -> list[fx.Node] | None:
-    """[reduce_grad, *views] when `node` is a single-use reduce_grad seen through same-shape views, else None."""
+    """[reduce_grad or stash_grad, *views] when `node` is a single-use reduce_grad or stash_grad seen through
+    same-shape views, else None."""
     chain = []
     while isinstance(node, fx.Node) and len(node.users) == 1:
         chain.append(node)
-        if node.target is REDUCE_GRAD:
+        if node.target in _VIEWS:
             return chain[::-1]
         if node.target not in _IDENTITY_VIEWS:
             return None
@@ -59,12 +73,13 @@ def combine_tied_grads(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             if len(add.args) != 2 or add.kwargs:
                 continue
             chains = [_reduction_chain(a) for a in add.args]
-            if None in chains:
+            if None in chains or chains[0][0].target is not chains[1][0].target:
                 continue
-            first, second = ReduceGradArgs.of(chains[0][0]), ReduceGradArgs.of(chains[1][0])
+            view = _VIEWS[chains[0][0].target]
+            first, second = view.of(chains[0][0]), view.of(chains[1][0])
             if first.static() != second.static():  # not the same parameter
                 continue
-            pending = _pending_adds(first.grad, second.grad)
+            pending = _pending_adds(first.grad, second.grad) if view is ReduceGradArgs else None
             grads = (first.grad, second.grad) if pending is None else tuple(p.grad for p in pending)
             with graph.inserting_before(add):
                 summed = insert_call(graph, aten.add.Tensor, grads)

@@ -519,3 +519,59 @@ def kept_per_optimizer(rank: int, world_size: int) -> dict:
         ]
         out[f"{system}_params"] = [{k: p.full_tensor() for k, p in m.named_parameters()} for m in models]
     return out
+
+
+def manual_finalization(rank: int, world_size: int, async_op: bool) -> dict:
+    """torch 2.15's manual backward finalization, as its pipeline stages drive it: each step's two micro-batches
+    with gradient sync off and resharding after backward off, then sync on and `finalize_backward(async_op=...)`
+    (and the handle's `wait()`), with `set_keep_unsharded_storage(True)`. Both systems' losses and final shards."""
+    out = {}
+    for system in ("fsdp2", "ours"):
+        model = _build(system, group_head=False)
+        model.set_keep_unsharded_storage(True)
+        model.set_manual_backward_finalization(True)
+        opt = make_optimizer(model)
+        losses = []
+        for i in range(STEPS):
+            x, y = (local_slice(t, rank, world_size) for t in batch("gpt", i))
+            model.set_requires_gradient_sync(False)
+            model.set_reshard_after_backward(False)
+            for micro in (0, 1):
+                loss = loss_fn("gpt", model(x[micro::2]), y[micro::2]) / 2
+                loss.backward()
+                losses.append(loss.item())
+            model.set_requires_gradient_sync(True)
+            model.set_reshard_after_backward(True)
+            handle = model.finalize_backward(async_op=async_op)
+            if async_op:
+                handle.wait()
+            else:
+                assert handle is None
+            opt.step()
+            opt.zero_grad()
+        model.set_manual_backward_finalization(False)
+        out[system] = {"losses": losses, "shards": [p.to_local().clone() for p in model.parameters()]}
+    return out
+
+
+def torch_policy(rank: int, world_size: int, override: bool) -> dict:
+    """torch's own `MixedPrecisionPolicy` (bfloat16 parameters, float32 reductions; with `override`, torch 2.15's
+    `param_dtype_override_fn` keeping the position embedding in float32) given to `fully_shard` and to `shard` /
+    `shard_compile`: both systems' losses."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    out = {}
+    for system in ("fsdp2", "ours"):
+        model = make_model("gpt")
+        kept = model.pos_emb.weight  # float32: the sum with the token embedding is float32, cast at each block
+        kwargs = {"param_dtype_override_fn": lambda p: p.dtype if p is kept else None} if override else {}
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, **kwargs)
+        for block in model.blocks:
+            (fully_shard if system == "fsdp2" else fc.shard)(block, mp_policy=policy)
+        if system == "fsdp2":
+            fully_shard(model, mp_policy=policy)
+        else:
+            fc.shard_compile(model, mp_policy=policy)
+        opt = make_optimizer(model)
+        out[system] = _gpt_steps(model, opt, rank, world_size, list(range(STEPS)))
+    return out

@@ -3,6 +3,8 @@ are bitwise equal, and the compiled graphs show what the call changed."""
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 from harness import run_ranks
@@ -12,6 +14,7 @@ from module_api_workers import (
     divide_factor,
     hsdp_accumulation,
     kept_per_optimizer,
+    manual_finalization,
     module_api,
     optimizer_in_backward,
     optimizer_in_backward_changes,
@@ -20,6 +23,7 @@ from module_api_workers import (
     shard_placement,
     sum_only_reductions,
     sync_set_after_forward,
+    torch_policy,
 )
 from torch import nn
 
@@ -342,3 +346,31 @@ def test_reset_iter_state_on_a_submodule_names_the_root(fake_pg):
         r"ShardedSequential: call it on the outermost module passed to shard",
     ):
         model[0].reset_iter_state()
+
+
+@pytest.mark.skipif(not hasattr(torch.distributed.fsdp, "GradientReductionHandle"), reason="torch 2.15's FSDP2 API")
+@pytest.mark.parametrize("async_op", [False, True])
+def test_manual_backward_finalization_as_fully_shard(async_op):
+    """torch 2.15: `set_manual_backward_finalization`, `finalize_backward` with and without `async_op` and
+    `set_keep_unsharded_storage`, used as torch's pipeline stages use them: bitwise equal to fully_shard."""
+    result = run_ranks(manual_finalization, 2, async_op)[0]
+    assert result["ours"]["losses"] == result["fsdp2"]["losses"]
+    assert all(torch.equal(a, b) for a, b in zip(result["ours"]["shards"], result["fsdp2"]["shards"]))
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        False,
+        pytest.param(
+            True,
+            marks=pytest.mark.skipif(
+                "param_dtype_override_fn" not in str(inspect.signature(torch.distributed.fsdp.MixedPrecisionPolicy)),
+                reason="torch 2.15's param_dtype_override_fn",
+            ),
+        ),
+    ],
+)
+def test_torchs_own_mixed_precision_policy_trains_as_fully_shard(override):
+    result = run_ranks(torch_policy, 2, override)[0]
+    assert result["ours"] == result["fsdp2"]

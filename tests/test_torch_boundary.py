@@ -18,6 +18,7 @@ from __future__ import annotations
 import ast
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import textwrap
@@ -310,21 +311,31 @@ def test_missing_private_symbol_names_it_and_the_supported_range():
         with pytest.raises(_torch_private.UnsupportedTorchError) as raised:
             _torch_private._resolve(path)
         message = str(raised.value)
-        assert f"`{named}`" in message and "torch>=2.13,<2.15" in message, message
+        assert f"`{named}`" in message and f"torch{_torch_private.SUPPORTED_TORCH_SPEC}" in message, message
 
 
 def test_version_check(monkeypatch):
     from fsdp2_compile import _torch_private
 
     monkeypatch.delenv(_torch_private.ALLOW_UNSUPPORTED_TORCH, raising=False)
-    for supported in ("2.13.0", "2.13.0+cpu", "2.13.2+cu128", "2.13.0a0+git1234567", "2.14.1", "2.14.1+cu130"):
+    (major, first), (_, after) = _torch_private.SUPPORTED_TORCH
+    last = after - 1
+    for supported in (
+        f"{major}.{first}.0",
+        f"{major}.{first}.0+cpu",
+        f"{major}.{first}.2+cu128",
+        f"{major}.{first}.0a0+git1234567",
+        f"{major}.{last}.1",
+        f"{major}.{last}.0+cu132",
+    ):
         _torch_private.check_torch_version(supported)
-    for unsupported in ("2.12.1", "2.15.0", "2.15.0.dev20260101+cpu", "3.0.0", "unknown"):
-        with pytest.raises(_torch_private.UnsupportedTorchError, match=r"torch>=2\.13,<2\.15"):
+    newer = f"{major}.{after}.0"
+    for unsupported in (f"{major}.{first - 1}.1", newer, f"{newer}.dev20270101+cpu", f"{major + 1}.0.0", "unknown"):
+        with pytest.raises(_torch_private.UnsupportedTorchError, match=re.escape(_torch_private.SUPPORTED_TORCH_SPEC)):
             _torch_private.check_torch_version(unsupported)
     monkeypatch.setenv(_torch_private.ALLOW_UNSUPPORTED_TORCH, "1")
-    with pytest.warns(UserWarning, match=r"torch 2\.15\.0 is not supported"):
-        _torch_private.check_torch_version("2.15.0")
+    with pytest.warns(UserWarning, match=re.escape(f"torch {newer} is not supported")):
+        _torch_private.check_torch_version(newer)
 
 
 @pytest.mark.parametrize("allow", [False, True])
@@ -334,11 +345,14 @@ def test_import_checks_the_installed_torch(allow):
     env = {k: v for k, v in os.environ.items() if k != "FSDP2_COMPILE_ALLOW_UNSUPPORTED_TORCH"}
     if allow:
         env["FSDP2_COMPILE_ALLOW_UNSUPPORTED_TORCH"] = "1"
-    code = "import torch; torch.__version__ = '2.15.0'; import fsdp2_compile._torch_private"
+    from fsdp2_compile._torch_private import SUPPORTED_TORCH
+
+    newer = f"{SUPPORTED_TORCH[1][0]}.{SUPPORTED_TORCH[1][1]}.0"
+    code = f"import torch; torch.__version__ = '{newer}'; import fsdp2_compile._torch_private"
     done = subprocess.run(
         [sys.executable, "-W", "always", "-c", code], env=env, capture_output=True, text=True, timeout=300
     )
-    assert "torch 2.15.0 is not supported" in done.stderr, done.stderr
+    assert f"torch {newer} is not supported" in done.stderr, done.stderr
     assert done.returncode == (0 if allow else 1), done.stderr
     assert ("UnsupportedTorchError" in done.stderr) is not allow
 

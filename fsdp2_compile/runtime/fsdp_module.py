@@ -7,11 +7,12 @@ from __future__ import annotations
 
 from torch.distributed import fsdp
 
-from fsdp2_compile._torch_private import refuse_fsdp_state_reads
+from fsdp2_compile._torch_private import gradient_reduction_handle_base, refuse_fsdp_state_reads
 from fsdp2_compile.runtime.grad_delivery import discard_pending_hooks
 from fsdp2_compile.runtime.param_state import SHARDED_MODULES, ParamInfo, is_sharded, state_of
+from fsdp2_compile.runtime.pipeline_stages import reduce_kept_grads
 
-__all__ = ["FSDPModule", "UnshardHandle"]
+__all__ = ["FSDPModule", "GradientReductionHandle", "UnshardHandle"]
 
 
 def _check_bool(method: str, name: str, value: object) -> None:
@@ -21,6 +22,13 @@ def _check_bool(method: str, name: str, value: object) -> None:
 
 class UnshardHandle(fsdp.UnshardHandle):
     """What `FSDPModule.unshard(async_op=True)` returns; `wait()` returns at once (see `unshard`)."""
+
+    def wait(self) -> None:
+        return None
+
+
+class GradientReductionHandle(gradient_reduction_handle_base()):
+    """What `FSDPModule.finalize_backward(async_op=True)` returns; `wait()` returns at once (the reduction ran)."""
 
     def wait(self) -> None:
         return None
@@ -196,6 +204,30 @@ class FSDPModule(fsdp.FSDPModule):
         for info in self._param_infos(recurse=True):
             info.discard_iteration()
         discard_pending_hooks(self.parameters())
+
+    def set_manual_backward_finalization(self, enabled: bool) -> None:
+        """As torch 2.15's FSDP2: with it on, the caller ends the step's backwards with `finalize_backward`; the
+        backwards before it run with gradient sync off (as torch's pipeline schedules run them), each rank keeping
+        its unsharded gradients, and `finalize_backward` reduces them. A backward with sync on reduces at once, as
+        without it."""
+        _check_bool("set_manual_backward_finalization", "enabled", enabled)
+        self.__dict__["_manual_backward_finalization"] = enabled
+
+    def finalize_backward(self, *, async_op: bool = False) -> GradientReductionHandle | None:
+        """As torch 2.15's FSDP2: reduce what the backwards since the last reduction kept (gradient sync was off)
+        for every sharded module under this one, following the current settings (call it with sync turned back
+        on), and free what backward kept gathered; `.grad` then holds the reduced shards. It reduces before it
+        returns: `async_op=True` returns a handle whose `wait()` returns at once."""
+        _check_bool("finalize_backward", "async_op", async_op)
+        states = {id(state_of(m)): state_of(m) for m in self.modules() if is_sharded(m)}
+        for state in states.values():
+            reduce_kept_grads(state)
+        return GradientReductionHandle() if async_op else None
+
+    def set_keep_unsharded_storage(self, keep: bool, *, recurse: bool = True) -> None:
+        """Accepted with FSDP2's results: a compiled graph allocates and frees its gathered parameters itself (under
+        Inductor, in its own memory plan), so there is no unsharded storage to keep between steps."""
+        _check_bool("set_keep_unsharded_storage", "keep", keep)
 
     def reshard(self) -> None:
         """Free what `set_reshard_after_backward(False)` kept gathered for this module's group (nothing else

@@ -15,6 +15,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from fsdp2_compile._torch_private import (
     concatenate_meshes,
+    default_reduce_dtype,
     is_namedtuple,
     nested_regions_take_blocks,
     own_buffers,
@@ -282,6 +283,7 @@ def shard(
     """
     members = check_modules(module)
     check_options(mp_policy, offload_policy)
+    mp_policy = MixedPrecisionPolicy.of(mp_policy)
     forget_destroyed_groups()
     offload = offload_policy if isinstance(offload_policy, CPUOffloadPolicy) else None
     mesh = resolve_mesh(mesh)
@@ -330,8 +332,8 @@ def shard(
                         shard_dim=dim,
                         world_size=world_size,
                         group_name=group_name,
-                        param_dtype=mp_policy.param_dtype if mp_policy.param_dtype != param.dtype else None,
-                        reduce_dtype=mp_policy.reduce_dtype or mp_policy.param_dtype or param.dtype,
+                        param_dtype=mp_policy.param_dtype_of(param),
+                        reduce_dtype=mp_policy.reduce_dtype or default_reduce_dtype(mp_policy.param_dtype, param),
                         reshard_after_forward=reshard,
                         auto_reshard=reshard_after_forward is None,
                         replicate_size=replicate_size,

@@ -284,10 +284,7 @@ def check_options(mp_policy: object, offload_policy: object = None) -> None:
         raise TypeError(
             f"shard(offload_policy=...) takes torch.distributed.fsdp.OffloadPolicy(), got {type(offload_policy).__name__}"
         )
-    if not isinstance(mp_policy, MixedPrecisionPolicy):
-        raise TypeError(
-            f"shard(mp_policy=...) must be a fsdp2_compile.MixedPrecisionPolicy, got {type(mp_policy).__name__}"
-        )
+    MixedPrecisionPolicy.of(mp_policy)  # ours or torch's, else a TypeError naming both
 
 
 def check_ignored(ignored_params: Iterable[nn.Parameter] | None, members: list[nn.Module]) -> dict[int, nn.Parameter]:
