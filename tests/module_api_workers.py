@@ -564,7 +564,7 @@ def torch_policy(rank: int, world_size: int, override: bool) -> dict:
     for system in ("fsdp2", "ours"):
         model = make_model("gpt")
         kept = model.pos_emb.weight  # float32: the sum with the token embedding is float32, cast at each block
-        kwargs = {"param_dtype_override_fn": lambda p: p.dtype if p is kept else None} if override else {}
+        kwargs = {"param_dtype_override_fn": lambda p, kept=kept: p.dtype if p is kept else None} if override else {}
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, **kwargs)
         for block in model.blocks:
             (fully_shard if system == "fsdp2" else fc.shard)(block, mp_policy=policy)
