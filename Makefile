@@ -2,10 +2,13 @@
 # TORCH picks the torch release: the newest supported one by default (in .venv), another in .venv-$(TORCH)
 # (`make test TORCH=2.13.0`).
 PYTHON ?= python3
-NEWEST_TORCH := 2.14.1
+NEWEST_TORCH := 2.15.0
 TORCH ?= $(NEWEST_TORCH)
 VENV := $(if $(filter $(NEWEST_TORCH),$(TORCH)),.venv,.venv-$(TORCH))
 READY := $(VENV)/.ready
+# TORCH names the release exactly: a cap on torch in the machine's pip configuration (a constraints file) is lifted
+# for these installs, which keep every other setting (indexes, local wheels)
+PIP_ENV := PIP_CONSTRAINT=/dev/null
 # What CI runs on the older supported torch: the torch boundary, parity with that torch's fully_shard (1-D, HSDP,
 # FSDP + TP, the module API, pipeline schedules, torchao float8), checkpoints and the docs' snippets.
 BOUNDARY_TESTS := tests/test_torch_boundary.py tests/test_shard.py tests/test_training.py tests/test_module_api.py \
@@ -17,8 +20,8 @@ install: $(READY)
 
 $(READY): pyproject.toml Makefile
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/pip install --quiet torch==$(TORCH)
-	$(VENV)/bin/pip install --quiet -e '.[dev]'
+	$(PIP_ENV) $(VENV)/bin/pip install --quiet torch==$(TORCH)
+	$(PIP_ENV) $(VENV)/bin/pip install --quiet -e '.[dev]'
 	$(VENV)/bin/python -c "import torch; assert torch.__version__.startswith('$(TORCH)'), torch.__version__"
 	touch $(READY)
 
@@ -35,10 +38,10 @@ test-boundary: $(READY)
 # the README's example, the `fsdp2` backend's entry point and the CLI work from the installed package.
 wheel-check: $(READY)
 	rm -rf build/wheel build/wheel-venv
-	$(VENV)/bin/pip wheel --quiet --no-deps -w build/wheel .
+	$(PIP_ENV) $(VENV)/bin/pip wheel --quiet --no-deps -w build/wheel .
 	$(PYTHON) -m venv build/wheel-venv
-	build/wheel-venv/bin/pip install --quiet torch==$(TORCH)
-	build/wheel-venv/bin/pip install --quiet build/wheel/*.whl
+	$(PIP_ENV) build/wheel-venv/bin/pip install --quiet torch==$(TORCH)
+	$(PIP_ENV) build/wheel-venv/bin/pip install --quiet build/wheel/*.whl
 	bash tests/wheel_check.sh build/wheel-venv $(TORCH)
 
 docs: $(READY)

@@ -57,10 +57,12 @@ def build(args) -> torch.nn.Module:
     model = GPT(cfg)
     if args.mode == "compute":
         return model
-    if args.mode == "fsdp2":
+    if args.mode in ("fsdp2", "fsdp2-compiled"):
         from torch.distributed.fsdp import fully_shard
 
-        for block in model.blocks:
+        for i, block in enumerate(model.blocks):
+            if args.mode == "fsdp2-compiled":  # torchtitan's way: each block compiled (Inductor), then sharded
+                block = model.blocks[i] = torch.compile(block)
             fully_shard(block)
         fully_shard(model)
     else:
@@ -100,7 +102,7 @@ def optimizer_step(model: torch.nn.Module, in_backward: bool):
 def argument_parser() -> argparse.ArgumentParser:
     """This job's options (also `exposed_comm.py`'s)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--mode", choices=["fsdp2", "compute", *CONFIGS], required=True)
+    p.add_argument("--mode", choices=["fsdp2", "fsdp2-compiled", "compute", *CONFIGS], required=True)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--d-model", type=int, default=512)
     p.add_argument("--heads", type=int, default=8)

@@ -2,9 +2,12 @@
 `TORCHINDUCTOR_CACHE_DIR` (cold) and of the same launch again (warm, the cache filled by the cold one), at each
 depth, alternated over several runs; medians.
 
-    .venv/bin/python benchmarks/warm_restart.py [--layers 8 32] [--runs 3] [--d-model 512] [--mode full|inductor]
+    .venv/bin/python benchmarks/warm_restart.py [--layers 8 32] [--runs 3] [--d-model 512]
+        [--modes full inductor fsdp2-compiled]
 
-Each launch is `benchmarks/step_time.py --mode MODE --compile-cache --losses` under torchrun (one thread per rank),
+Each launch is `benchmarks/step_time.py --mode MODE --compile-cache --losses` under torchrun (one thread per rank;
+`fsdp2-compiled`, the anchor, is `fully_shard` with each block compiled by `torch.compile` as torchtitan runs it,
+whose relaunch reuses Inductor's own caches in the same directory),
 with `TORCHINDUCTOR_CACHE_DIR` set to the run's directory: cold, Dynamo's tracing, AOTAutograd, the partition, the
 passes (and, under `inductor`, Inductor's code generation and C++ compiles), the graphs stored in torch's
 AOTAutograd cache and one training step; warm, Dynamo's tracing, the graphs loaded from that cache and one
@@ -51,7 +54,7 @@ def launch(mode: str, layers: int, d_model: int, cache_dir: str, port: int) -> d
         "1",
         "--warmup",
         "1",
-        "--compile-cache",
+        *(["--compile-cache"] if mode != "fsdp2-compiled" else []),
         "--losses",
     ]
     out = subprocess.run(
@@ -76,37 +79,40 @@ def main() -> None:
     p.add_argument("--layers", type=int, nargs="+", default=[8, 32])
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--d-model", type=int, default=512)
-    p.add_argument("--mode", choices=["full", "inductor"], default="full", help="step_time.py's mode")
+    p.add_argument(
+        "--modes", nargs="+", choices=["full", "inductor", "fsdp2-compiled"], default=["full"], help="step_time.py's"
+    )
     p.add_argument("--port", type=int, default=29731)
     args = p.parse_args()
     rows = []
     for layers in args.layers:
-        cold, warm = [], []
-        for run in range(args.runs):  # cold, warm, cold, warm, ...: both see the same drift of the machine
-            cache = tempfile.mkdtemp(prefix="fsdp2-warm-")
-            try:
-                cold.append(launch(args.mode, layers, args.d_model, cache, args.port))
-                warm.append(launch(args.mode, layers, args.d_model, cache, args.port + 1))
-            finally:
-                shutil.rmtree(cache, ignore_errors=True)
-            print(
-                f"# {layers} layers run {run}: cold {cold[-1]['first_step_s']:.1f} s, warm {warm[-1]['first_step_s']:.1f} s "
-                f"(cache {cold[-1]['cache']} then {warm[-1]['cache']})",
-                file=sys.stderr,
-                flush=True,
-            )
-        rows.append((layers, cold, warm))
+        runs = {mode: ([], []) for mode in args.modes}
+        for run in range(args.runs):  # each mode cold then warm, modes alternated: all see the same drift
+            for mode, (cold, warm) in runs.items():
+                cache = tempfile.mkdtemp(prefix="fsdp2-warm-")
+                try:
+                    cold.append(launch(mode, layers, args.d_model, cache, args.port))
+                    warm.append(launch(mode, layers, args.d_model, cache, args.port + 1))
+                finally:
+                    shutil.rmtree(cache, ignore_errors=True)
+                print(
+                    f"# {mode} {layers} layers run {run}: cold {cold[-1]['first_step_s']:.1f} s, warm "
+                    f"{warm[-1]['first_step_s']:.1f} s (cache {cold[-1]['cache']} then {warm[-1]['cache']})",
+                    file=sys.stderr,
+                    flush=True,
+                )
+        rows += [(mode, layers, cold, warm) for mode, (cold, warm) in runs.items()]
     print(
-        "| layers | cold first step | warm first step | warm / cold | second step cold / warm "
+        "| mode | layers | cold first step | warm first step | warm / cold | second step cold / warm "
         "| first minus second step, warm / cold | warm hits | losses equal |"
     )
-    print("|---|---|---|---|---|---|---|---|")
-    for layers, cold, warm in rows:
+    print("|---|---|---|---|---|---|---|---|---|")
+    for mode, layers, cold, warm in rows:
         med = lambda rs, k: statistics.median(r[k] for r in rs)  # noqa: E731
         spread = lambda rs: f"{min(r['first_step_s'] for r in rs):.1f}-{max(r['first_step_s'] for r in rs):.1f}"  # noqa: E731
         extra = lambda rs: statistics.median(r["first_step_s"] - r["median_s"] for r in rs)  # noqa: E731
         print(
-            f"| {layers} | {med(cold, 'first_step_s'):.1f} s ({spread(cold)}) | {med(warm, 'first_step_s'):.1f} s "
+            f"| {mode} | {layers} | {med(cold, 'first_step_s'):.1f} s ({spread(cold)}) | {med(warm, 'first_step_s'):.1f} s "
             f"({spread(warm)}) | {med(warm, 'first_step_s') / med(cold, 'first_step_s'):.2f}x | "
             f"{med(cold, 'median_s'):.1f} s / {med(warm, 'median_s'):.1f} s | "
             f"{extra(warm):.1f} s / {extra(cold):.1f} s = {extra(warm) / extra(cold):.2f}x | "

@@ -177,9 +177,14 @@ class CompileConfig:
         if self.memory_budget_bytes is not None and not (
             _is_int(self.memory_budget_bytes) and self.memory_budget_bytes > 0
         ):
+            whole = (
+                f" (an int: memory_budget_bytes={int(self.memory_budget_bytes)})"
+                if isinstance(self.memory_budget_bytes, float) and self.memory_budget_bytes >= 1
+                else ""
+            )
             raise ValueError(
-                f"CompileConfig.memory_budget_bytes={self.memory_budget_bytes!r}: use a positive number of bytes, "
-                "or None for prefetch_depth + 1 times the largest bucket"
+                f"CompileConfig.memory_budget_bytes={self.memory_budget_bytes!r}: use a positive whole number of "
+                f"bytes{whole}, or None for prefetch_depth + 1 times the largest bucket"
             )
         fraction = self.memory_budget_fraction
         if fraction is not None and not (

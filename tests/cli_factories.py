@@ -56,6 +56,14 @@ def wrong_model():
     return "not a module", (torch.zeros(1),)
 
 
+def needs_width(width: int):
+    return nn.Linear(width, width), (torch.zeros(1, width),)
+
+
+def no_parameters():
+    return nn.ReLU(), (torch.zeros(1, 2),)
+
+
 def llama3_70b_plain(batch: int = 1, seq: int = 2048):
     """Llama-3-70B shapes on the meta device, WITHOUT a `layers=` argument: the planner cuts the block list itself."""
     import os

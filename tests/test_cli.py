@@ -342,6 +342,9 @@ def test_replicate_usage_errors(command, world_size, replicate, message, capsys)
         (f"{FACTORIES}:raises", 1, "raised ValueError: boom from the factory"),
         (f"{FACTORIES}:wrong_return", 1, "expected (model, args) or (model, args, loss_fn)"),
         (f"{FACTORIES}:wrong_model", 1, "expected an nn.Module"),
+        (f"{FACTORIES}:needs_width", 1, "factory needs_width() needs width=, and the command calls it with no argu"),
+        (f"{FACTORIES}:needs_width", 1, "give them defaults, or name a factory that fixes them"),
+        (f"{FACTORIES}:no_parameters", 1, "returned a ReLU without parameters: there is nothing to shard"),
     ],
 )
 def test_bad_targets_fail_clearly(target, code, message):

@@ -260,8 +260,10 @@ def test_not_a_module(fake_pg):
 
 def test_shard_twice(fake_pg):
     model = fc.shard(Net())
-    with raises(ValueError, "already sharded", "call shard once per module"):
+    with raises(ValueError, "already sharded", "call shard once per module", 'torch.compile(model, backend="fsdp2")'):
         fc.shard(model)
+    with raises(ValueError, "already sharded", 'torch.compile(model, backend="fsdp2")'):
+        fc.shard_compile(model)
 
 
 @pytest.mark.parametrize(
@@ -356,8 +358,12 @@ def test_a_sharded_model_is_not_pickled_or_deep_copied_whole(fake_pg):
     [
         (dict(prefetch_depth=1.5), "prefetch_depth=1.5: use a whole number"),
         (dict(prefetch_depth=-1), "prefetch_depth=-1"),
-        (dict(memory_budget_bytes=-100), "memory_budget_bytes=-100: use a positive number of bytes"),
+        (dict(memory_budget_bytes=-100), "memory_budget_bytes=-100: use a positive whole number of bytes"),
         (dict(memory_budget_bytes=0), "memory_budget_bytes=0"),
+        (
+            dict(memory_budget_bytes=2e9),
+            "use a positive whole number of bytes (an int: memory_budget_bytes=2000000000)",
+        ),
         (dict(memory_budget_fraction=0.0), "memory_budget_fraction=0.0: use a fraction of the free memory in (0, 1]"),
         (dict(memory_budget_fraction=1.5), "memory_budget_fraction=1.5"),
         (dict(memory_budget_fraction="10%"), "memory_budget_fraction='10%'"),

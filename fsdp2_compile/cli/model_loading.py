@@ -89,6 +89,22 @@ def call_factory(factory: Callable, **kwargs) -> tuple[nn.Module, tuple, Callabl
 
     name = getattr(factory, "__name__", repr(factory))
     try:
+        params = inspect.signature(factory).parameters.values()
+    except (TypeError, ValueError):
+        params = []
+    needed = [
+        p.name
+        for p in params
+        if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in kwargs
+    ]
+    if needed:
+        raise RunError(
+            f"factory {name}() needs {', '.join(n + '=' for n in needed)}, and the command calls it with "
+            f"{', '.join(f'{k}={v!r}' for k, v in kwargs.items()) or 'no arguments'} (--seq-len and --local-batch "
+            f"pass seq_len= and batch=): give them defaults, or name a factory that fixes them, e.g. "
+            f"def make(): return {name}({needed[0]}=...)"
+        )
+    try:
         result = factory(**kwargs)
     except Exception as e:
         raise RunError(f"factory {name}() raised {type(e).__name__}: {e}") from e
@@ -100,6 +116,11 @@ def call_factory(factory: Callable, **kwargs) -> tuple[nn.Module, tuple, Callabl
     loss_fn = rest[0] if rest else default_loss
     if not isinstance(model, nn.Module):
         raise RunError(f"factory {name}() returned a {type(model).__name__} as the model; expected an nn.Module")
+    if next(model.parameters(), None) is None:
+        raise RunError(
+            f"factory {name}() returned a {type(model).__name__} without parameters: there is nothing to shard "
+            "(return the model whose parameters are to be sharded)"
+        )
     if isinstance(args, torch.Tensor):
         args = (args,)
     if not isinstance(args, (tuple, list)):

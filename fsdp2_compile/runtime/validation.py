@@ -260,7 +260,8 @@ def check_modules(module: object) -> list[nn.Module]:
             raise TypeError(f"fsdp2_compile.shard: module {where}is a {type(m).__name__}, not an nn.Module")
         if is_sharded(m):
             raise ValueError(
-                f"module {where}{type(m).__name__} is already sharded by fsdp2_compile.shard; call shard once per module"
+                f"module {where}{type(m).__name__} is already sharded by fsdp2_compile.shard; call shard once per "
+                'module (to compile a model whose root is sharded already: torch.compile(model, backend="fsdp2"))'
             )
     if len({id(m) for m in members}) != len(members):
         raise ValueError("fsdp2_compile.shard got the same module twice in its list; list each module once")
