@@ -798,6 +798,8 @@ class _RunsWrapped:
     def _set_wrap(self, wrap: Callable[[Callable], Callable]) -> None:
         self._wrap = wrap
         self._run = wrap(super().__call__)
+        if self._time_taken_ns is None:  # Inductor sets it; torch 2.15's cache lookup reads it from every entry
+            self._time_taken_ns = 0
 
     def __call__(self, inputs: list[Any]) -> Any:
         return (self.run_here or self._run)(inputs)

@@ -5,16 +5,16 @@ process or a relaunch, loads it instead of compiling.
 
 The key is torch's AOTAutograd cache key (the captured graph's code and constants, the inputs' metadata, grad
 mode, autocast, torch's settings and source; a graph torch cannot key is compiled as usual, nothing saved) joined
-with `extra_key`: what the backend reads beyond the graph and its inputs; torch's lookup checks a saved graph's
-guards on symbolic sizes as it does for its own compiles. A rank that loads exchanges the saved graphs' schedules with its peers as a rank that compiles does
-(`saved_graphs.py`), so ranks that load and ranks that compile check one another.
+with `extra_key`: what the backend reads beyond the graph and its inputs. torch's lookup checks a saved graph's
+guards on symbolic sizes as it does for its own compiles. A rank that loads exchanges the saved graphs' schedules
+with its peers as a rank that compiles does (`saved_graphs.py`), so ranks that load and ranks that compile check
+one another.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
-import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -27,8 +27,6 @@ from fsdp2_compile.compiler.rank_consistency import graph_groups
 from fsdp2_compile.runtime.param_state import ParamInfo
 
 __all__ = ["cache_events", "extra_key", "note_event", "package_digest", "sync_checked"]
-
-log = logging.getLogger("fsdp2_compile")
 
 _EVENTS: list[str] = []
 
@@ -60,7 +58,7 @@ def extra_key(
     gm: torch.fx.GraphModule, example_inputs: Sequence[Any], infos: Sequence[ParamInfo | None], config
 ) -> str:
     """What the backend's output depends on beyond the captured graph and its inputs' metadata: this package's
-    code, the config, this rank and the ranks of the graph's process groups, the device, and each parameter's
+    code, the config, this rank and the ranks of the graph's process groups, and each parameter's
     whole state (its spec, tensor-parallel layout, float8 cast, kept-state keys) and whether it has
     post-accumulate-grad hooks."""
     world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)

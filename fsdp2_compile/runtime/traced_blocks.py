@@ -46,9 +46,8 @@ _AHEAD_OF_TIME = _AheadOfTime()
 
 @contextlib.contextmanager
 def compiling_ahead_of_time(config: Any) -> Iterator[None]:
-    """Inside, Dynamo traces for the fsdp2 backend compiling with `config` through torch's ahead-of-time compile
-    (`CompileConfig.cache_dir`), whose capture names no backend, and that backend returns graphs torch can save
-    (`ahead_of_time()`)."""
+    """Inside, the fsdp2 backend compiles with `config` for the compile cache (`CompileConfig.compile_cache`): it
+    returns graphs torch can save (`ahead_of_time()`)."""
     _AHEAD_OF_TIME.config = config
     try:
         yield
@@ -67,9 +66,9 @@ _WARNED: set[str] = set()
 
 @torch.compiler.assume_constant_result
 def _fsdp2_backend_tracing() -> bool:
-    """Whether blocks are traced once: the backend Dynamo traces for is fsdp2's (or it compiles ahead of time) and
-    its compiler takes nested regions; run (not traced) by Dynamo, its result a constant. A sharded module compiled
-    with another backend gets a warning, once per backend."""
+    """Whether blocks are traced once: the backend Dynamo traces for is fsdp2's and its compiler takes nested
+    regions; run (not traced) by Dynamo, its result a constant. A sharded module compiled with another backend gets
+    a warning, once per backend."""
     from fsdp2_compile._torch_private import (  # AOTAutograd's imports wait for a compile
         inductor_takes_nested_regions,
         tracing_backend,
@@ -79,8 +78,8 @@ def _fsdp2_backend_tracing() -> bool:
 
     backend = tracing_backend()
     fn = getattr(backend, "func", backend)  # make_backend's functools.partial
-    if ahead_of_time() or getattr(fn, TRACES_BLOCKS_ONCE, False):
-        config = _AHEAD_OF_TIME.config or getattr(backend, "keywords", {}).get("config") or CompileConfig()
+    if getattr(fn, TRACES_BLOCKS_ONCE, False):
+        config = getattr(backend, "keywords", {}).get("config") or CompileConfig()
         return inductor_takes_nested_regions or compiler_for(config, default_device_type()) != "inductor"
     if backend is None:
         return False
