@@ -187,17 +187,25 @@ def output_dtype_call(rank: int, world_size: int, output_dtype: str | None) -> d
     return {"dtype": str(out.dtype), "events": cache_events()[before:]}
 
 
-def train_cached(rank: int, world_size: int, name: str = "gpt", steps: int = 2, accumulate: bool = False) -> dict:
+def train_cached(
+    rank: int, world_size: int, name: str = "gpt", steps: int = 2, accumulate: bool = False, hsdp: bool = False
+) -> dict:
     """The test model `name` (a GPT's blocks sharded first) trained `steps` steps with `compile_cache`; with
     `accumulate`, each step in two micro-batches, gradient sync off for the first. Each rank keeps its cache in a
-    directory of its own; $EMPTIED_RANK names a rank whose directory is emptied first. Returns the losses, the local shards and the cache events."""
+    directory of its own; $EMPTIED_RANK names a rank whose directory is emptied first. `hsdp`: on a (replicate,
+    shard) mesh of 2 x world_size / 2. Returns the losses, the local shards and the cache events."""
     own = os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(os.environ["TORCHINDUCTOR_CACHE_DIR"], f"rank{rank}")
     if os.environ.get("EMPTIED_RANK") == str(rank):  # as on a machine replaced since the last launch
         shutil.rmtree(own, ignore_errors=True)
+    mesh = None
+    if hsdp:  # 2 replicas of 2 shards
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("replicate", "shard"))
     model = make_model(name)
     for block in getattr(model, "blocks", []):
-        fc.shard(block)
-    fc.shard_compile(model, compile_config=fc.CompileConfig(compile_cache=True))
+        fc.shard(block, mesh)
+    fc.shard_compile(model, mesh, compile_config=fc.CompileConfig(compile_cache=True))
     opt = make_optimizer(model)
     before = len(cache_events())
     losses = []

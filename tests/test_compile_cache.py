@@ -75,3 +75,13 @@ def test_a_rank_without_compile_cache_is_named_on_every_rank_and_with_it_the_lin
         assert "rank 1 has CompileConfig.compile_cache=False, rank 0 True" in r["error"], r
     assert run_ranks(first_call, 2, [True, True]) == [{"error": None, "measured": False}] * 2
     assert run_ranks(first_call, 2, [False, False]) == [{"error": None, "measured": True}] * 2
+
+
+def test_on_hsdp_a_rank_whose_cache_is_gone_compiles_while_its_shard_and_replica_peers_load(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    cold = run_ranks(train_cached, 4, "gpt", 2, False, True)
+    monkeypatch.setenv("EMPTIED_RANK", "3")
+    mixed = run_ranks(train_cached, 4, "gpt", 2, False, True)
+    for rank, (r, c) in enumerate(zip(mixed, cold)):
+        assert ("hit" not in r["events"]) if rank == 3 else (set(r["events"]) == {"hit"}), (rank, r["events"])
+        assert _same(r, c)
