@@ -7,8 +7,10 @@ reduce-scatter is linear. When both reductions first add the gradient kept from 
 (`fsdp2::add_pending_grad`, same parameter), the uses are summed before that one add: `kept + (a + b)`, FSDP2's
 order (autograd sums the uses, then accumulates into the kept `.grad`), not `(kept + a) + b`. Gradients kept
 unsynced (`fsdp2::stash_grad`, whose zero shards are added) are summed the same way before the one stash, so that
-what is kept is `kept + (a + b)` there too. Contract: provides
-"tied_grads_combined", which `lower_reduce_grad` requires (it needs the un-lowered `fsdp2::reduce_grad` nodes).
+what is kept is `kept + (a + b)` there too. With torch 2.15's FSDP2, which gives the gathered parameter the
+reduce dtype as its gradient dtype, a tied parameter computed in its own dtype and reduced in a narrower one gets
+each use's gradient cast before the sum (what 2.15's `fully_shard` computes; wider reduce dtypes sum first).
+Contract: provides "tied_grads_combined", which `lower_reduce_grad` requires (it needs the un-lowered `fsdp2::reduce_grad` nodes).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from fsdp2_compile._torch_private import unsafe_view
+from fsdp2_compile._torch_private import tied_grads_summed_in_reduce_dtype, unsafe_view
 from fsdp2_compile.compiler.pass_api import Fact, PassContext, contract
 from fsdp2_compile.core.fx_edit import insert_call, insert_op, nodes_calling, val
 from fsdp2_compile.core.ir import (
@@ -29,7 +31,7 @@ from fsdp2_compile.core.ir import (
     schema_args,
 )
 
-aten = torch.ops.aten
+aten, prims = torch.ops.aten, torch.ops.prims
 _IDENTITY_VIEWS = (aten.view.default, aten.alias.default, unsafe_view.default)
 
 
@@ -82,6 +84,12 @@ def combine_tied_grads(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             pending = _pending_adds(first.grad, second.grad) if view is ReduceGradArgs else None
             grads = (first.grad, second.grad) if pending is None else tuple(p.grad for p in pending)
             with graph.inserting_before(add):
+                own, reduced = first.out_dtype, first.reduce_dtype  # the parameter's dtype, the reduction's
+                narrower = reduced.itemsize < own.itemsize
+                if tied_grads_summed_in_reduce_dtype and narrower and all(val(g).dtype == own for g in grads):
+                    grads = tuple(
+                        insert_call(graph, prims.convert_element_type.default, (g, first.reduce_dtype)) for g in grads
+                    )
                 summed = insert_call(graph, aten.add.Tensor, grads)
                 if pending is not None:
                     summed = insert_op(graph, pending[0].replace(grad=summed))

@@ -151,9 +151,9 @@ def test_activation_checkpointing_saves_fewer_bytes_for_backward():
     assert fw["saved"]["first_output_shape"] == plain["saved"]["first_output_shape"] == logits  # not counted
     # saved activations (fp32, local batch 4 x 16 tokens x d 32): a checkpointed block keeps its input (8 KiB)
     # instead of its inner activations. Exact for this model on each supported torch (its min-cut partitioner:
-    # 2.14's saves less of what checkpointed blocks recompute).
+    # 2.14's and 2.15's save less of what checkpointed blocks recompute).
     release = tuple(int(n) for n in torch.__version__.split(".")[:2])
-    expected = {(2, 13): 43_520, (2, 14): 33_408}[release]
+    expected = {(2, 13): 43_520, (2, 14): 33_408, (2, 15): 33_408}[release]
     assert fw["saved"]["activations"] == expected and plain["saved"]["activations"] == 298_624  # 0.146x, 0.112x
     assert fw["saved"]["total"] < plain["saved"]["total"]
 
