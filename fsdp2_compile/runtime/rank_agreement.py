@@ -33,8 +33,8 @@ __all__ = [
 _UNNAMED: dict[str, itertools.count] = dropped_with_groups({})
 """Process group -> the counter of its checks made outside a Dynamo compilation."""
 _FRAMES: dict[str, dict[Hashable, int]] = dropped_with_groups({})
-"""Process group -> frame (a Dynamo frame id) -> the order in which the
-backend first compiled it with that group's collectives (the same on every rank of the group)."""
+"""Process group -> frame (a Dynamo frame id) -> its number: the order in which the backend first compiled it with
+that group's collectives (the same on every rank of the group)."""
 _FRAME_COUNT: dict[str, itertools.count] = dropped_with_groups({})
 """Process group -> the counter numbering its frames (numbers are not reused when a frame is forgotten)."""
 _AGREED: dict[str, list[str]] = dropped_with_groups({})
@@ -192,13 +192,13 @@ def wait_for_key(store: dist.Store, key: str, seconds: float) -> bool:
 # to read should it come.
 #
 # A rank exchanges once per group, under keys naming the group and a digest of its ranks (O(1) bytes whatever the
-# group's size), with that group's ranks: stages of a
-# pipeline-parallel job on disjoint sub-meshes never wait for or compare with each other, and with HSDP rank 0
-# compares with its shard peer and its replica, each of which compares with theirs. Within a group, exchanges are
-# paired across ranks by their Dynamo frame (numbered per group in the order the backend first meets it) and kind;
-# outside a compilation, by their number in the group (the ranks of a group make them in the same order). A record
-# the ranks already agreed on under a key (a recompile of a frame, e.g. for a new input shape, which ranks with
-# different data meet at different steps) is not exchanged again, so it never waits for the other ranks.
+# group's size), with that group's ranks: stages of a pipeline-parallel job on disjoint sub-meshes never wait for or
+# compare with each other, and with HSDP rank 0 compares with its shard peer and its replica, each of which compares
+# with theirs. Within a group, exchanges are paired across ranks by their Dynamo frame (numbered per group in the
+# order the backend first meets it) and kind; outside a compilation, by their number in the group (the ranks of a
+# group make them in the same order). A record the ranks already agreed on under a key (a recompile of a frame, e.g.
+# for a new input shape, which ranks with different data meet at different steps) is not exchanged again, so it
+# never waits for the other ranks.
 #
 # Keys carry the token the group's ranks drew when `shard` made the group, else torchrun's restart count
 # (`process_groups.attempt_token`), so a job restarted in place by torchrun's agent, whose store keeps the keys of
