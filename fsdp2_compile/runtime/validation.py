@@ -4,6 +4,7 @@ step pre-hook `shard` registers while sharded modules live."""
 
 from __future__ import annotations
 
+import gc
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator
@@ -463,6 +464,18 @@ def check_no_unsynced_grads(optimizer: torch.optim.Optimizer) -> None:
             )
 
 
+def _modules_holding(param: nn.Parameter) -> list[str]:
+    """"<Class>.<name>" for each module that holds `param` as a parameter (looked up among all live objects, on
+    this error path only)."""
+    return [
+        f"{type(m).__name__}.{name}"
+        for m in gc.get_objects()
+        if issubclass(type(m), nn.Module)
+        for name, v in m.__dict__.get("_parameters", {}).items()
+        if v is param
+    ]
+
+
 def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
     """Before an optimizer's first step (and after param groups are added), refuse one that holds parameters
     `shard` replaced: it would update tensors the sharded model no longer uses."""
@@ -471,13 +484,19 @@ def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
         return
     for group in optimizer.param_groups:
         for p in group["params"]:
-            if p in REPLACED:
+            if p not in REPLACED:
+                continue
+            fqn = REPLACED[p][1].fqn
+            if holders := _modules_holding(p):
                 raise RuntimeError(
-                    f"{type(optimizer).__name__} holds parameter '{REPLACED[p][1].fqn}' as it was before "
-                    "fsdp2_compile.shard replaced it with a sharded DTensor parameter, so it would train nothing. "
-                    "Build the optimizer after shard / shard_compile, e.g. "
-                    f"torch.optim.{type(optimizer).__name__}(model.parameters(), ...); if it was, a module outside "
-                    "the sharded one shares that parameter and still holds the unsharded tensor: make that module "
-                    "part of the sharded model (a submodule of it)"
+                    f"{type(optimizer).__name__} holds parameter '{fqn}' as it was before fsdp2_compile.shard "
+                    f"replaced it with a sharded DTensor parameter: {holders[0]}, a module outside the sharded one, "
+                    "shares that parameter and still holds the unsharded tensor, so neither would train. Make that "
+                    "module part of the sharded model (a submodule of it), then build the optimizer"
                 )
+            raise RuntimeError(
+                f"{type(optimizer).__name__} holds parameter '{fqn}' as it was before fsdp2_compile.shard replaced "
+                "it with a sharded DTensor parameter, so it would train nothing. Build the optimizer after shard / "
+                f"shard_compile, e.g. torch.optim.{type(optimizer).__name__}(model.parameters(), ...)"
+            )
     _CHECKED_OPTIMIZERS[optimizer] = groups
