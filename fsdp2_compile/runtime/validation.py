@@ -465,7 +465,7 @@ def check_no_unsynced_grads(optimizer: torch.optim.Optimizer) -> None:
 
 
 def _modules_holding(param: nn.Parameter) -> list[str]:
-    """"<Class>.<name>" for each module that holds `param` as a parameter (looked up among all live objects, on
+    """ "<Class>.<name>" for each module that holds `param` as a parameter (looked up among all live objects, on
     this error path only)."""
     return [
         f"{type(m).__name__}.{name}"
