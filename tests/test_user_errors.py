@@ -747,3 +747,12 @@ def test_a_float32_buffer_under_a_bf16_param_dtype_is_named(fake_pg):
     model = fc.shard_compile(Scaled(), mp_policy=fixed, compile_config=fc.CompileConfig(check_rank_consistency=False))
     assert model(torch.randn(2, 8)).dtype == torch.bfloat16
     torch._dynamo.reset()
+
+
+def test_a_state_dict_of_other_sizes_keeps_torchs_message_and_says_what_it_means(fake_pg):
+    model = fc.shard(Net())
+    other = Net()
+    other.norm = nn.LayerNorm(4)
+    with raises(RuntimeError, "size mismatch for norm.weight") as info:
+        model.load_state_dict(other.state_dict())
+    assert "a size mismatch means the checkpoint is of a model with other sizes" in "".join(info.value.__notes__)

@@ -5,6 +5,9 @@ schedules of `torch.distributed.pipelining`) drives these the same way."""
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 from torch.distributed import fsdp
 
 from fsdp2_compile._torch_private import gradient_reduction_handle_base, refuse_fsdp_state_reads
@@ -12,7 +15,7 @@ from fsdp2_compile.runtime.grad_delivery import discard_pending_hooks
 from fsdp2_compile.runtime.param_state import SHARDED_MODULES, ParamInfo, is_sharded, state_of
 from fsdp2_compile.runtime.pipeline_stages import reduce_kept_grads
 
-__all__ = ["FSDPModule", "GradientReductionHandle", "UnshardHandle"]
+__all__ = ["FSDPModule", "GradientReductionHandle", "UnshardHandle", "noting_size_mismatches"]
 
 
 def _check_bool(method: str, name: str, value: object) -> None:
@@ -234,6 +237,27 @@ class FSDPModule(fsdp.FSDPModule):
         stays gathered between steps, see `unshard`)."""
         for info in self._param_infos(recurse=False):
             info.drop_kept()
+
+
+def noting_size_mismatches(load_state_dict: Callable) -> Callable:
+    """`load_state_dict` (a module class's), whose size mismatch keeps torch's message and says what it means for
+    a sharded model."""
+
+    @functools.wraps(load_state_dict)
+    def noted(self, *args, **kwargs):
+        try:
+            return load_state_dict(self, *args, **kwargs)
+        except RuntimeError as e:
+            if "size mismatch" in str(e):
+                e.add_note(
+                    "fsdp2_compile: a sharded model's state_dict holds each parameter at its full (global) shape, "
+                    "whatever the world size: a size mismatch means the checkpoint is of a model with other sizes. "
+                    "Build the model with the configuration it was saved from (fsdp2_compile.load_checkpoint "
+                    "loads across world sizes, not across model sizes)"
+                )
+            raise
+
+    return noted
 
 
 def _no_fsdp_state(module: FSDPModule) -> RuntimeError:

@@ -28,7 +28,7 @@ from fsdp2_compile.runtime.eager_reads import register_read_scope
 from fsdp2_compile.runtime.eager_reshard import register_reshard_hooks
 from fsdp2_compile.runtime.float8 import float8_cast_of, high_precision
 from fsdp2_compile.runtime.forward_hooks import add_forward_hooks
-from fsdp2_compile.runtime.fsdp_module import FSDPModule
+from fsdp2_compile.runtime.fsdp_module import FSDPModule, noting_size_mismatches
 from fsdp2_compile.runtime.param_state import (
     IGNORED_ATTR,
     INFOS_ATTR,
@@ -186,6 +186,7 @@ def _make_sharded_class(base: type, names: tuple[str, ...], fsdp_module: bool, c
     if compiled_once:
         namespace["forward"] = traced_once(base.forward)
     if fsdp_module:  # named as fully_shard names its FSDP{class}; a submodule under one keeps its class's name
+        namespace["load_state_dict"] = noting_size_mismatches(base.load_state_dict)
         return type(f"Sharded{base.__name__}", (base, FSDPModule), namespace)
     return type(base.__name__, (base,), namespace)
 
