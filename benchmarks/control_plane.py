@@ -9,10 +9,10 @@ port, running one exchange of a record (a default CompileConfig and the forward 
 per-block all-gathers). `new` is `rank_agreement.exchange`, what the backend runs per process group; `old` is the
 read pattern it replaced: every rank sets its record, polls until every peer's key exists, then reads every peer's
 record; `floor` makes 7 round trips per rank and nothing else, what the simulation itself costs (the clients and
-the server share this machine's cores). Store operations and bytes (keys and values, both ways) are counted by
-wrapping each client. Per N and algorithm it prints the wall time of one exchange (all threads released at once,
-until the last returns), the operations and bytes in total and on the busiest rank, and the store's keys left
-afterwards: the run of median time of `--repeat` runs. `--faults N` also runs N ranks with one rank's record
+the server share this machine's cores). The keys are built by the code the library builds them with. Store
+operations and bytes (keys and values, both ways) are counted by wrapping each client. Per N and algorithm it
+prints the wall time of one exchange (all threads released at once, until the last returns), the operations and
+bytes in total, on a median rank and on the busiest rank, and the store's keys left afterwards: the run of median time of `--repeat` runs. `--faults N` also runs N ranks with one rank's record
 different and with one rank absent, and checks that every rank's error names it, then the step watch's exchange
 (`compiler/step_watch.py`) with the ranks stalled at two places and one absent.
 """
@@ -218,8 +218,8 @@ def _row(n: int, algorithm: str, out: Outcome) -> str:
     failed = sum(e is not None for e in out.errors.values())
     return (
         f"| {n} | {algorithm} | {out.seconds:.3f} | {sum(out.ops):,} | {max(out.ops):,} | "
-        f"{sum(out.bytes) / 1e6:,.2f} | {max(out.bytes) / 1e3:,.1f} | {out.keys_left} |"
-        + (f" {failed} ranks raised |" if failed else "")
+        f"{sum(out.bytes) / 1e6:,.2f} | {sorted(out.bytes)[len(out.bytes) // 2]:,} | {max(out.bytes) / 1e3:,.1f} | "
+        f"{out.keys_left} |" + (f" {failed} ranks raised |" if failed else "")
     )
 
 
@@ -290,8 +290,11 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3, help="runs per N and algorithm: the median's row is shown")
     args = parser.parse_args()
     print(f"record: {len(json.dumps(gpt_record()))} bytes of JSON")
-    print("| ranks | algorithm | seconds | store ops | ops, busiest rank | MB | kB, busiest rank | keys left |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(
+        "| ranks | algorithm | seconds | store ops | ops, busiest rank | MB | bytes, median rank | kB, busiest rank "
+        "| keys left |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
     for n in args.ranks:
         for algorithm in ("floor", "old", "new") if n <= args.old_up_to else ("floor", "new"):
             runs = sorted((simulate(n, algorithm) for _ in range(args.repeat)), key=lambda out: out.seconds)
