@@ -27,10 +27,9 @@ def test_no_call_replays_a_compile_of_other_arguments_state_or_code(tmp_path, mo
     assert first.count("stored") >= 10, first  # each guard that failed: compiled (or an identical graph loaded)
     again = _launch(tmp_path)["events"]
     assert again.count("hit") == len(again), again  # a relaunch loads them all
-    # a relaunch whose model, globals or helper changed: right, whatever it loads
-    for changed in (["config field"], ["dict value", "list length"], ["attribute function", "global flag"]):
-        _launch(tmp_path, changed)
-    _launch(tmp_path, ["module-level dict", "eval"])
+    # a relaunch whose model state and globals changed: right, whatever it loads
+    changed = ["config field", "dict value", "list length", "attribute function", "global flag", "module-level dict"]
+    _launch(tmp_path, [*changed, "eval"])
     helper.write_text(HELPER.format("* 3"))  # a function in another file edited between launches
     assert "miss" in _launch(tmp_path)["events"]
     edited = _launch(tmp_path, package_changed=True)["events"]  # this package's code changed: its first graph compiles
