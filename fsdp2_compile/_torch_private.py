@@ -781,14 +781,14 @@ def _no_node_meta(key: str) -> bool:
 
 def serializable_graph(gm: fx.GraphModule, wrap: Callable[[Callable], Callable]) -> Callable:
     """`gm` (its code already boxed, `boxed_call`) as an Inductor output code that AOTAutograd's bundled cache entry
-    can hold, so torch's ahead-of-time compile can save and load it: `RegionalOutputCode`, pickled by
+    can hold, so torch's AOTAutograd cache can save and load it: `RegionalOutputCode`, pickled by
     `GraphPickler` with every op allowed (ours included) and no node metadata. It runs as `wrap(run)`, here and
     where it is loaded (`wrap` is pickled with it), or here as its `run_here` if one is set."""
     return _wrapped_output_code()(gm, wrap)
 
 
 def serializable_inductor_graph(compiled: Any, wrap: Callable[[Callable], Callable]) -> Callable:
-    """Inductor's `compiled` (a `CompiledFxGraph`), saved and loaded as torch's ahead-of-time compile does, run as
+    """Inductor's `compiled` (a `CompiledFxGraph`), saved and loaded as torch's AOTAutograd cache does, run as
     `serializable_graph`'s are: as `wrap(run)`, or here as its `run_here` if one is set."""
     compiled.__class__ = _wrapped_inductor_code()
     compiled._set_wrap(wrap)

@@ -282,7 +282,9 @@ def _compiler(
                 saved.append(compile_one(graph))
                 return saved[0].run_saved
 
-            saved[0].run_here = BackwardBySync(gm, compile_one, infos, compile_saved)  # here: any (warm_start.py)
+            saved[0].run_here = BackwardBySync(
+                gm, compile_one, infos, compile_saved
+            )  # here: any (`unsynced_backward.py`)
             return saved[0]
         if kind == "backward" and infos and not ahead_of_time():
             return mark_boxed(BackwardBySync(gm, compile_one, infos))

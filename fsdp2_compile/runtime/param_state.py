@@ -147,7 +147,7 @@ class ParamInfo:
     serial: int = field(default_factory=lambda: next(_SERIALS), repr=False, compare=False)
     """Its number among the parameters managed in this process: the keys of its kept state hold it (with its fqn),
     so that they differ between models and are the same in a relaunch that shards its models in the same order
-    (a saved compile's key holds them: `warm_start.py`)."""
+    (a saved compile's key holds them: `compiler/compile_cache.py`)."""
 
     def state_key(self, what: str) -> str:
         """The key of its kept state `what` (`/grad`, `/gathered`, ...; "" for its unsynced gradient)."""

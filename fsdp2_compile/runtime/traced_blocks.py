@@ -38,7 +38,7 @@ def traced_once(forward: Callable) -> Callable:
 
 class _AheadOfTime:
     config: Any = None
-    """The `CompileConfig` compiled ahead of time now, else None."""
+    """The `CompileConfig` compiled for the compile cache now, else None."""
 
 
 _AHEAD_OF_TIME = _AheadOfTime()
