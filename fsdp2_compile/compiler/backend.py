@@ -282,9 +282,8 @@ def _compiler(
                 saved.append(compile_one(graph))
                 return saved[0].run_saved
 
-            saved[0].run_here = BackwardBySync(
-                gm, compile_one, infos, compile_saved
-            )  # here: any (`unsynced_backward.py`)
+            # here, the variant of any flags (`unsynced_backward.py`)
+            saved[0].run_here = BackwardBySync(gm, compile_one, infos, compile_saved)
             return saved[0]
         if kind == "backward" and infos and not ahead_of_time():
             return mark_boxed(BackwardBySync(gm, compile_one, infos))
