@@ -12,7 +12,7 @@ from torch import fx
 from fsdp2_compile._torch_private import current_compile_id
 from fsdp2_compile.compiler.graph_records import collectives, record_owner
 from fsdp2_compile.core.ir import Role, schema_args
-from fsdp2_compile.runtime.rank_agreement import _agree, _Exchange, _exchange_over, forget_frames
+from fsdp2_compile.runtime.rank_agreement import _agree, _Exchange, _exchange_over, agree_or_raise, forget_frames
 
 __all__ = [
     "check_loaded_schedule",
@@ -160,13 +160,8 @@ def check_same_schedule(gm: fx.GraphModule, kind: str, config=None, *, timeout_s
     collectives, it compares across the default process group. `timeout_s` overrides the wait derived from the
     process group's timeout."""
     ex = _exchange(gm, kind, world_if_none=True, timeout_s=timeout_s)
-    if ex is None:
-        return
-    try:
-        _check(ex, gm, config)
-    except Exception:
-        ex.spend()
-        raise
+    if ex is not None:
+        agree_or_raise(ex, schedule_record(gm, config))
 
 
 def check_loaded_schedule(group_names: set[str], kind: str, record: dict) -> None:
@@ -176,13 +171,5 @@ def check_loaded_schedule(group_names: set[str], kind: str, record: dict) -> Non
     if not dist.is_initialized() or dist.get_world_size() == 1 or dist.get_backend() == "fake" or not group_names:
         return
     ex = _exchange_over(group_names, kind, None, compile_frame())
-    if ex is None:
-        return
-    try:
-        error = _agree(ex, record)
-    except Exception:
-        ex.spend()
-        raise
-    if error is not None:
-        ex.spend()
-        raise RuntimeError(error)
+    if ex is not None:
+        agree_or_raise(ex, record)

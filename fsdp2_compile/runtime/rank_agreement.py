@@ -21,6 +21,7 @@ from fsdp2_compile.runtime.process_groups import attempt_token
 
 __all__ = [
     "agree_at_first_call",
+    "agree_or_raise",
     "agree_to_call",
     "agree_to_shard",
     "check_key",
@@ -177,8 +178,7 @@ def wait_for_key(store: dist.Store, key: str, seconds: float) -> bool:
 #
 # The exchange costs each rank a constant number of store operations whatever the group's size, so rank 0's store
 # can serve 10,000 ranks. Under the exchange's key K, each rank sets its record at K/r/<rank>, appends
-# "<rank>:<sha256 of the record>;" to the digest list K/d (a "!" after the digest votes no, as a rank that did
-# not load its saved compile does in `agree_at_first_call`) and adds 1 to the count K/n. The rank whose add
+# "<rank>:<sha256 of the record>;" to the digest list K/d and adds 1 to the count K/n. The rank whose add
 # completes the count claims K/c, reads the digest list (one read) and writes the verdict K/v: "agreed" when the
 # digests are equal; else it reads the records of the lowest rank of each distinct digest and the verdict carries the differing
 # config fields, or the two schedules from which each rank names the first differing collective, and which ranks
@@ -235,10 +235,9 @@ class _Exchange:
     def ranks(self) -> list[int]:
         return sorted({r for ch in self.channels for r in ch.ranks})
 
-    def publish(self, text: str, vote: bool = True) -> None:
-        """Publish this rank's record (JSON) and digest, with its `vote` ("!" after the digest for no); the rank
-        completing a group's count writes its verdict."""
-        entry = f"{self.rank}:{_digest(text)}{'' if vote else '!'};"
+    def publish(self, text: str) -> None:
+        """Publish this rank's record (JSON) and digest; the rank completing a group's count writes its verdict."""
+        entry = f"{self.rank}:{_digest(text)};"
         for ch in self.channels:
             self.store.set(ch.k(f"r/{self.rank}"), text)
             self.store.append(ch.k("d"), entry)
@@ -258,14 +257,11 @@ class _Exchange:
         """Claim the verdict of `ch` and write it from the digest list, unless another rank claimed it."""
         if self.store.compare_set(ch.k("c"), "", str(self.rank)) != str(self.rank).encode():
             return
-        digests, noes = {}, 0
+        digests = {}
         for entry in self.store.get(ch.k("d")).decode().split(";")[:-1]:
             rank, digest = entry.split(":")
-            digests[int(rank)] = digest.rstrip("!")
-            noes += digest.endswith("!")
+            digests[int(rank)] = digest
         verdict = self._verdict(ch, digests)
-        if "agreed" in verdict:
-            verdict["unanimous"] = noes == 0
         self.store.compare_set(ch.k("v"), "", json.dumps(verdict))
         self.store.delete_key(ch.k("d"))
 
@@ -457,13 +453,13 @@ def _exchange_over(
     return _Exchange(kind, channels, wait_s, pg_timeout, default_store(), dist.get_rank())
 
 
-def _agree(ex: _Exchange, record: dict, vote: bool = True) -> str | None:
-    """Exchange this rank's record (and vote); the error it raises, or None once the ranks agreed on it."""
+def _agree(ex: _Exchange, record: dict) -> str | None:
+    """Exchange this rank's record; the error it raises, or None once the ranks agreed on it."""
     text = json.dumps(record)
     if all(text in ch.agreed for ch in ex.channels):
         return None
     try:
-        ex.publish(text, vote)
+        ex.publish(text)
         ex.await_verdicts()
     except dist.DistNetworkError as e:
         what = {"first-call": "first-call records", "call": "calls", "shard": "shard calls"}.get(
@@ -482,23 +478,26 @@ def _agree(ex: _Exchange, record: dict, vote: bool = True) -> str | None:
     return error
 
 
-def _agree_outside_compile(names: set[str], kind: str, fields: dict[str, str], vote: bool = True) -> list[dict]:
-    """Exchange `fields` (and `vote`) over the process groups `names`, outside any compilation; raise on every rank
-    naming the ranks that differ or are missing. The verdicts read ([] when there was no one to agree with)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1 or dist.get_backend() == "fake":
-        return []
-    ex = _exchange_over(names, kind, None)
-    if ex is None:
-        return []
+def agree_or_raise(ex: _Exchange, record: dict) -> None:
+    """Exchange `record` over `ex`; on any difference or failure raise on every rank, this exchange's keys spent."""
     try:
-        error = _agree(ex, {"config": fields, "schedule": None}, vote)
+        error = _agree(ex, record)
     except Exception:
         ex.spend()
         raise
     if error is not None:
         ex.spend()
         raise RuntimeError(error)
-    return ex.verdicts
+
+
+def _agree_outside_compile(names: set[str], kind: str, fields: dict[str, str]) -> None:
+    """Exchange `fields` over the process groups `names`, outside any compilation; raise on every rank naming the
+    ranks that differ or are missing."""
+    if not dist.is_initialized() or dist.get_world_size() == 1 or dist.get_backend() == "fake":
+        return
+    ex = _exchange_over(names, kind, None)
+    if ex is not None:
+        agree_or_raise(ex, {"config": fields, "schedule": None})
 
 
 def agree_at_first_call(group_names: set[str], config_fields: dict[str, str]) -> None:
