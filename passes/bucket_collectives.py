@@ -5,9 +5,10 @@ All-gathers: copy-in (each padded shard flattened, concatenated) → one `all_ga
 `fully_shard` does, or for Inductor a clone each — and viewed as the padded parameter).
 Reduce-scatters: each padded gradient viewed as `[world, rows * rest]`, concatenated on dim 1 → one
 `reduce_scatter_tensor` → wait → [HSDP: one `all_reduce` of the reduced shards over the replicate group → wait]
-→ per-parameter slices viewed as shards. HSDP over a shard group of one rank (no reduce-scatter): the gradients
-flattened and concatenated → one `all_reduce` over the replicas → wait → per-parameter slices. A shard group of one
-has no all-gather: nothing to fuse, no copy.
+→ [the members' all-reduce hook, called once on the flat result] → per-parameter slices viewed as shards. HSDP
+over a shard group of one rank (no reduce-scatter): the gradients flattened and concatenated → one `all_reduce` over
+the replicas → wait → [the hook, once] → per-parameter slices. A shard group of one has no all-gather: nothing to
+fuse, no copy.
 
 Buckets follow `CompileConfig.buckets`; a bucket holding several dtypes becomes one collective per dtype.
 Contract: requires "unshard_lowered" and "reduce_grad_lowered" (collectives carrying `ir.Tags`: `fsdp.params`,
@@ -31,12 +32,14 @@ from fsdp2_compile.core.ir import (
     BUCKET,
     PARAMS,
     PREFETCH,
+    RUN_ALL_REDUCE_HOOK,
     WAIT,
     AllGatherArgs,
     AllReduceArgs,
     CollectiveArgs,
     ReduceScatterArgs,
     Role,
+    RunAllReduceHookArgs,
     Tags,
     WaitArgs,
     fsdp_collective_kind,
@@ -130,8 +133,21 @@ def _replica_all_reduce(reduce_scatter: fx.Node) -> fx.Node | None:
     return users[0] if len(users) == 1 and users[0].target is AR else None
 
 
-def _fuse_reduce_scatters(graph: fx.Graph, members: list[fx.Node]) -> None:
+def _hooks_of(finals: list[fx.Node]) -> list[fx.Node]:
+    """The user's all-reduce hook applied right after each of `finals`' waits, if every one has the same hook: one
+    call on the bucket's flat result serves them all (FSDP2 calls it once per group); else none."""
+    hooks = [next(iter(_wait_of(f).users)) if len(_wait_of(f).users) == 1 else None for f in finals]
+    if any(h is None or h.target is not RUN_ALL_REDUCE_HOOK for h in hooks):
+        return []
+    return hooks if len({RunAllReduceHookArgs.of(h).hook_key for h in hooks}) == 1 else []
+
+
+def _fuse_reduce_scatters(graph: fx.Graph, members: list[fx.Node], order: dict[str, int]) -> None:
     last, call = members[-1], ReduceScatterArgs.of(members[0])
+    if _hooks_of([_replica_all_reduce(m) or m for m in members]):
+        # the hook gets FSDP2's flat buffer: its group's shards in the order `shard` took them (an all-reduce's
+        # rounding may depend on where an element lies)
+        members = sorted(members, key=lambda m: order.get(m.meta[PARAMS][0], 0))
     world = call.group_size
     all_reduces = [_replica_all_reduce(m) for m in members]
     if None in all_reduces or len({AllReduceArgs.of(a).static() for a in all_reduces}) != 1:
@@ -151,17 +167,29 @@ def _fuse_reduce_scatters(graph: fx.Graph, members: list[fx.Node]) -> None:
         if all_reduces:
             replicated = insert_op(graph, AllReduceArgs.of(all_reduces[0]).replace(input=waited), tag(Role.ALL_REDUCE))
             waited = insert_op(graph, WaitArgs(replicated), tag(Role.WAIT))
+        hooks = _hooks_of(all_reduces or members)
+        waited = _run_hook_once(graph, waited, hooks, Tags(params, last.meta[BUCKET]))
         parts = insert_call(graph, aten.split_with_sizes.default, (waited, widths), tag(Role.COPY_OUT))
         for i, (final, g) in enumerate(zip(all_reduces or members, grads)):
             part = insert_call(graph, operator.getitem, (parts, i), tag(Role.COPY_OUT))
             shard = insert_call(
                 graph, aten.view.default, (part, [val(g).shape[0] // world, *val(g).shape[1:]]), tag(Role.COPY_OUT)
             )
-            _wait_of(final).replace_all_uses_with(shard)
+            (hooks[i] if hooks else _wait_of(final)).replace_all_uses_with(shard)
+    for hook in hooks:
+        graph.erase_node(hook)
     for collective in [*all_reduces, *members]:
         wait = _wait_of(collective)
         graph.erase_node(wait)
         graph.erase_node(collective)
+
+
+def _run_hook_once(graph: fx.Graph, waited: fx.Node, hooks: list[fx.Node], tags: Tags) -> fx.Node:
+    """`waited` (a bucket's flat reduced gradients) through the members' one hook, if they have one."""
+    if not hooks:
+        return waited
+    call = RunAllReduceHookArgs.of(hooks[0]).replace(reduced=waited, fqn=",".join(tags.params))
+    return insert_op(graph, call, tags.meta(Role.ALL_REDUCE_HOOK))
 
 
 def _after_reduce_scatter(all_reduce: fx.Node) -> bool:
@@ -187,13 +215,17 @@ def _fuse_all_reduces(graph: fx.Graph, members: list[fx.Node]) -> None:
         packed = insert_call(graph, aten.cat.default, (flat,), tag(Role.COPY_IN))
         reduced = insert_op(graph, AllReduceArgs.of(members[0]).replace(input=packed), tag(Role.ALL_REDUCE))
         waited = insert_op(graph, WaitArgs(reduced), tag(Role.WAIT))
+        hooks = _hooks_of(members)
+        waited = _run_hook_once(graph, waited, hooks, Tags(params, last.meta[BUCKET]))
         parts = insert_call(
             graph, aten.split_with_sizes.default, (waited, [math.prod(val(g).shape) for g in grads]), tag(Role.COPY_OUT)
         )
         for i, (m, g) in enumerate(zip(members, grads)):
             part = insert_call(graph, operator.getitem, (parts, i), tag(Role.COPY_OUT))
             out = insert_call(graph, aten.view.default, (part, list(val(g).shape)), tag(Role.COPY_OUT))
-            _wait_of(m).replace_all_uses_with(out)
+            (hooks[i] if hooks else _wait_of(m)).replace_all_uses_with(out)
+    for hook in hooks:
+        graph.erase_node(hook)
     for m in members:
         graph.erase_node(_wait_of(m))
         graph.erase_node(m)
@@ -226,7 +258,7 @@ def bucket_collectives(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         _fuse_all_gathers(graph, members, hoist, one_copy=ctx.config.compiler != "inductor")
     for members in _group([n for n in graph.nodes if fsdp_collective_kind(n) == Role.REDUCE_SCATTER], buckets):
         _log_bucket(ctx, Role.REDUCE_SCATTER, members)
-        _fuse_reduce_scatters(graph, members)
+        _fuse_reduce_scatters(graph, members, ctx.param_order)
     alone = [n for n in graph.nodes if fsdp_collective_kind(n) == Role.ALL_REDUCE and not _after_reduce_scatter(n)]
     for members in _group(alone, buckets):
         _log_bucket(ctx, Role.ALL_REDUCE, members)

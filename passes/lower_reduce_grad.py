@@ -1,6 +1,6 @@
 """Lower every `fsdp2::reduce_grad` into `[cast to reduce_dtype] → [pad] → reduce_scatter_tensor(avg) →
-wait_tensor → [all_reduce(avg) over the HSDP replicate group → wait_tensor] → [unpad] → [cast to param dtype] →
-[copy to the CPU shard's device]`;
+wait_tensor → [all_reduce(avg) over the HSDP replicate group → wait_tensor] → [the user's all-reduce hook,
+`fsdp2::run_all_reduce_hook`] → [unpad] → [cast to param dtype] → [copy to the CPU shard's device]`;
 with a gradient divide factor f, `[× 1/f]` after the cast and "sum" instead of "avg"; in fp16 or with
 `set_force_sum_reduction_for_comms`, sums with `[÷ p]` before and `[÷ f/p]` after (`ops.divide_factors`). A shard
 group of one rank has no reduce-scatter, no padding and no copy beyond a contiguous one where the gradient is not:
@@ -28,6 +28,7 @@ from fsdp2_compile.core.ir import (
     ReduceGradArgs,
     ReduceScatterArgs,
     Role,
+    RunAllReduceHookArgs,
     StashGradArgs,
     Tags,
     WaitArgs,
@@ -74,6 +75,8 @@ def lower_reduce_grad(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
                     x = insert_op(graph, AddPendingGradArgs(x, a.partial_key, a.reduce_dtype, a.fqn), tag())
                 x = insert_op(graph, AllReduceArgs(x, d.op, a.replicate_group_name), tag(Role.ALL_REDUCE))
                 x = insert_op(graph, WaitArgs(x), tag(Role.WAIT))
+            if a.all_reduce_hook and not stashed:
+                x = insert_op(graph, RunAllReduceHookArgs(x, a.all_reduce_hook, a.fqn), tag(Role.ALL_REDUCE_HOOK))
             if d.post is not None and not stashed:  # a kept shard is divided after its later all-reduce
                 x = insert_call(graph, aten.div.Tensor, (x, d.post), tag(Role.CAST))
             if a.local_rows != rows:

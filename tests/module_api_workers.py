@@ -575,3 +575,38 @@ def torch_policy(rank: int, world_size: int, override: bool) -> dict:
         opt = make_optimizer(model)
         out[system] = _gpt_steps(model, opt, rank, world_size, list(range(STEPS)))
     return out
+
+
+def all_reduce_hook(rank: int, world_size: int, hsdp: bool) -> dict:
+    """4 ranks. `hsdp=False`: FSDP over 2-rank meshes (ranks {0, 1} and {2, 3}, torchft's layout: one replica
+    group each) with a hook on every group that averages the reduced shards over the replica group FSDP does not
+    know (ranks {0, 2} and {1, 3}); `hsdp=True`: HSDP (replicate 2, shard 2) with a hook averaging over all ranks.
+    fully_shard, ours compiled and ours eager: each system's losses, full parameters, and the hook's calls per step."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    grid = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("replicate", "shard"))
+    mesh, over = (grid, dist.group.WORLD) if hsdp else (grid["shard"], grid.get_group("replicate"))
+    calls = [0]
+
+    def average(reduced: torch.Tensor) -> None:
+        calls[0] += 1
+        dist.all_reduce(reduced, group=over)  # gloo has no AVG: the sum, then the division
+        reduced.div_(dist.get_world_size(over))
+
+    out = {}
+    for system in ("fsdp2", "compiled", "eager"):
+        clear_compiled_graphs()
+        model = make_model("gpt")
+        shard = fully_shard if system == "fsdp2" else fc.shard
+        for block in model.blocks:
+            shard(block, mesh=mesh)
+        (fc.shard_compile if system == "compiled" else shard)(model, mesh=mesh)
+        for m in model.modules():
+            if hasattr(m, "set_all_reduce_hook"):
+                m.set_all_reduce_hook(average)
+        calls[0] = 0
+        out[system] = _gpt_steps(model, make_optimizer(model), rank, world_size, range(STEPS))
+        out[f"{system}_calls"] = calls[0] / STEPS
+        out[f"{system}_params"] = {k: p.full_tensor() for k, p in model.named_parameters()}
+    return out

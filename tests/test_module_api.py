@@ -10,6 +10,7 @@ import torch
 from harness import run_ranks
 from module_api_workers import (
     aborted_iteration,
+    all_reduce_hook,
     cpu_offload,
     divide_factor,
     hsdp_accumulation,
@@ -268,6 +269,25 @@ def test_sum_only_reductions_as_fully_shard(reduce_dtype, force_sum, hsdp):
     assert r["divisions"] > 0
 
 
+@pytest.mark.parametrize("hsdp", [False, True])
+def test_all_reduce_hook_as_fully_shard(hsdp):
+    """`set_all_reduce_hook` on every group with a hook that averages the reduced shards over another group
+    (torchft's layout: FSDP within a replica group, the hook over 2 ranks across them; on HSDP, after its
+    all-reduce, over all 4 ranks). Compiled: bitwise fully_shard's losses and parameters, the hook called once per
+    group on the group's flat shards in fully_shard's layout (a 4-rank all-reduce rounds by position). Eager calls
+    it once per parameter: bitwise where the hook's group has 2 ranks, within rounding on 4."""
+    r = run_ranks(all_reduce_hook, 4, hsdp)[0]
+    assert r["compiled"] == r["fsdp2"]
+    assert r["compiled_calls"] == r["fsdp2_calls"] > 0
+    for k, p in r["fsdp2_params"].items():
+        assert torch.equal(r["compiled_params"][k], p), k
+        if hsdp:
+            torch.testing.assert_close(r["eager_params"][k], p)
+        else:
+            assert torch.equal(r["eager_params"][k], p), k
+    assert r["eager"] == r["fsdp2"] if not hsdp else r["eager"] == pytest.approx(r["fsdp2"], rel=1e-5)
+
+
 def test_buffer_dtype_casts_floating_buffers_of_the_group_only(fake_pg):
     model = nn.Sequential(nn.BatchNorm1d(4), nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)))
     fc.shard(model[1], mp_policy=fc.MixedPrecisionPolicy(buffer_dtype=torch.float64))
@@ -315,8 +335,9 @@ def test_every_fully_shard_method_exists_and_says_what_it_does_here(fake_pg):
     assert all(info.force_sum_reduction for info in model._param_infos(recurse=False))
     with pytest.raises(TypeError, match=r"set_force_sum_reduction_for_comms\(enable=1\): use True or False"):
         model.set_force_sum_reduction_for_comms(1)
+    with pytest.raises(TypeError, match=r"set_all_reduce_hook\(hook=3\): give a function hook\(tensor\)"):
+        model.set_all_reduce_hook(3)
     for call, what in (
-        (lambda: model.set_all_reduce_hook(print), "post-accumulate-grad hook"),
         (lambda: model.set_custom_all_gather(None), "inserts and buckets the all-gathers"),
         (lambda: model.set_reduce_scatter_unused_params(True), "the same parameters"),
     ):

@@ -295,7 +295,8 @@ def _compiler(
         # a failure in here is published to the graph's peers, which then stop naming it instead of waiting
         with rank_check(gm, kind, config) as check_same_schedule:
             split_unshard_groups(gm)  # an inference graph (the others were split before partitioning)
-            ctx = PassContext(kind=kind, config=config, profile=resolve_profile(config, gm))
+            order = {fqn: info.serial for fqn, info in (infos or {}).items()}
+            ctx = PassContext(kind=kind, config=config, profile=resolve_profile(config, gm), param_order=order)
             log.info("%s graph: cost-model profile %s (%s)", kind, ctx.profile.name, ctx.profile.source)
             gm = run_pipeline(gm, ctx, recompile=config.compiler == "inductor")  # else `boxed_call` generates it
             check_same_schedule(gm)

@@ -60,6 +60,9 @@ class PassContext:
     """Keep the graph after every pass in `snapshots` (also when `config.keep_snapshots` or $FSDP2_COMPILE_DUMP)."""
     snapshots: list[Snapshot] = field(default_factory=list)
     """The graph after every pass, for dumps (empty unless snapshots are kept)."""
+    param_order: dict[str, int] = field(default_factory=dict)
+    """Each parameter's place in the order `shard` took them (FSDP2's order within a group), by fqn; empty when
+    unknown (graph order stands)."""
 
 
 Pass = Callable[[fx.GraphModule, PassContext], fx.GraphModule]

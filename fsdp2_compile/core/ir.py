@@ -24,6 +24,7 @@ from fsdp2_compile.core.ops import (
     KeepUnshardedArgs,
     ReduceGradArgs,
     ReleaseUnshardedArgs,
+    RunAllReduceHookArgs,
     StashGradArgs,
     UnshardArgs,
 )
@@ -41,6 +42,7 @@ __all__ = [
     "REDUCE_GROUP",
     "RELEASE_UNSHARDED",
     "ROLE",
+    "RUN_ALL_REDUCE_HOOK",
     "STASH_GRAD",
     "SubgraphCall",
     "UNSHARD",
@@ -58,6 +60,7 @@ __all__ = [
     "OpArgs",
     "ReduceGradArgs",
     "ReduceGroupArgs",
+    "RunAllReduceHookArgs",
     "ReduceScatterArgs",
     "ReleaseUnshardedArgs",
     "Role",
@@ -87,6 +90,7 @@ KEEP_ALIVE = ops.KEEP_ALIVE
 KEEP_UNSHARDED = ops.KEEP_UNSHARDED
 DELIVER_GRAD = ops.DELIVER_GRAD
 RELEASE_UNSHARDED = ops.RELEASE_UNSHARDED
+RUN_ALL_REDUCE_HOOK = ops.RUN_ALL_REDUCE_HOOK
 WAIT = _funcol.wait_tensor.default
 UNSHARD_GROUP = grouped_unshard.UNSHARD_GROUP
 REDUCE_GROUP = grouped_unshard.REDUCE_GROUP
@@ -130,6 +134,8 @@ class Role(StrEnum):
     REDUCE_SCATTER = "reduce_scatter"
     ALL_REDUCE = "all_reduce"
     """HSDP: the reduced shard averaged over the replicate group."""
+    ALL_REDUCE_HOOK = "all_reduce_hook"
+    """The user's hook on a reduced gradient (`FSDPModule.set_all_reduce_hook`), after the collectives."""
     ALL_TO_ALL = "all_to_all"
     """A functional all-to-all (one that carries out a reduce-scatter is tagged `REDUCE_SCATTER`)."""
     LOCAL_REDUCE = "local_reduce"
@@ -233,6 +239,7 @@ _FSDP_VIEWS: dict[Any, type] = {
         KeepUnshardedArgs,
         ReleaseUnshardedArgs,
         DeliverGradArgs,
+        RunAllReduceHookArgs,
     )
 }
 

@@ -1,7 +1,8 @@
 """The custom ops the capture sees: `fsdp2::unshard` and its autograd twin `fsdp2::reduce_grad`, the two that
 gradient accumulation without sync uses, `fsdp2::stash_grad` / `fsdp2::add_pending_grad`, the two that keep
 parameters gathered after backward, `fsdp2::keep_unsharded` / `fsdp2::release_unsharded`, `fsdp2::deliver_grad`,
-which hands a reduced gradient to its parameter inside backward (optimizer in backward), and `fsdp2::keep_alive`.
+which hands a reduced gradient to its parameter inside backward (optimizer in backward), `fsdp2::run_all_reduce_hook`,
+which runs a user's hook on reduced gradients (`FSDPModule.set_all_reduce_hook`), and `fsdp2::keep_alive`.
 """
 
 from __future__ import annotations
@@ -16,10 +17,12 @@ from torch import Tensor
 
 from fsdp2_compile._torch_private import functional_collectives as _funcol
 from fsdp2_compile._torch_private import register_value_type
+from fsdp2_compile.core.group_caches import dropped_with_groups
 from fsdp2_compile.core.op_args import OpArgs, op_view
 
 __all__ = [
     "ADD_PENDING_GRAD",
+    "ALL_REDUCE_HOOKS",
     "AddPendingGradArgs",
     "DeliverGradArgs",
     "KeepAliveArgs",
@@ -27,6 +30,7 @@ __all__ = [
     "ParamSpec",
     "ReduceGradArgs",
     "ReleaseUnshardedArgs",
+    "RunAllReduceHookArgs",
     "StashGradArgs",
     "UnshardArgs",
     "DELIVER_GRAD",
@@ -36,9 +40,11 @@ __all__ = [
     "KEPT_UNSHARDED",
     "RELEASE_UNSHARDED",
     "REDUCE_GRAD",
+    "RUN_ALL_REDUCE_HOOK",
     "STASH_GRAD",
     "UNSHARD",
     "add_pending_grad",
+    "all_reduce_hook_key",
     "deliver_grad",
     "discard_pending_grad",
     "divide_factors",
@@ -50,6 +56,7 @@ __all__ = [
     "padded_rows",
     "reduce_grad",
     "reduce_input",
+    "run_all_reduce_hook",
     "stash_grad",
     "take_pending_grad",
     "unshard",
@@ -102,7 +109,9 @@ class ParamSpec:
     `kept_key`; the next forward passes it as `gathered` and gathers nothing (`unsharded_after_backward.py`).
     `grad_key` (with the op's `grad_anchor`, a parameter with post-accumulate-grad hooks): backward hands the
     reduced gradient to the parameter itself and runs its hooks (`deliver_grad`), as FSDP2 does after each
-    reduce-scatter; the shard gets no gradient."""
+    reduce-scatter; the shard gets no gradient. `all_reduce_hook` (`FSDPModule.set_all_reduce_hook`): the key of
+    the hook that gets the reduced shard after the HSDP all-reduce, before the division after it
+    (`ALL_REDUCE_HOOKS`)."""
 
     dim0: int
     world_size: int
@@ -128,6 +137,7 @@ class ParamSpec:
     reshard_after_backward: bool = True
     kept_key: str = ""
     grad_key: str = ""
+    all_reduce_hook: str = ""
 
     def __fx_repr__(self) -> tuple[str, dict[str, Any]]:
         """The expression that rebuilds this spec in generated graph code, and the names it uses besides FX's own
@@ -239,13 +249,15 @@ def reduce_grad(
     partial_key: str = "",
     out_device: torch.device | None = None,
     force_sum_reduction: bool = False,
+    all_reduce_hook: str = "",
 ) -> Tensor:
     """Average a full gradient over the group and return this rank's `local_rows`-row shard in `out_dtype`.
     With an HSDP replicate group (`replicate_size > 1`) the shard is then averaged over that group too. With a
     `divide_factor`, each rank's gradient is multiplied by 1 / divide_factor and the results are summed instead.
     HSDP without the all-reduce (`requires_all_reduce=False`): the reduced shard is kept under `partial_key` (a
     zero shard back); the next reduction with the all-reduce adds it first. `out_device`: where the result goes
-    (`CPUOffloadPolicy`: back to the CPU shard's device). How each rank's part is scaled and summed:
+    (`CPUOffloadPolicy`: back to the CPU shard's device). `all_reduce_hook`: the user's hook gets the reduced
+    shard before the division after the collectives, as in FSDP2. How each rank's part is scaled and summed:
     `divide_factors`."""
     d = divide_factors(reduce_dtype, world_size, replicate_size, divide_factor, force_sum_reduction)
     x = reduce_input(grad, reduce_dtype, world_size, d)
@@ -260,6 +272,8 @@ def reduce_grad(
         if partial_key:
             out = torch.ops.fsdp2.add_pending_grad(out, partial_key, reduce_dtype, fqn)
         out = _funcol.wait_tensor(_funcol.all_reduce(out, d.op, replicate_group_name))
+    if all_reduce_hook:
+        out = run_all_reduce_hook(out, all_reduce_hook, fqn)
     if d.post is not None:
         out = out / d.post
     return out[:local_rows].to(out_dtype).to(out_device or out.device).clone()
@@ -323,6 +337,38 @@ def _(grad, pending_key, reduce_dtype, fqn):
     return grad.new_empty(grad.shape, dtype=reduce_dtype)
 
 
+ALL_REDUCE_HOOKS: dict[str, Callable[[Tensor], None]] = dropped_with_groups({})
+"""By key: the hooks given to `FSDPModule.set_all_reduce_hook` (held until the process groups go)."""
+_HOOK_KEYS: dict[int, str] = dropped_with_groups({})
+"""`id(hook)` -> its key in `ALL_REDUCE_HOOKS` (which holds the hook, so the id is not reused meanwhile)."""
+
+
+def all_reduce_hook_key(hook: Callable[[Tensor], None]) -> str:
+    """The key of `hook` in `ALL_REDUCE_HOOKS` (registered on first use): one hook given to every block keeps one
+    key, so identical blocks still trace once."""
+    key = _HOOK_KEYS.get(id(hook))
+    if key is None:
+        key = _HOOK_KEYS[id(hook)] = f"all_reduce_hook/{len(ALL_REDUCE_HOOKS)}"
+        ALL_REDUCE_HOOKS[key] = hook
+    return key
+
+
+@torch.library.custom_op("fsdp2::run_all_reduce_hook", mutates_args=())
+def run_all_reduce_hook(reduced: Tensor, hook_key: str, fqn: str) -> Tensor:
+    """A copy of the reduced gradient shard(s) `reduced` (flat for a bucket), after the hook under `hook_key` changed
+    it in place (FSDP2's `set_all_reduce_hook`: e.g. an all-reduce over another group). Side effect: whatever the
+    hook does (collectives), so the op is marked with `torch.fx.node.has_side_effect`. `fqn` names the
+    parameters."""
+    out = reduced.clone()
+    ALL_REDUCE_HOOKS[hook_key](out)
+    return out
+
+
+@run_all_reduce_hook.register_fake
+def _(reduced, hook_key, fqn):
+    return torch.empty_like(reduced)
+
+
 GRAD_RECEIVERS: dict[str, Callable[[Tensor], None]] = {}
 """By `grad_key`: what takes a parameter's reduced gradient shard (sets or adds to its `.grad`, runs its
 post-accumulate-grad hooks; `grad_delivery.py`)."""
@@ -372,6 +418,7 @@ def backward_facts(spec: ParamSpec, shard: Tensor, n_inputs: int, delivered: boo
             partial_key=spec.partial_key,
             out_device=shard.device if spec.compute_device is not None else None,
             force_sum_reduction=spec.force_sum_reduction,
+            all_reduce_hook=spec.all_reduce_hook,
         ),
         n_inputs=n_inputs,
     )
@@ -465,6 +512,7 @@ ADD_PENDING_GRAD = torch.fx.node.has_side_effect(torch.ops.fsdp2.add_pending_gra
 KEEP_UNSHARDED = torch.fx.node.has_side_effect(torch.ops.fsdp2.keep_unsharded.default)
 RELEASE_UNSHARDED = torch.fx.node.has_side_effect(torch.ops.fsdp2.release_unsharded.default)
 DELIVER_GRAD = torch.fx.node.has_side_effect(torch.ops.fsdp2.deliver_grad.default)
+RUN_ALL_REDUCE_HOOK = torch.fx.node.has_side_effect(torch.ops.fsdp2.run_all_reduce_hook.default)
 
 
 class _ReadsSpec(OpArgs):
@@ -500,6 +548,9 @@ KeepUnshardedArgs = op_view(
 )
 DeliverGradArgs = op_view(
     "DeliverGradArgs", DELIVER_GRAD, "Arguments of `fsdp2::deliver_grad` (backward, a parameter with hooks)."
+)
+RunAllReduceHookArgs = op_view(
+    "RunAllReduceHookArgs", RUN_ALL_REDUCE_HOOK, "Arguments of `fsdp2::run_all_reduce_hook` (backward, a user's hook)."
 )
 ReleaseUnshardedArgs = op_view(
     "ReleaseUnshardedArgs",

@@ -8,9 +8,11 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
+import torch
 from torch.distributed import fsdp
 
 from fsdp2_compile._torch_private import gradient_reduction_handle_base, refuse_fsdp_state_reads
+from fsdp2_compile.core.ops import all_reduce_hook_key
 from fsdp2_compile.runtime.grad_delivery import discard_pending_hooks
 from fsdp2_compile.runtime.param_state import SHARDED_MODULES, ParamInfo, is_sharded, state_of
 from fsdp2_compile.runtime.pipeline_stages import reduce_kept_grads
@@ -137,12 +139,22 @@ class FSDPModule(fsdp.FSDPModule):
     def _unsupported(self, method: str, why: str) -> None:
         raise NotImplementedError(f"{type(self).__name__}.{method} is not supported by fsdp2_compile: {why}")
 
-    def set_all_reduce_hook(self, hook: object, *, stream: object = None) -> None:
-        self._unsupported(
-            "set_all_reduce_hook",
-            "the reductions are nodes of the compiled graph; run a "
-            "post-accumulate-grad hook on the parameters instead (it gets the reduced shard)",
-        )
+    def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream: object = None) -> None:
+        """FSDP2's hook on this module's group (not its children's): after each backward's reduce-scatter (and
+        HSDP's all-reduce), `hook(reduced)` may change the reduced gradient shards in place before the division
+        after the collectives, as in FSDP2 (e.g. an all-reduce over a replica group FSDP does not know:
+        torchft's). A compiled backward calls it once per bucket, on the bucket's flat shards; not after
+        backwards with gradient sync or HSDP's all-reduce off. `stream` is accepted for FSDP2 compatibility
+        (refused with HSDP, as FSDP2 does); the compiled graph orders the hook after its collectives. Setting
+        another hook recompiles; None removes it."""
+        if hook is not None and not callable(hook):
+            raise TypeError(f"{type(self).__name__}.set_all_reduce_hook(hook={hook!r}): give a function hook(tensor)")
+        infos = self._param_infos(recurse=False)
+        if stream is not None and any(i.replicate_size > 1 for i in infos):
+            raise ValueError(f"{type(self).__name__}.set_all_reduce_hook: stream cannot be set with HSDP (as in FSDP2)")
+        key = "" if hook is None else all_reduce_hook_key(hook)
+        for info in infos:
+            info.all_reduce_hook = key
 
     def set_custom_all_gather(self, comm: object) -> None:
         self._unsupported("set_custom_all_gather", "the compiler inserts and buckets the all-gathers itself")

@@ -136,6 +136,9 @@ class ParamInfo:
     """Set while the parameter has post-accumulate-grad hooks (`deliver_grads_to`): backward hands it its reduced
     gradient (`fsdp2::deliver_grad`) and runs the hooks, compiled right after its reduction as FSDP2 does, eager
     when the backward ends."""
+    all_reduce_hook: str = ""
+    """`FSDPModule.set_all_reduce_hook`: the key of the hook its reduced gradient shard goes through
+    (`ops.ALL_REDUCE_HOOKS`, one key per hook object); "": none."""
     shard_dim: int = 0
     """The dim it is sharded on (`shard_placement_fn`); not 0: `fsdp2::unshard` gathers the shard with that dim
     moved first, and the gathered parameter gets it back in place."""
@@ -275,6 +278,7 @@ class ParamInfo:
             self.reshard_after_backward,
             "" if anonymous else self.kept_key,
             ("*" if self.grad_key else "") if anonymous else self.grad_key,
+            self.all_reduce_hook,
         )
 
     def set_reshard_after_backward(self, reshard_after_backward: bool) -> None:

@@ -11,7 +11,13 @@ from torch.distributed.tensor import DTensor
 
 from fsdp2_compile._torch_private import FullyShardStateView, set_fully_shard_state
 from fsdp2_compile._torch_private import functional_collectives as funcol
-from fsdp2_compile.core.ops import GRAD_RECEIVERS, divide_factors, reduce_input, take_pending_grad
+from fsdp2_compile.core.ops import (
+    GRAD_RECEIVERS,
+    divide_factors,
+    reduce_input,
+    run_all_reduce_hook,
+    take_pending_grad,
+)
 from fsdp2_compile.runtime.param_state import ParamInfo, ShardState, is_sharded, managed_params, state_of
 
 __all__ = ["reduce_kept_grads", "register_state_views"]
@@ -57,6 +63,7 @@ def _bucket_key(info: ParamInfo) -> tuple:
         info.replicate_group_name,
         divide,
         info.force_sum_reduction,
+        info.all_reduce_hook,
     )
 
 
@@ -81,12 +88,14 @@ def reduce_kept_grads(state: ShardState) -> None:
 
 def _reduce_bucket(key: tuple, grads: list[torch.Tensor]) -> list[torch.Tensor]:
     """Each gradient's padded shard of the reduction, in the reduce dtype."""
-    reduce_dtype, world, group, replicate_size, replicate_group, divide, force_sum = key
+    reduce_dtype, world, group, replicate_size, replicate_group, divide, force_sum, hook = key
     d = divide_factors(reduce_dtype, world, replicate_size, divide, force_sum)
     per_rank = [reduce_input(grad, reduce_dtype, world, d).view(world, -1) for grad in grads]
     reduced = funcol.wait_tensor(funcol.reduce_scatter_tensor(torch.cat(per_rank, 1).view(-1), d.op, world, group))
     if replicate_size > 1:
         reduced = funcol.wait_tensor(funcol.all_reduce(reduced, d.op, replicate_group))
+    if hook:
+        reduced = run_all_reduce_hook(reduced, hook, "")
     shards, offset = [], 0
     for grad, x in zip(grads, per_rank):
         width = x.shape[1]
