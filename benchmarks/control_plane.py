@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from fsdp2_compile.compiler.step_watch import _Group, exchange_steps  # noqa: E402
+from fsdp2_compile.compiler.step_watch import _Group, exchange_steps, step_round  # noqa: E402
 from fsdp2_compile.config import CompileConfig  # noqa: E402
 from fsdp2_compile.runtime.rank_agreement import check_key, exchange, group_scope  # noqa: E402
 
@@ -257,7 +257,8 @@ def simulate_stall(n: int, wait_s: float = 3.0) -> Outcome:
 
     def run(r: int) -> None:
         record = "forward:3:2:0" if r < n // 2 else "backward:2:2:0"
-        messages[r] = exchange_steps(clients[r], r, ranks, key, record, wait_s)
+        at = f"{key}/{step_round(clients[r], key)}"  # the group's current round, as each rank reads it
+        messages[r] = exchange_steps(clients[r], r, ranks, at, record, wait_s)
 
     seconds = _released_together(present, run)
     ops, nbytes = [c.ops for c in clients.values()], [c.bytes for c in clients.values()]

@@ -370,7 +370,7 @@ def elsewhere(rank: int, world_size: int) -> dict:
 
     class Keep(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
-            if record.levelno >= logging.ERROR:
+            if record.levelno >= logging.WARNING:
                 logged.append((round(time.monotonic() - start, 1), record.getMessage()))
 
     logging.getLogger("fsdp2_compile").addHandler(Keep())
@@ -399,3 +399,55 @@ def sync_off_on_one_rank(rank: int, world_size: int) -> dict:
         _steps(model, rank, steps=1)
 
     return {"sync_off_on_one_rank": _case(run)}
+
+
+LATE_PG_TIMEOUT_S = 8.0
+"""The process groups' timeout of `late_peer_then_stall`: short, so a peer late for 0.7 of it costs little."""
+
+
+def late_peer_then_stall(rank: int, world_size: int) -> dict:
+    """Three steps of a model, then three of another where rank 0 sleeps 0.7 of the process group's timeout in its
+    own code before the second (an evaluation, a checkpoint: rank 1 waits in the graph past half the timeout); then
+    rank 1 leaves that loop (its process exits) while rank 0 runs a fourth step. The records the `fsdp2_compile`
+    logger logged at warning or above on each rank, by level."""
+    import logging
+
+    from fsdp2_compile.compiler import step_watch
+
+    logged: list[tuple[str, str]] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.levelno >= logging.WARNING:
+                logged.append((record.levelname, record.getMessage()))
+
+    logging.getLogger("fsdp2_compile").addHandler(Keep())
+    plain: list[float] = []
+    late: list[float] = []
+    model = _compiled(Net())
+
+    def late_steps() -> None:
+        g = torch.Generator().manual_seed(rank)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        for step in range(3):
+            if (rank, step) == (0, 1):
+                time.sleep(0.7 * LATE_PG_TIMEOUT_S)
+            loss = model(torch.randn(4, 8, generator=g)).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            late.append(loss.item())
+        with step_watch._WATCH.lock:  # the watching thread is done with the late step (and logged what it would)
+            time.sleep(2 * step_watch._TICK_S)
+
+    def stall() -> None:
+        if rank == 0:
+            model(torch.randn(4, 8)).square().mean().backward()
+
+    outcomes = {
+        "plain": _case(lambda: plain.extend(_steps(_compiled(Net()), rank, steps=3))),
+        "late_peer": _case(late_steps),
+    }
+    outcomes["late_peer"] |= {"losses": late, "plain_losses": plain, "logged": list(logged)}
+    outcomes["stall"] = _case(stall)
+    return outcomes

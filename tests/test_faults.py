@@ -202,8 +202,9 @@ def test_a_rank_waiting_in_its_own_code_is_named_before_the_timeout():
     assert r1["error"] is None
     words = "rank(s) [0] in forward 3 (forwards 3, backwards 2); rank(s) [1] not seen in a compiled step"
     assert words in r0["error"] and "Timed out" in r0["error"], r0
-    [(seconds, message)] = r0["logged"]  # logged by the watching thread while the collective still waited
+    [(seconds, message)] = r0["logged"]  # a warning of the watching thread while the collective still waited
     assert words in message and seconds < r0["ended"] - 1, (r0["logged"], r0["ended"])
+    assert "dropped if the ranks arrive" in message, message
 
 
 def test_gradient_sync_turned_off_on_one_rank_is_named_as_the_cause():
@@ -216,3 +217,24 @@ def test_gradient_sync_turned_off_on_one_rank_is_named_as_the_cause():
     assert "rank 1, in backward 2 (forwards 2, backwards 2), lost the process group's store" in r1["error"], r1
     assert "Connection closed by peer" in r1["error"], r1
     assert r0["seconds"] < PG_TIMEOUT_S and r1["seconds"] < PG_TIMEOUT_S + 2, (r0, r1)
+
+
+@functools.cache
+def _late_peer_job() -> list[dict]:
+    return run_faults(fault_workers.late_peer_then_stall, 2, fault_workers.LATE_PG_TIMEOUT_S)
+
+
+def test_a_peer_late_for_more_than_half_the_timeout_is_no_error():
+    for r in (r["late_peer"] for r in _late_peer_job()):
+        assert r["error"] is None, r
+        assert r["losses"] == r["plain_losses"], r  # as if no rank had been late
+        assert not [message for level, message in r["logged"] if level in ("ERROR", "CRITICAL")], r["logged"]
+
+
+def test_a_stall_after_a_late_peer_is_named_afresh():
+    r0, r1 = (r["stall"] for r in _late_peer_job())
+    assert r1["error"] is None  # it left the loop; its process exited
+    words = "stopped pairing their collectives: rank(s) [0] in forward 4 (forwards 4, backwards 3); rank(s) [1] not"
+    assert f"{words} seen in a compiled step" in r0["error"], r0
+    assert "rank(s) [1] in" not in r0["error"], r0  # not where rank 1 waited for the late rank 0
+    assert r0["seconds"] < fault_workers.LATE_PG_TIMEOUT_S, r0  # gloo saw the closed connection: no timeout

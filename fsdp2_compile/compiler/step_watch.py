@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -23,7 +24,7 @@ from fsdp2_compile._torch_private import (
 from fsdp2_compile.core.group_caches import dropped_with_groups
 from fsdp2_compile.runtime.rank_agreement import _LISTED, _named, group_scope, wait_for_key
 
-__all__ = ["STEP_COUNTS", "exchange_steps", "forget_counts_of", "watched"]
+__all__ = ["STEP_COUNTS", "exchange_steps", "forget_counts_of", "step_round", "watched"]
 
 log = logging.getLogger("fsdp2_compile")
 
@@ -40,14 +41,23 @@ log = logging.getLogger("fsdp2_compile")
 #
 # - told at once: the rank publishes when the error reaches the graph and waits at most `_ERROR_WAIT_S` for peers;
 # - stuck: a watching thread (one per process, started at the first watched call on the CPU, ended with the default
-#   process group) publishes once the rank has been inside one graph for T / 2 and logs the verdict, in by 0.9 T,
-#   before gloo raises.
+#   process group) publishes once the rank has been inside one graph for T / 2 and holds the verdict, in by 0.9 T;
+#   it logs it as a warning, and raises it if gloo then times out.
 #
-# A rank publishes once per group in a process-group attempt (a stall ends the job). The cost is that of rank
-# consistency's exchange: a constant number of store operations per rank, and one read of the list of records by
-# the rank that writes the verdict. With NCCL the host does not wait inside the graph (its collectives are
-# asynchronous): there only errors are read, and NCCL's flight recorder (TORCH_NCCL_TRACE_BUFFER_SIZE) is the tool
-# for a hang.
+# A peer may only be late: busy outside the compiled step (an evaluation, a checkpoint on rank 0) for longer than
+# T / 2. When it arrives the collective completes and the graph returns: the watching thread stops waiting for the
+# verdict (it polls the store, so the main thread's store operations never wait behind it), the held verdict is
+# dropped, and this rank advances the group's round. Each group's exchanges are numbered by that round, a counter in
+# the store under the group's key: a rank reads it when it publishes and, when the graph it published from returns,
+# advances it from the round it read to the next (compare-and-set, so ranks that published to the same round
+# advance it once). The next stall of the group is thus exchanged afresh, never read from the late peer's records.
+# A rank that raised keeps its group's round: a stall ends the job.
+#
+# The cost is that of rank consistency's exchange: a constant number of store operations per rank (and the watching
+# thread's polls, at most one a second), and one read of the list of records by the rank that writes the verdict.
+# Each round leaves its few keys in the store. With NCCL the host does not wait inside the graph (its collectives
+# are asynchronous): there only errors are read, and NCCL's flight recorder (TORCH_NCCL_TRACE_BUFFER_SIZE) is the
+# tool for a hang.
 
 STEP_COUNTS = "fsdp2_compile::step_counts"
 """The profiler's name for the gathering of the ranks' counts before a graph runs (it wraps that collective)."""
@@ -55,6 +65,8 @@ _ERROR_WAIT_S = 5.0
 """How long a rank that a transport error reached waits for its peers' records."""
 _TICK_S = 0.5
 """How often the watcher thread looks at the rank."""
+_POLL_S = 1.0
+"""The longest pause of the watcher thread between two looks for a verdict in the store."""
 
 
 @dataclasses.dataclass
@@ -74,18 +86,23 @@ class _Group:
 _KINDS = ("forward", "backward", "inference")
 _GROUPS: dict[tuple[str, int | None], _Group] = dropped_with_groups({})
 """(group name, compiled model) -> its counts."""
-_VERDICTS: dict[str, str | None] = dropped_with_groups({})
-"""Group name -> the verdict its ranks read (None: no skew named), once this rank published to it."""
 
 
 @dataclasses.dataclass
 class _Inside:
-    """The graph this rank is running: its kind, groups, the counts when it started (its own included)."""
+    """The graph this rank is running: its kind, groups, the counts when it started (its own included), and, once
+    this rank published to a group, the round it read and the verdict it holds (None: no skew named)."""
 
     kind: str
     groups: list[_Group]
     since: float
     record: str
+    rank: int
+    watched: bool = False
+    returned: bool = False
+    raised: bool = False
+    rounds: dict[str, int] = dataclasses.field(default_factory=dict)
+    verdicts: dict[str, str | None] = dataclasses.field(default_factory=dict)
 
 
 class _Watch:
@@ -106,34 +123,65 @@ class _Watch:
         while dist.is_initialized() and dist.group.WORLD is world:
             time.sleep(_TICK_S)
             inside = self.inside
-            if inside is None or any(g.name in _VERDICTS for g in inside.groups):
+            if inside is None or inside.watched:
                 continue
             timeout = min(g.timeout_s for g in inside.groups)
             if time.monotonic() - inside.since >= timeout / 2:
-                message = self.verdict(inside, inside.since + 0.9 * timeout)
-                if message:
-                    log.error("%s", message)
+                inside.watched = True
+                message = self.verdict(inside, inside.since + 0.9 * timeout, watching=True)
+                if message and not (inside.returned or inside.raised):
+                    log.warning(
+                        "%s. Rank %d holds this verdict after %.0f s of the process group's %.0f s timeout: it is "
+                        "raised if the collective fails, dropped if the ranks arrive",
+                        message,
+                        inside.rank,
+                        time.monotonic() - inside.since,
+                        timeout,
+                    )
 
-    def verdict(self, inside: _Inside, deadline: float) -> str | None:
-        """Publish where this rank is to each group of `inside` (once) and read the groups' verdicts."""
+    def verdict(self, inside: _Inside, deadline: float, watching: bool = False) -> str | None:
+        """Publish where this rank is to each group of `inside` (once) and read the groups' verdicts; `watching`
+        (the watcher thread) stops waiting once the graph returned."""
+        stale = (lambda: inside.returned) if watching else None
         with self.lock:
             for group in inside.groups:
-                if group.name not in _VERDICTS:
-                    _VERDICTS[group.name] = None
-                    try:
-                        wait_s = deadline - time.monotonic()
-                        _VERDICTS[group.name] = exchange_steps(
-                            default_store(), dist.get_rank(), group.ranks, group.key, inside.record, wait_s
-                        )
-                    except dist.DistError:  # the store went with its host
-                        _VERDICTS[group.name] = (
-                            f"fsdp2_compile: rank {dist.get_rank()}, {_describe(inside.record)}, lost the process "
-                            f"group's store while naming the steps of ranks {_named(group.ranks)}: the process "
-                            "hosting it (rank 0, unless a launcher such as torchrun hosts it) has most likely exited: "
-                            "look at its error"
-                        )
-            found = [v for g in inside.groups if (v := _VERDICTS.get(g.name))]
+                if group.name in inside.verdicts:
+                    continue
+                inside.verdicts[group.name] = None
+                try:
+                    store = default_store()
+                    inside.rounds[group.name] = step_round(store, group.key)
+                    if inside.returned:
+                        continue
+                    inside.verdicts[group.name] = exchange_steps(
+                        store,
+                        inside.rank,
+                        group.ranks,
+                        f"{group.key}/{inside.rounds[group.name]}",
+                        inside.record,
+                        deadline - time.monotonic(),
+                        stale,
+                    )
+                except dist.DistError:  # the store went with its host
+                    inside.verdicts[group.name] = (
+                        f"fsdp2_compile: rank {inside.rank}, {_describe(inside.record)}, lost the process "
+                        f"group's store while naming the steps of ranks {_named(group.ranks)}: the process "
+                        "hosting it (rank 0, unless a launcher such as torchrun hosts it) has most likely exited: "
+                        "look at its error"
+                    )
+            if inside.returned:
+                _advance(inside)
+            found = [v for g in inside.groups if (v := inside.verdicts.get(g.name))]
             return "; ".join(found) if found else None
+
+
+def _advance(inside: _Inside) -> None:
+    """The graph of `inside` returned: what its groups' ranks published is stale, so move each group this rank
+    read a round of to the next round (once per round, whichever of its ranks comes first)."""
+    keys = {g.name: g.key for g in inside.groups}
+    with contextlib.suppress(dist.DistError):  # best effort: a lost store ends the job anyway
+        for name, number in list(inside.rounds.items()):
+            default_store().compare_set(f"{keys[name]}/round", str(number), str(number + 1))
 
 
 _WATCH = _Watch()
@@ -152,18 +200,49 @@ def _describe(record: str) -> str:
     )
 
 
-def exchange_steps(store: dist.Store, rank: int, ranks: list[int], key: str, record: str, wait_s: float) -> str | None:
+def step_round(store: dist.Store, key: str) -> int:
+    """The current round of the step exchanges under the group key `key` (0 until a stale one advanced it)."""
+    return store.add(f"{key}/round", 0)
+
+
+def exchange_steps(
+    store: dist.Store,
+    rank: int,
+    ranks: list[int],
+    key: str,
+    record: str,
+    wait_s: float,
+    stale: Callable[[], bool] | None = None,
+) -> str | None:
     """Publish this rank's place `record` ("forward:5:4:0": kind, forwards, backwards, no-grad forwards) among
-    `ranks` under `key` and read the verdict, waiting at most `wait_s`: what a stalled rank runs per group, and what
-    a simulation of many ranks against one store calls. None when every rank published the same place."""
+    `ranks` under `key` (a group's key and round, "<key>/<step_round>") and read the verdict, waiting at most
+    `wait_s`: what a stalled rank runs per group, and what a simulation of many ranks against one store calls. None
+    when every rank published the same place, or (polling the store) once `stale()` holds."""
     store.append(f"{key}/d", f"{rank}={record};")
     if store.add(f"{key}/n", 1) == len(ranks):
         _close(store, rank, ranks, key)
-    if not wait_for_key(store, f"{key}/v", wait_s):
+    if not _await_verdict(store, f"{key}/v", wait_s, stale):
+        if stale is not None and stale():
+            return None
         _close(store, rank, ranks, key)
         if not wait_for_key(store, f"{key}/v", _ERROR_WAIT_S):
             return None
     return store.get(f"{key}/v").decode() or None
+
+
+def _await_verdict(store: dist.Store, key: str, wait_s: float, stale: Callable[[], bool] | None) -> bool:
+    """Whether `key` is set within `wait_s`: a blocking wait, or with `stale`, polls (which leave the store client
+    free for this process's other threads between them) that stop once `stale()` holds."""
+    if stale is None:
+        return wait_for_key(store, key, wait_s)
+    deadline, pause = time.monotonic() + wait_s, 0.05
+    while not store.check([key]):
+        left = deadline - time.monotonic()
+        if stale() or left <= 0:
+            return False
+        time.sleep(min(pause, left))
+        pause = min(2 * pause, _POLL_S)
+    return True
 
 
 def _close(store: dist.Store, rank: int, ranks: list[int], key: str) -> None:
@@ -246,20 +325,22 @@ def watched(
             groups.append(_GROUPS.setdefault((name, owner), _Group(name, ranks, group_timeout(name))))
     if not groups:
         return run
+    rank = dist.get_rank()
 
     def watched_run(args: list) -> Any:
         for group in groups:
             group.counts[kind] += 1
         before = _WATCH.inside
-        inside = _Inside(kind, groups, time.monotonic(), _record(kind, groups[0].counts))
+        inside = _Inside(kind, groups, time.monotonic(), _record(kind, groups[0].counts), rank)
         _WATCH.inside = inside
         if check:
             _WATCH.start()
         try:
             if check:
                 _check_aligned(groups, inside.record)
-            return run(args)
+            result = run(args)
         except Exception as e:
+            inside.raised = True
             if not _is_transport_error(e):
                 raise
             first = (str(e).strip().splitlines() or [""])[0]
@@ -270,5 +351,9 @@ def watched(
             raise RuntimeError(f"{message}. The collective failed with: {first}") from e
         finally:
             _WATCH.inside = before
+        inside.returned = True
+        if inside.rounds:  # this rank published while it waited, and the peers came: a stale round
+            _advance(inside)
+        return result
 
     return mark_boxed(watched_run)
