@@ -188,21 +188,36 @@ def output_dtype_call(rank: int, world_size: int, output_dtype: str | None) -> d
 
 
 def train_cached(
-    rank: int, world_size: int, name: str = "gpt", steps: int = 2, accumulate: bool = False, hsdp: bool = False
+    rank: int,
+    world_size: int,
+    name: str = "gpt",
+    steps: int = 2,
+    accumulate: bool = False,
+    hsdp: bool = False,
+    tp: bool = False,
 ) -> dict:
     """The test model `name` (a GPT's blocks sharded first) trained `steps` steps with `compile_cache`; with
     `accumulate`, each step in two micro-batches, gradient sync off for the first. Each rank keeps its cache in a
     directory of its own; $EMPTIED_RANK names a rank whose directory is emptied first. `hsdp`: on a (replicate,
-    shard) mesh of 2 x world_size / 2. Returns the losses, the local shards and the cache events."""
+    shard) mesh of 2 x world_size / 2; `tp`: the GPT's MLPs tensor parallel over the "tp" dimension of a (dp, tp)
+    mesh of world_size / 2 x 2, sharded over "dp". Returns the losses, the local shards and the cache events."""
+    from torch.distributed.device_mesh import init_device_mesh
+
     own = os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(os.environ["TORCHINDUCTOR_CACHE_DIR"], f"rank{rank}")
     if os.environ.get("EMPTIED_RANK") == str(rank):  # as on a machine replaced since the last launch
         shutil.rmtree(own, ignore_errors=True)
-    mesh = None
+    mesh, data_rank, data_size = None, rank, world_size
     if hsdp:  # 2 replicas of 2 shards
-        from torch.distributed.device_mesh import init_device_mesh
-
         mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("replicate", "shard"))
     model = make_model(name)
+    if tp:
+        from torch.distributed.tensor.parallel import parallelize_module
+        from tp_workers import GPT_PLAN
+
+        tp_mesh = init_device_mesh("cpu", (world_size // 2, 2), mesh_dim_names=("dp", "tp"))
+        mesh, data_rank, data_size = tp_mesh["dp"], tp_mesh["dp"].get_local_rank(), tp_mesh["dp"].size()
+        for block in model.blocks:
+            parallelize_module(block, tp_mesh["tp"], GPT_PLAN)
     for block in getattr(model, "blocks", []):
         fc.shard(block, mesh)
     fc.shard_compile(model, mesh, compile_config=fc.CompileConfig(compile_cache=True))
@@ -210,7 +225,7 @@ def train_cached(
     before = len(cache_events())
     losses = []
     for step in range(steps):
-        x, y = (local_slice(t, rank, world_size) for t in batch(name, step))
+        x, y = (local_slice(t, data_rank, data_size) for t in batch(name, step))
         for micro in (slice(0, None, 2), slice(1, None, 2)) if accumulate else (slice(None),):
             model.set_requires_gradient_sync(micro.start != 0)
             loss = loss_fn(name, model(x[micro]), y[micro])
@@ -220,7 +235,7 @@ def train_cached(
         losses.append(loss.item())
     shards = {n: p.to_local().detach().clone() for n, p in model.named_parameters()}
     out = {"losses": losses, "shards": shards, "events": cache_events()[before:]}
-    x, y = (local_slice(t, rank, world_size) for t in batch(name, 0))
+    x, y = (local_slice(t, data_rank, data_size) for t in batch(name, 0))
     loss = loss_fn(name, model(x), y)
     model.set_requires_gradient_sync(False)  # between a forward and its backward
     try:

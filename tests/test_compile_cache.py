@@ -84,3 +84,13 @@ def test_on_hsdp_a_rank_whose_cache_is_gone_compiles_while_its_shard_and_replica
     for rank, (r, c) in enumerate(zip(mixed, cold)):
         assert ("hit" not in r["events"]) if rank == 3 else (set(r["events"]) == {"hit"}), (rank, r["events"])
         assert _same(r, c)
+
+
+def test_on_fsdp_and_tp_a_rank_whose_cache_is_gone_compiles_while_the_others_load(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    cold = run_ranks(train_cached, 4, "gpt", 2, False, False, True, timeout=300)  # 2 dp x 2 tp
+    monkeypatch.setenv("EMPTIED_RANK", "3")
+    mixed = run_ranks(train_cached, 4, "gpt", 2, False, False, True, timeout=300)
+    for rank, (r, c) in enumerate(zip(mixed, cold)):
+        assert ("hit" not in r["events"]) if rank == 3 else (set(r["events"]) == {"hit"}), (rank, r["events"])
+        assert _same(r, c)
