@@ -94,6 +94,7 @@ __all__ = [
     "to_copy",
     "TorchDispatchMode",
     "trace_graph_artifact",
+    "traced_frame_of",
     "tracing_backend",
     "tree_leaves",
     "unsafe_view",
@@ -484,6 +485,18 @@ def current_compile_id() -> tuple[int, int] | None:
     if cid is None or cid.frame_id is None:
         return None
     return cid.frame_id, cid.frame_compile_id
+
+
+_BackendCompilerFailed = _resolve("torch._dynamo.exc:BackendCompilerFailed")
+
+
+def traced_frame_of(error: BaseException) -> int | None:
+    """The Dynamo frame whose tracing raised `error` (Dynamo sets the compile id on an error of a compilation);
+    None for an error of the backend's compiler or raised outside a compilation."""
+    cid = getattr(error, "compile_id", None)
+    if isinstance(error, _BackendCompilerFailed) or getattr(cid, "frame_id", None) is None:
+        return None
+    return cid.frame_id
 
 
 maybe_mark_dynamic = _resolve("torch._dynamo:maybe_mark_dynamic")

@@ -19,8 +19,8 @@ from fsdp2_compile.compiler import first_call
 from fsdp2_compile.compiler.backend import check_input_devices, compile_sharded
 from fsdp2_compile.compiler.compile_gc import full_collections_deferred
 from fsdp2_compile.compiler.graph_records import GraphRecord, drop_records_of, dump_requested, records_owned_by
-from fsdp2_compile.compiler.rank_consistency import forget_frames_of
-from fsdp2_compile.compiler.step_errors import note_step_error
+from fsdp2_compile.compiler.rank_consistency import forget_frames_of, publish_trace_failure
+from fsdp2_compile.compiler.step_errors import note_peer_failure, note_step_error, shown_inputs
 from fsdp2_compile.compiler.step_watch import forget_counts_of
 from fsdp2_compile.config import CompileConfig, MixedPrecisionPolicy, compiler_for
 from fsdp2_compile.runtime.free_memory import resolve_memory_budget
@@ -136,10 +136,33 @@ def compile_in_place(module: nn.Module, backend, config: CompileConfig, dynamic:
                     first_call.start(refresh.places, config)
                 return compiled(*args, **kwargs)
         except Exception as e:
-            note_step_error(e, module, [*_named_leaves("args", args), *_named_leaves("kwargs", kwargs)])
+            leaves = [*_named_leaves("args", args), *_named_leaves("kwargs", kwargs)]
+            kind = "forward" if _needs_grad(module, leaves) else "inference"
+            called = f"called with {shown_inputs(leaves)}"
+            published = publish_trace_failure(e, _group_names(refresh.places), kind, owner, called)
+            note_peer_failure(e, leaves)
+            note_step_error(e, module, leaves, published)
             raise
 
     set_compiled_call_impl(module, refreshed_call)
+
+
+def _group_names(places) -> set[str]:
+    """The process groups of the parameters at `places` (those a graph of them gathers and reduces over)."""
+    return {
+        name
+        for _, _, info in places
+        for name in (info.group_name, info.replicate_group_name, info.post_forward_group_name)
+        if name
+    }
+
+
+def _needs_grad(module: nn.Module, leaves: list[tuple[str, Any]]) -> bool:
+    """Whether a call of `module` with `leaves` is traced as a training forward (else as an inference graph)."""
+    if not torch.is_grad_enabled():
+        return False
+    tensors = [v for _, v in leaves if isinstance(v, torch.Tensor)]
+    return any(p.requires_grad for p in module.parameters()) or any(t.requires_grad for t in tensors)
 
 
 def _forget_compiled(code, owner: int) -> None:

@@ -20,7 +20,7 @@ def _error(fn) -> str | None:
     try:
         fn()
     except Exception as e:  # noqa: BLE001 - the message is what the tests check
-        return f"{type(e).__name__}: {e}"
+        return "\n".join([f"{type(e).__name__}: {e}", *getattr(e, "__notes__", [])])
     return None
 
 
@@ -226,6 +226,13 @@ def _full_state_dict_loaded() -> None:
     raise RuntimeError(told)
 
 
+def _feature_dim_differs_between_ranks(rank: int) -> None:
+    """Rank 1's batch has 17 features, rank 0's the 16 the model takes."""
+    torch.manual_seed(0)
+    model = fc.shard_compile(nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 2)))
+    model(torch.randn(4, 16 + rank)).sum().backward()
+
+
 def silent_mistakes(rank: int, world_size: int) -> dict:
     """Each case in turn (a barrier between them): the error each rank got, or None."""
     cases = {
@@ -246,6 +253,7 @@ def silent_mistakes(rank: int, world_size: int) -> dict:
             rank, _CheckpointedTwice, _two_forwards_one_backward, exact=False
         ),
         "tied_in_separate_shard_calls": lambda: _tied_in_separate_shard_calls(rank),
+        "feature_dim_differs_between_ranks": lambda: _feature_dim_differs_between_ranks(rank),
     }
     out = {}
     for name, case in cases.items():

@@ -164,6 +164,19 @@ def test_mistakes_that_trained_silently_wrong_are_refused_on_every_rank(case, wo
         assert result[case] is not None and words in result[case], (rank, result[case])
 
 
+def test_a_feature_dim_that_differs_between_ranks_is_named_on_every_rank():
+    """Rank 1 calls the compiled model with 17 features, rank 0 with 16: rank 1's trace fails in Dynamo, and it
+    publishes that failure with its inputs, so rank 0 stops at once naming the input that differs."""
+    rank0, rank1 = (r["feature_dim_differs_between_ranks"] for r in _silent_mistakes())
+    assert "rank 1 failed to compile its forward graph: RuntimeError: a and b must have same reduction dim" in rank0
+    assert (
+        "args[0] is float32 (4, 16) on this rank and float32 (4, 17) on rank 1: every rank must call the model with "
+        "inputs of the same shapes and dtypes (or with dims marked dynamic that trace alike on every rank)"
+    ) in rank0, rank0
+    assert "a and b must have same reduction dim" in rank1
+    assert "called with args[0] float32 (4, 17). The other ranks were told, with this rank's inputs" in rank1, rank1
+
+
 def test_the_initial_weights_check_can_be_turned_off():
     assert [r["different_weights_check_off"] for r in _silent_mistakes()] == [None, None]
 

@@ -9,17 +9,19 @@ from collections.abc import Callable, Hashable, Iterator
 import torch.distributed as dist
 from torch import fx
 
-from fsdp2_compile._torch_private import current_compile_id
+from fsdp2_compile._torch_private import current_compile_id, traced_frame_of
 from fsdp2_compile.compiler.graph_records import collectives, record_owner
 from fsdp2_compile.core.ir import Role, schema_args
 from fsdp2_compile.runtime.rank_agreement import _agree, _Exchange, _exchange_over, agree_or_raise, forget_frames
 
 __all__ = [
+    "PeerCompileFailed",
     "check_loaded_schedule",
     "check_same_schedule",
     "compile_frame",
     "forget_frames_of",
     "graph_groups",
+    "publish_trace_failure",
     "rank_check",
     "schedule_record",
     "schedule_signature",
@@ -75,9 +77,11 @@ def graph_groups(gm: fx.GraphModule) -> set[str]:
 # read off the graph as captured, so a rank whose pass pipeline raises publishes its failure under the keys its peers
 # wait on. A recompile of a frame whose record the ranks already agreed on is not exchanged again.
 #
-# What this cannot see: a rank that raises in its own code before compiling (or in Dynamo/AOTAutograd before the
-# backend's compiler runs) publishes nothing, so its peers end after the bounded wait, with a message naming it as not
-# having published; if that rank's process hosted the store (rank 0 when launched without torchrun's agent), its
+# A rank whose Dynamo trace of a `shard_compile`d module raises (e.g. its input has another feature size) publishes
+# that failure, with its inputs' shapes, under the keys of the frame's graph (`publish_trace_failure`), as if its
+# backend had raised. What this cannot see: a rank that raises in its own code before compiling (or in AOTAutograd
+# before the backend's compiler runs) publishes nothing, so its peers end after the bounded wait, with a message
+# naming it as not having published; if that rank's process hosted the store (rank 0 when launched without torchrun's agent), its
 # exit is seen at once ("lost the process group's store"). A rank that dies after the ranks agreed, or that fails in
 # a recompile nobody else is compiling, is outside the check: the peers' next collective fails (gloo reports the
 # closed connection at once) or times out, and the step watch (step_watch.py) names the ranks from there.
@@ -121,19 +125,50 @@ def schedule_record(gm: fx.GraphModule, config) -> dict:
     return {"config": config_fields, "schedule": schedule_signature(gm) if compare else None}
 
 
+class PeerCompileFailed(RuntimeError):
+    """The compilation of a graph this rank compiled failed on a peer: `failures`, (rank, message) pairs."""
+
+    def __init__(self, message: str, failures: list[tuple[int, str]]):
+        super().__init__(message)
+        self.failures = failures
+
+
 def _check(ex: _Exchange, gm: fx.GraphModule, config) -> None:
     """Publish this rank's config and schedule, read the verdict, raise on any difference."""
     error = _agree(ex, schedule_record(gm, config))
     if error is not None:
-        raise RuntimeError(error)
+        failures = [(r, m) for verdict in ex.verdicts for r, m in verdict.get("failed", [])]
+        raise PeerCompileFailed(error, failures) if failures else RuntimeError(error)
 
 
-def _fail(ex: _Exchange, e: BaseException) -> None:
-    """Publish `e` as this rank's failure to compile, so its peers stop at once naming it."""
+def _fail(ex: _Exchange, e: BaseException, called: str = "") -> None:
+    """Publish `e` as this rank's failure to compile (`called`: what this rank's step was called with), so its
+    peers stop at once naming it."""
     first = (str(e).strip().splitlines() or [""])[0][:300]
     with contextlib.suppress(dist.DistError):  # never hide the real error behind a store error
-        ex.publish_failure(f"{type(e).__name__}: {first}")
+        ex.publish_failure(f"{type(e).__name__}: {first}{f' ({called})' if called else ''}")
     ex.finish(wait=True)
+
+
+def publish_trace_failure(error: BaseException, group_names: set[str], kind: str, owner: int, called: str) -> bool:
+    """`error` was raised while Dynamo traced a frame of the module `owner` on this rank, before the backend (which
+    publishes its own failures) met the frame's graph: publish it, with what this rank was called with (`called`,
+    e.g. "called with args[0] float32 (4, 17)"), where the peers that compiled the frame's `kind` graph over the
+    process groups `group_names` wait for this rank's record, so that they stop at once naming it. Whether it was
+    published."""
+    frame = traced_frame_of(error)
+    if frame is None or not dist.is_initialized() or dist.get_world_size() == 1 or dist.get_backend() == "fake":
+        return False
+    ex = _exchange_over(group_names, kind, None, frame)
+    if ex is None:
+        return False
+    _FRAMES_OF.setdefault(owner, set()).add(frame)
+    cause = error  # Dynamo's wrappers (first line: "RuntimeError when making fake tensor call") raised from torch's
+    while (inner := cause.__cause__ or cause.__context__) is not None:
+        cause = inner
+    _fail(ex, cause, called)
+    ex.spend()
+    return True
 
 
 @contextlib.contextmanager

@@ -4,11 +4,13 @@ and how to see the failing line of the user's code. Torch's own message stays as
 from __future__ import annotations
 
 import os
+import re
 from typing import Any
 
 import torch
 from torch import nn
 
+from fsdp2_compile.compiler.rank_consistency import PeerCompileFailed
 from fsdp2_compile.config import MixedPrecisionPolicy
 from fsdp2_compile.runtime.param_state import is_sharded, state_of
 
@@ -16,15 +18,36 @@ _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _NOTED = "_fsdp2_noted"
 
 
-def note_step_error(error: BaseException, module: nn.Module, leaves: list[tuple[str, Any]]) -> None:
+_SAME_INPUTS = (
+    "every rank must call the model with inputs of the same shapes and dtypes (or with dims marked dynamic that "
+    "trace alike on every rank)"
+)
+
+
+def shown_inputs(leaves: list[tuple[str, Any]]) -> str:
+    """The tensors of `leaves`, (path, value) pairs, as "args[0] float32 (4, 16), ..." (at most 6)."""
+    tensors = [(name, v) for name, v in leaves if isinstance(v, torch.Tensor)]
+    return ", ".join(f"{name} {_dtype(v.dtype)} {tuple(v.shape)}" for name, v in tensors[:6]) or "no tensors"
+
+
+def note_step_error(
+    error: BaseException, module: nn.Module, leaves: list[tuple[str, Any]], published: bool = False
+) -> None:
     """Add a note to `error` (raised calling the compiled `module` with `leaves`, (path, value) pairs) unless it is
-    one of this package's own errors, which name their cause already, or was noted before."""
+    one of this package's own errors, which name their cause already, or was noted before. `published`: the
+    error was published to the peer ranks (`rank_consistency.publish_trace_failure`)."""
     if getattr(error, _NOTED, False) or not isinstance(error, Exception) or _raised_here(error):
         return
     setattr(error, _NOTED, True)
     tensors = [(name, v) for name, v in leaves if isinstance(v, torch.Tensor)]
-    shown = ", ".join(f"{name} {_dtype(v.dtype)} {tuple(v.shape)}" for name, v in tensors[:6]) or "no tensors"
-    lines = [f"fsdp2_compile: raised in the compiled step of {type(module).__name__}, called with {shown}."]
+    lines = [
+        f"fsdp2_compile: raised in the compiled step of {type(module).__name__}, called with {shown_inputs(leaves)}."
+    ]
+    if published:
+        lines.append(
+            "The other ranks were told, with this rank's inputs, and stop too: if their inputs have other shapes, "
+            f"{_SAME_INPUTS}."
+        )
     mp = state_of(module).mp_policy if is_sharded(module) else MixedPrecisionPolicy()
     param = next(iter(module.parameters()), None)
     compute = mp.param_dtype or (None if param is None else param.dtype)  # the dtype the parameters compute in
@@ -47,6 +70,26 @@ def note_step_error(error: BaseException, module: nn.Module, leaves: list[tuple[
         "(the same sharded model, uncompiled)."
     )
     error.add_note(" ".join(lines))
+
+
+def note_peer_failure(error: BaseException, leaves: list[tuple[str, Any]]) -> None:
+    """`error` says that a peer rank failed to compile a graph this rank's call (`leaves`) compiled: a note naming
+    the inputs whose shape or dtype differs from the peer's (as its published failure shows them), if any."""
+    peer = error
+    while peer is not None and not isinstance(peer, PeerCompileFailed):
+        peer = getattr(peer, "inner_exception", None) or peer.__cause__
+    if peer is None or getattr(error, _NOTED, False):
+        return
+    setattr(error, _NOTED, True)
+    mine = [(name, f"{_dtype(v.dtype)} {tuple(v.shape)}") for name, v in leaves if isinstance(v, torch.Tensor)]
+    differ = []
+    for rank, message in peer.failures:
+        for name, here in mine:
+            there = re.search(r"(?<!\w)" + re.escape(name) + r" (\w+ \([\d, ]*\))", message)
+            if there and there.group(1) != here:
+                differ.append(f"{name} is {here} on this rank and {there.group(1)} on rank {rank}")
+    if differ:
+        error.add_note(f"fsdp2_compile: {'; '.join(differ[:4])}: {_SAME_INPUTS}.")
 
 
 def _raised_here(error: BaseException) -> bool:
