@@ -621,6 +621,40 @@ def test_an_error_inside_the_compiled_step_keeps_torchs_message_and_names_the_ca
     assert note in added and 'torch.compiler.set_stance("force_eager")' in added, added
 
 
+class PenalisedNet(Net):
+    """A loss with an L2 penalty over `self.parameters()` (DTensor shards) added in forward."""
+
+    def forward(self, x):
+        return super().forward(x).pow(2).sum() + 1e-4 * sum(p.pow(2).sum() for p in self.parameters())
+
+
+@pytest.mark.filterwarnings("ignore:Error detected in PowBackward0")
+def test_an_l2_penalty_over_the_parameters_in_a_compiled_step_says_to_make_it_a_plain_tensor(fake_pg):
+    """Torch's message with a note, when the penalty is in the compiled forward; added to the loss outside, it is
+    raised by `loss.backward()` with torch's message only."""
+    torch._dynamo.reset()
+    model = fc.shard_compile(PenalisedNet(), compile_config=fc.CompileConfig(check_rank_consistency=False))
+    with pytest.raises(Exception, match="got mixed torch.Tensor and DTensor") as info:
+        model(torch.randn(2, 8))
+    (added,) = info.value.__notes__
+    assert (
+        "The parameters of ShardedPenalisedNet are DTensor shards outside the gathered reads of its submodules' "
+        "forward (module.weight): a value computed from model.parameters() (an L2 penalty summed over them) is a "
+        "DTensor; make it a plain tensor before mixing it with others, e.g. "
+        "sum(p.pow(2).sum() for p in self.parameters()).full_tensor()"
+    ) in added, added
+
+
+def test_backward_of_an_output_computed_under_no_grad_is_torchs_message(fake_pg):
+    """As with `fully_shard`: torch's message, raised by `loss.backward()` (evaluation under no_grad is valid)."""
+    torch._dynamo.reset()
+    model = _compiled_net()
+    with torch.no_grad():
+        loss = model(torch.randn(2, 8)).sum()
+    with raises(RuntimeError, "element 0 of tensors does not require grad and does not have a grad_fn"):
+        loss.backward()
+
+
 def test_our_own_errors_get_no_note(fake_pg):
     torch._dynamo.reset()
     model = _compiled_net()

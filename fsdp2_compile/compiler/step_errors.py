@@ -65,6 +65,13 @@ def note_step_error(
                 f"{_dtype(compute)}: MixedPrecisionPolicy casts parameters, not buffers; pass "
                 f"MixedPrecisionPolicy(buffer_dtype={compute}) to shard, or cast it in forward."
             )
+    if "got mixed torch.Tensor and DTensor" in str(error):  # DTensor's own message
+        lines.append(
+            f"The parameters of {type(module).__name__} are DTensor shards outside the gathered reads of its "
+            "submodules' forward (module.weight): a value computed from model.parameters() (an L2 penalty summed over "
+            "them) is a DTensor; make it a plain tensor before mixing it with others, e.g. "
+            "sum(p.pow(2).sum() for p in self.parameters()).full_tensor() (one all-reduce, on every rank)."
+        )
     lines.append(
         'To see the line of your model that raised it, run the step under torch.compiler.set_stance("force_eager") '
         "(the same sharded model, uncompiled)."
