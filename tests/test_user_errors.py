@@ -692,6 +692,16 @@ def test_fsdp1_methods_are_not_there_as_with_fully_shard(fake_pg, method):
     assert not hasattr(model, method)  # code that tests for FSDP1 with hasattr takes its other branch
 
 
+@pytest.mark.parametrize("method", ["unshard", "set_requires_gradient_sync"])
+def test_an_fsdp_method_on_a_submodule_not_passed_to_shard_is_torchs_error_as_with_fully_shard(fake_pg, method):
+    """Only modules passed to `shard` become `FSDPModule`s (as with `fully_shard`); on the others, torch's
+    `nn.Module.__getattr__` raises, and `hasattr` stays False for code that tests for FSDP methods."""
+    model = fc.shard(Net())
+    with raises(AttributeError, f"'Linear' object has no attribute '{method}'"):
+        getattr(model.head, method)
+    assert not isinstance(model.head, fc.FSDPModule) and not hasattr(model.head, method)
+
+
 def test_a_meta_model_moved_with_to_instead_of_to_empty(fake_pg):
     with torch.device("meta"):
         model = Net()
