@@ -139,7 +139,7 @@ class FSDPModule(fsdp.FSDPModule):
     def _unsupported(self, method: str, why: str) -> None:
         raise NotImplementedError(f"{type(self).__name__}.{method} is not supported by fsdp2_compile: {why}")
 
-    def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream: object = None) -> None:
+    def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None] | None, *, stream: object = None) -> None:
         """FSDP2's hook on this module's group (not its children's): after each backward's reduce-scatter (and
         HSDP's all-reduce), `hook(reduced)` may change the reduced gradient shards in place before the division
         after the collectives, as in FSDP2 (e.g. an all-reduce over a replica group FSDP does not know:
