@@ -610,3 +610,33 @@ def all_reduce_hook(rank: int, world_size: int, hsdp: bool) -> dict:
         out[f"{system}_calls"] = calls[0] / STEPS
         out[f"{system}_params"] = {k: p.full_tensor() for k, p in model.named_parameters()}
     return out
+
+
+def narrow_reduce_accumulation(rank: int, world_size: int) -> dict:
+    """fp32 parameters reduced in bf16, each step three micro-batches with gradient sync on the last only: FSDP2
+    keeps the unsynced gradients in bf16, each sum rounded to it. fully_shard, ours compiled and eager: each
+    system's losses and full parameters."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    micro_batches, out = 3, {}
+    for system in ("fsdp2", "compiled", "eager"):
+        model = make_model("gpt")
+        mp = (MixedPrecisionPolicy if system == "fsdp2" else fc.MixedPrecisionPolicy)(reduce_dtype=torch.bfloat16)
+        shard = fully_shard if system == "fsdp2" else fc.shard
+        for block in model.blocks:
+            shard(block, mp_policy=mp)
+        (fc.shard_compile if system == "compiled" else shard)(model, mp_policy=mp)
+        opt, losses = make_optimizer(model), []
+        for i in range(STEPS):
+            x, y = batch("gpt", i)
+            x, y = local_slice(x, rank, world_size), local_slice(y, rank, world_size)
+            for m in range(micro_batches):
+                model.set_requires_gradient_sync(m == micro_batches - 1)
+                loss = loss_fn("gpt", model(x[m::micro_batches]), y[m::micro_batches]) / micro_batches
+                loss.backward()
+                losses.append(loss.item())
+            opt.step()
+            opt.zero_grad()
+        out[system] = losses
+        out[f"{system}_params"] = {k: p.full_tensor() for k, p in model.named_parameters()}
+    return out

@@ -17,6 +17,7 @@ from module_api_workers import (
     kept_per_optimizer,
     manual_finalization,
     module_api,
+    narrow_reduce_accumulation,
     optimizer_in_backward,
     optimizer_in_backward_changes,
     reshard_after_backward,
@@ -286,6 +287,17 @@ def test_all_reduce_hook_as_fully_shard(hsdp):
         else:
             assert torch.equal(r["eager_params"][k], p), k
     assert r["eager"] == r["fsdp2"] if not hsdp else r["eager"] == pytest.approx(r["fsdp2"], rel=1e-5)
+
+
+def test_unsynced_gradients_accumulate_in_a_narrower_reduce_dtype_as_fully_shard():
+    """fp32 parameters, `reduce_dtype=torch.bfloat16`, three micro-batches per step with gradient sync on the last:
+    the kept gradients are summed in bf16 (each sum rounded), as fully_shard keeps them; compiled and eager
+    bitwise equal to fully_shard."""
+    r = run_ranks(narrow_reduce_accumulation, 2)[0]
+    for system in ("compiled", "eager"):
+        assert r[system] == r["fsdp2"], system
+        for k, p in r["fsdp2_params"].items():
+            assert torch.equal(r[f"{system}_params"][k], p), (system, k)
 
 
 def test_buffer_dtype_casts_floating_buffers_of_the_group_only(fake_pg):

@@ -309,12 +309,13 @@ def discard_pending_grad(key: str) -> None:
 def stash_grad(
     grad: Tensor, pending_key: str, reduce_dtype: torch.dtype, local_rows: int, out_dtype: torch.dtype, fqn: str
 ) -> Tensor:
-    """Add `grad` (in `reduce_dtype`) to the unsharded gradient kept under `pending_key`; a zero shard back.
+    """Add `grad` to the unsharded gradient kept under `pending_key`, kept in `reduce_dtype` (each sum rounded to
+    it, as FSDP2 accumulates into its reduce-dtype gradient); a zero shard back.
     Side effect: it writes module-level state (`_PENDING_GRADS`) that no argument shows, so the op is marked with
     `torch.fx.node.has_side_effect` (never dead-code eliminated, never reordered as pure). `fqn` names the
     parameter (for reports; the key is opaque)."""
     kept = _PENDING_GRADS.get(pending_key)
-    _PENDING_GRADS[pending_key] = grad.to(reduce_dtype, copy=True) if kept is None else kept + grad
+    _PENDING_GRADS[pending_key] = grad.to(reduce_dtype, copy=True) if kept is None else (kept + grad).to(reduce_dtype)
     return grad.new_zeros((local_rows, *grad.shape[1:]), dtype=out_dtype)
 
 
@@ -325,11 +326,11 @@ def _(grad, pending_key, reduce_dtype, local_rows, out_dtype, fqn):
 
 @torch.library.custom_op("fsdp2::add_pending_grad", mutates_args=())
 def add_pending_grad(grad: Tensor, pending_key: str, reduce_dtype: torch.dtype, fqn: str) -> Tensor:
-    """`grad` in `reduce_dtype`, plus (and releasing) the gradient kept under `pending_key`, if any.
+    """`grad` plus (and releasing) the gradient kept under `pending_key`, if any, in `reduce_dtype`.
     Side effect: it reads and clears module-level state (`_PENDING_GRADS`), so the op is marked with
     `torch.fx.node.has_side_effect`. `fqn` names the parameter."""
     kept = _PENDING_GRADS.pop(pending_key, None)
-    return grad.to(reduce_dtype, copy=True) if kept is None else kept + grad
+    return grad.to(reduce_dtype, copy=True) if kept is None else (kept + grad).to(reduce_dtype)
 
 
 @add_pending_grad.register_fake
