@@ -69,7 +69,6 @@ from fsdp2_compile.runtime.grad_delivery import one_unshard_per_delivered_param
 from fsdp2_compile.runtime.link_profile import measured_profile
 from fsdp2_compile.runtime.param_state import ParamInfo, infos_of_values
 from fsdp2_compile.runtime.sharding import is_known_param
-from fsdp2_compile.runtime.traced_blocks import ahead_of_time, compiling_ahead_of_time
 from fsdp2_compile.runtime.validation import default_device_type
 
 __all__ = ["check_input_devices", "compile_sharded"]
@@ -253,9 +252,11 @@ def _compiler(
     config: CompileConfig,
     on_record: Callable[[GraphRecord], None] | None,
     infos: dict[str, ParamInfo] | None = None,
+    saving: bool = False,
 ) -> Callable[[fx.GraphModule, Any], Callable]:
     """AOTAutograd's compiler of `kind` graphs. A backward's honours the gradient-sync flags of `infos` (the
-    graph's parameters by fqn) as they are when it runs (`BackwardBySync`)."""
+    graph's parameters by fqn) as they are when it runs (`BackwardBySync`). `saving`: for the compile cache, it
+    returns graphs torch can save (`saved_graphs.SavedGraph`)."""
     owner = record_owner()  # a backward compiled at its first run is still its module's
     on_cpu = default_device_type() == "cpu"  # gloo: the host waits in the collectives
 
@@ -269,13 +270,13 @@ def _compiler(
                 if unsynced := sorted(fqn for fqn, info in (infos or {}).items() if not info.requires_gradient_sync):
                     e.add_note(_sync_off_note(unsynced))
                 raise
-            if ahead_of_time():  # saved: watched as it runs, here and where it is loaded (`saved_graphs.py`)
+            if saving:  # saved: watched as it runs, here and where it is loaded (`saved_graphs.py`)
                 if kind == "forward":
                     donate_no_saved_tensors()  # its backward is compiled before any backward runs
                 return compiled
             return watched(compiled, kind, groups, owner, check=config.check_rank_consistency and on_cpu)
 
-        if kind == "backward" and infos and ahead_of_time():  # saved: the traced flags
+        if kind == "backward" and infos and saving:  # saved: the traced flags
             saved = []
 
             def compile_saved(graph: fx.GraphModule) -> Callable:
@@ -285,7 +286,7 @@ def _compiler(
             # here, the variant of any flags (`unsynced_backward.py`)
             saved[0].run_here = BackwardBySync(gm, compile_one, infos, compile_saved)
             return saved[0]
-        if kind == "backward" and infos and not ahead_of_time():
+        if kind == "backward" and infos and not saving:
             return mark_boxed(BackwardBySync(gm, compile_one, infos))
         return compile_one(gm)
 
@@ -315,7 +316,7 @@ def _compiler(
         if on_record is not None:
             on_record(record)
         saved = None
-        if ahead_of_time():
+        if saving:
             record = json.dumps(schedule_record(gm, config))
             saved = SavedGraph(kind, frozenset(groups), config.check_rank_consistency, record)
         if config.compiler == "inductor":
@@ -377,14 +378,14 @@ def _compile(
     values = infos_of_values(example_inputs)
     infos = {info.fqn: info for info in values if info is not None}
 
-    def compile_all() -> Callable:
+    def compile_all(saving: bool = False) -> Callable:
         with subgraph_schemas_reused():
             return aot_module_simplified(
                 gm,
                 example_inputs,
-                fw_compiler=_compiler("forward", config, on_record),
-                bw_compiler=_compiler("backward", config, on_record, infos),
-                inference_compiler=_compiler("inference", config, on_record),
+                fw_compiler=_compiler("forward", config, on_record, saving=saving),
+                bw_compiler=_compiler("backward", config, on_record, infos, saving),
+                inference_compiler=_compiler("inference", config, on_record, saving=saving),
                 partition_fn=functools.partial(_partition, config=config),
                 decompositions=inductor_decompositions() if config.compiler == "inductor" else None,
             )
@@ -394,8 +395,7 @@ def _compile(
     before = autograd_cache_counts()
     key = compile_cache.extra_key(gm, example_inputs, values, config)
     with saved_compile_settings(key, [gather_group]):
-        with compiling_ahead_of_time(config):
-            compiled = compile_all()
+        compiled = compile_all(saving=True)
     counts = {k: v - before.get(k, 0) for k, v in autograd_cache_counts().items()}
     if counts.get("autograd_cache_hit"):
         compile_cache.note_event("hit")

@@ -5,15 +5,14 @@ compiler then gathers their parameters outside the calls (`compiler/block_gather
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-__all__ = ["MAX_TRACES", "TRACES_BLOCKS_ONCE", "ahead_of_time", "compiling_ahead_of_time", "traced_once"]
+__all__ = ["MAX_TRACES", "TRACES_BLOCKS_ONCE", "traced_once"]
 
 MAX_TRACES = 1024
 """Distinct traces of one block class Dynamo may keep before it raises: blocks that differ in shapes or settings,
@@ -34,29 +33,6 @@ def traced_once(forward: Callable) -> Callable:
         return forward(*args, **kwargs)
 
     return forward_traced_once
-
-
-class _AheadOfTime:
-    config: Any = None
-    """The `CompileConfig` compiled for the compile cache now, else None."""
-
-
-_AHEAD_OF_TIME = _AheadOfTime()
-
-
-@contextlib.contextmanager
-def compiling_ahead_of_time(config: Any) -> Iterator[None]:
-    """Inside, the fsdp2 backend compiles with `config` for the compile cache (`CompileConfig.compile_cache`): it
-    returns graphs torch can save (`ahead_of_time()`)."""
-    _AHEAD_OF_TIME.config = config
-    try:
-        yield
-    finally:
-        _AHEAD_OF_TIME.config = None
-
-
-def ahead_of_time() -> bool:
-    return _AHEAD_OF_TIME.config is not None
 
 
 TRACES_BLOCKS_ONCE = "fsdp2_traces_blocks_once"
