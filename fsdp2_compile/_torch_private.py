@@ -90,7 +90,7 @@ __all__ = [
     "SUPPORTED_TORCH_SPEC",
     "SUPPORTED_TORCHAO",
     "SUPPORTED_TORCHAO_SPEC",
-    "tied_grads_summed_in_reduce_dtype",
+    "grads_summed_in_reduce_dtype",
     "to_copy",
     "TorchDispatchMode",
     "trace_graph_artifact",
@@ -270,9 +270,10 @@ for _name in ("_parameters", "_buffers"):  # set on every module by `nn.Module._
     _attribute(torch.nn.Module(), _name)
 
 
-tied_grads_summed_in_reduce_dtype = _TORCH_RELEASE >= (2, 15)
-"""FSDP2 gives the gathered parameter the reduce dtype as its gradient dtype (torch 2.15 on): a tied parameter
-computed in its own dtype and reduced in a narrower one gets each use's gradient cast before they are summed."""
+grads_summed_in_reduce_dtype = _TORCH_RELEASE >= (2, 15)
+"""FSDP2 gives the gathered parameter the reduce dtype as its gradient dtype (torch 2.15 on): a parameter computed
+in its own dtype and reduced in a narrower one gets each gradient cast before it is summed with another (a tied
+parameter's uses, the micro-batches of an accumulation without sync); before, sums in its own dtype were rounded."""
 
 
 def default_reduce_dtype(param_dtype: torch.dtype | None, param: torch.Tensor) -> torch.dtype:

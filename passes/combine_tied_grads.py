@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from fsdp2_compile._torch_private import tied_grads_summed_in_reduce_dtype, unsafe_view
+from fsdp2_compile._torch_private import grads_summed_in_reduce_dtype, unsafe_view
 from fsdp2_compile.compiler.pass_api import Fact, PassContext, contract
 from fsdp2_compile.core.fx_edit import insert_call, insert_op, nodes_calling, val
 from fsdp2_compile.core.ir import (
@@ -86,7 +86,7 @@ def combine_tied_grads(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             with graph.inserting_before(add):
                 own, reduced = first.out_dtype, first.reduce_dtype  # the parameter's dtype, the reduction's
                 narrower = reduced.itemsize < own.itemsize
-                if tied_grads_summed_in_reduce_dtype and narrower and all(val(g).dtype == own for g in grads):
+                if grads_summed_in_reduce_dtype and narrower and all(val(g).dtype == own for g in grads):
                     grads = tuple(
                         insert_call(graph, prims.convert_element_type.default, (g, first.reduce_dtype)) for g in grads
                     )

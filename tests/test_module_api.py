@@ -30,6 +30,7 @@ from module_api_workers import (
 from torch import nn
 
 import fsdp2_compile as fc
+from fsdp2_compile._torch_private import grads_summed_in_reduce_dtype
 
 
 def test_a_list_of_modules_is_one_group_as_in_fully_shard():
@@ -291,13 +292,16 @@ def test_all_reduce_hook_as_fully_shard(hsdp):
 
 def test_unsynced_gradients_accumulate_in_a_narrower_reduce_dtype_as_fully_shard():
     """fp32 parameters, `reduce_dtype=torch.bfloat16`, three micro-batches per step with gradient sync on the last:
-    the kept gradients are summed in bf16 (each sum rounded), as fully_shard keeps them; compiled and eager
-    bitwise equal to fully_shard."""
+    the kept gradients are summed in bf16 as the installed torch's fully_shard sums them (torch 2.15: each cast
+    first); compiled bitwise equal to fully_shard. Eager too before torch 2.15; on it, within rounding: an eager
+    backward reduces a tied parameter's uses one by one (limits.md)."""
     r = run_ranks(narrow_reduce_accumulation, 2)[0]
-    for system in ("compiled", "eager"):
-        assert r[system] == r["fsdp2"], system
-        for k, p in r["fsdp2_params"].items():
-            assert torch.equal(r[f"{system}_params"][k], p), (system, k)
+    assert r["compiled"] == r["fsdp2"]
+    for k, p in r["fsdp2_params"].items():
+        assert torch.equal(r["compiled_params"][k], p), k
+        if not grads_summed_in_reduce_dtype:
+            assert torch.equal(r["eager_params"][k], p), k
+    assert r["eager"] == (pytest.approx(r["fsdp2"], rel=1e-3) if grads_summed_in_reduce_dtype else r["fsdp2"])
 
 
 def test_buffer_dtype_casts_floating_buffers_of_the_group_only(fake_pg):

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from fsdp2_compile._torch_private import functional_collectives as _funcol
-from fsdp2_compile._torch_private import register_value_type
+from fsdp2_compile._torch_private import grads_summed_in_reduce_dtype, register_value_type
 from fsdp2_compile.core.group_caches import dropped_with_groups
 from fsdp2_compile.core.op_args import OpArgs, op_view
 
@@ -305,17 +305,25 @@ def discard_pending_grad(key: str) -> None:
     _PENDING_GRADS.pop(key, None)
 
 
+def _accumulated(kept: Tensor | None, grad: Tensor, reduce_dtype: torch.dtype) -> Tensor:
+    """`grad` added to the gradient `kept` in `reduce_dtype` as the installed torch's FSDP2 adds them: the sum rounded
+    to it, or from torch 2.15 `grad` cast first (`grads_summed_in_reduce_dtype`)."""
+    if kept is None:
+        return grad.to(reduce_dtype, copy=True)
+    return kept + grad.to(reduce_dtype) if grads_summed_in_reduce_dtype else (kept + grad).to(reduce_dtype)
+
+
 @torch.library.custom_op("fsdp2::stash_grad", mutates_args=())
 def stash_grad(
     grad: Tensor, pending_key: str, reduce_dtype: torch.dtype, local_rows: int, out_dtype: torch.dtype, fqn: str
 ) -> Tensor:
-    """Add `grad` to the unsharded gradient kept under `pending_key`, kept in `reduce_dtype` (each sum rounded to
-    it, as FSDP2 accumulates into its reduce-dtype gradient); a zero shard back.
+    """Add `grad` to the unsharded gradient kept under `pending_key`, kept in `reduce_dtype` as FSDP2 keeps it
+    (`_accumulated`); a zero shard back.
     Side effect: it writes module-level state (`_PENDING_GRADS`) that no argument shows, so the op is marked with
     `torch.fx.node.has_side_effect` (never dead-code eliminated, never reordered as pure). `fqn` names the
     parameter (for reports; the key is opaque)."""
     kept = _PENDING_GRADS.get(pending_key)
-    _PENDING_GRADS[pending_key] = grad.to(reduce_dtype, copy=True) if kept is None else (kept + grad).to(reduce_dtype)
+    _PENDING_GRADS[pending_key] = _accumulated(kept, grad, reduce_dtype)
     return grad.new_zeros((local_rows, *grad.shape[1:]), dtype=out_dtype)
 
 
@@ -330,7 +338,7 @@ def add_pending_grad(grad: Tensor, pending_key: str, reduce_dtype: torch.dtype, 
     Side effect: it reads and clears module-level state (`_PENDING_GRADS`), so the op is marked with
     `torch.fx.node.has_side_effect`. `fqn` names the parameter."""
     kept = _PENDING_GRADS.pop(pending_key, None)
-    return grad.to(reduce_dtype, copy=True) if kept is None else (kept + grad).to(reduce_dtype)
+    return _accumulated(kept, grad, reduce_dtype)
 
 
 @add_pending_grad.register_fake
