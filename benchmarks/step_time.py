@@ -13,7 +13,9 @@ gradients itself). --optimizer-in-backward: FSDP2's recipe, one AdamW per parame
 post-accumulate-grad hook instead of one `opt.step()` after backward.
 --compile-cache: CompileConfig(compile_cache=True), the compiled graphs saved in and loaded from torch's AOTAutograd
 cache under $TORCHINDUCTOR_CACHE_DIR (set it per launch to choose a cold or a warm cache).
-Prints one JSON line (rank 0): median/mean step seconds after warm-up, first-step seconds, compile seconds (torch's
+Prints one JSON line (rank 0): median/mean step seconds after warm-up, first-step seconds, seconds from this
+process's first line to the end of its first step (imports, process group, model built and wrapped, first step: what
+a relaunch waits before it trains), compile seconds (torch's
 own timers, the slowest rank), rank 0's compile-cache events ("hit", "miss", "stored", "bypass"), peak RSS per
 rank, collectives and bytes per step (none for graphs loaded from the cache, which record no graph).
 """
@@ -29,8 +31,10 @@ import statistics
 import sys
 import time
 
-import torch
-import torch.distributed as dist
+LAUNCHED = time.perf_counter()  # before torch's import: a relaunch waits for that too
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 from gpt import GPT, GPTConfig, gpt_loss, make_batch  # noqa: E402
@@ -146,6 +150,7 @@ def main() -> None:
     cfg = model.cfg
     local = args.batch // world
     times, losses = [], []
+    ready_s = None
     for step in range(args.warmup + args.steps):
         x, y = make_batch(cfg, args.batch, args.seq, seed=step)
         x, y = x[rank * local : (rank + 1) * local], y[rank * local : (rank + 1) * local]
@@ -156,6 +161,7 @@ def main() -> None:
         step_optimizer()
         times.append(time.perf_counter() - start)
         losses.append(loss.item())
+        ready_s = ready_s or time.perf_counter() - LAUNCHED
     rss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024], dtype=torch.int64)
     every = torch.zeros(world, dtype=torch.int64)
     dist.all_gather_into_tensor(every, rss)
@@ -176,6 +182,7 @@ def main() -> None:
                     median_s=statistics.median(timed),
                     mean_s=statistics.mean(timed),
                     first_step_s=times[0],
+                    launch_to_first_step_s=ready_s,
                     cache=cache_events(),
                     compile_s=compiling.item(),
                     peak_rss_mib=[int(b) / 2**20 for b in every.tolist()],

@@ -12,7 +12,9 @@ with `TORCHINDUCTOR_CACHE_DIR` set to the run's directory: cold, Dynamo's tracin
 passes (and, under `inductor`, Inductor's code generation and C++ compiles), the graphs stored in torch's
 AOTAutograd cache and one training step; warm, Dynamo's tracing, the graphs loaded from that cache and one
 training step. Each cold launch starts with an empty directory; its warm launch reuses it, as a relaunch of the
-same job on the same machines does. Also printed: each launch's second step, the first step's excess over it (what
+same job on the same machines does. Also printed: each warm launch's time from its process's start to the end of
+its first step (imports, process group, the model built and wrapped: `torch.compile` imports Inductor when it
+wraps, `shard_compile` when it first compiles), each launch's second step, the first step's excess over it (what
 compiling, or loading, adds), how many warm launches only loaded (rank 0's `compile_cache.cache_events()` all
 "hit"), and whether every warm launch's losses equal its cold launch's bitwise. On a 2-core machine shared with
 other work, runs move by a third: compare the ratio within a run.
@@ -103,17 +105,19 @@ def main() -> None:
                 )
         rows += [(mode, layers, cold, warm) for mode, (cold, warm) in runs.items()]
     print(
-        "| mode | layers | cold first step | warm first step | warm / cold | second step cold / warm "
+        "| mode | layers | cold first step | warm first step | warm launch to first step done | warm / cold "
+        "| second step cold / warm "
         "| first minus second step, warm / cold | warm hits | losses equal |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for mode, layers, cold, warm in rows:
         med = lambda rs, k: statistics.median(r[k] for r in rs)  # noqa: E731
         spread = lambda rs: f"{min(r['first_step_s'] for r in rs):.1f}-{max(r['first_step_s'] for r in rs):.1f}"  # noqa: E731
         extra = lambda rs: statistics.median(r["first_step_s"] - r["median_s"] for r in rs)  # noqa: E731
         print(
             f"| {mode} | {layers} | {med(cold, 'first_step_s'):.1f} s ({spread(cold)}) | {med(warm, 'first_step_s'):.1f} s "
-            f"({spread(warm)}) | {med(warm, 'first_step_s') / med(cold, 'first_step_s'):.2f}x | "
+            f"({spread(warm)}) | {med(warm, 'launch_to_first_step_s'):.1f} s | "
+            f"{med(warm, 'first_step_s') / med(cold, 'first_step_s'):.2f}x | "
             f"{med(cold, 'median_s'):.1f} s / {med(warm, 'median_s'):.1f} s | "
             f"{extra(warm):.1f} s / {extra(cold):.1f} s = {extra(warm) / extra(cold):.2f}x | "
             f"{sum(bool(r['cache']) and set(r['cache']) == {'hit'} for r in warm)} of {len(warm)} | "

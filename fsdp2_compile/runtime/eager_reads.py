@@ -10,14 +10,16 @@ the group's forward ends, so nothing stale outlives it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
 
-from fsdp2_compile.runtime.forward_hooks import add_forward_hooks
+from fsdp2_compile.runtime.forward_hooks import add_eager_scope
 
-__all__ = ["read_once", "register_read_scope"]
+__all__ = ["read_once", "read_once_in_eager_forward"]
 
 _READS: dict[str, dict[int, torch.Tensor]] = {}
 """By bucket, while a forward of that group runs: id(sharded parameter) -> what its first read returned."""
@@ -34,18 +36,18 @@ def read_once(bucket: str, param: nn.Parameter, gather: Callable[[], torch.Tenso
     return reads[id(param)]
 
 
-def register_read_scope(module: nn.Module, bucket: str) -> None:
+@contextlib.contextmanager
+def _read_scope(bucket: str) -> Iterator[None]:
+    _DEPTH[bucket] = _DEPTH.get(bucket, 0) + 1
+    _READS.setdefault(bucket, {})
+    try:
+        yield
+    finally:
+        _DEPTH[bucket] -= 1
+        if not _DEPTH[bucket]:
+            del _DEPTH[bucket], _READS[bucket]
+
+
+def read_once_in_eager_forward(module: nn.Module, bucket: str) -> None:
     """While `module`'s eager forward runs, parameters of group `bucket` are gathered at most once each."""
-
-    def enter(_module, _args, _kwargs) -> None:
-        if not torch.compiler.is_compiling():
-            _DEPTH[bucket] = _DEPTH.get(bucket, 0) + 1
-            _READS.setdefault(bucket, {})
-
-    def leave(_module, _args, _output) -> None:
-        if not torch.compiler.is_compiling() and _DEPTH.get(bucket):
-            _DEPTH[bucket] -= 1
-            if not _DEPTH[bucket]:
-                del _DEPTH[bucket], _READS[bucket]
-
-    add_forward_hooks(module, pre=enter, post=leave)
+    add_eager_scope(module, functools.partial(_read_scope, bucket))

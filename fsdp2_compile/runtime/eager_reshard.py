@@ -16,9 +16,9 @@ from torch import nn
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from fsdp2_compile._torch_private import view_base
-from fsdp2_compile.runtime.forward_hooks import add_forward_hooks
+from fsdp2_compile.runtime.forward_hooks import add_eager_scope
 
-__all__ = ["note_gathered", "register_reshard_hooks"]
+__all__ = ["note_gathered", "reshard_in_eager_forward"]
 
 _GATHERED = WeakTensorKeyDictionary()
 """Gathered parameters alive in an eager forward -> a function that gathers them again."""
@@ -46,18 +46,6 @@ def _unpack(packed):
         return regather().as_strided(size, stride, offset)
 
 
-def register_reshard_hooks(module: nn.Module) -> None:
+def reshard_in_eager_forward(module: nn.Module) -> None:
     """Route the tensors `module`'s eager forward saves for backward through `_pack` / `_unpack`."""
-    active: list[torch.autograd.graph.saved_tensors_hooks] = []
-
-    def enter(_module, _args, _kwargs) -> None:
-        if not torch.compiler.is_compiling():
-            hooks = torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
-            hooks.__enter__()
-            active.append(hooks)
-
-    def leave(_module, _args, _output) -> None:
-        if not torch.compiler.is_compiling() and active:
-            active.pop().__exit__(None, None, None)
-
-    add_forward_hooks(module, pre=enter, post=leave)
+    add_eager_scope(module, lambda: torch.autograd.graph.saved_tensors_hooks(_pack, _unpack))

@@ -1,28 +1,47 @@
-"""The forward hooks `shard` puts on a module, kept so that another method can run inside them.
+"""What `shard` runs around a sharded module's forward, kept so that another method can run inside it too.
 
 FSDP2 runs its pre- and post-forward logic around `forward` only, and `register_fsdp_forward_method` runs it around
-another method too (a `generate`, a `features`). `shard` registers its hooks (input and output casts, the eager
-read scope, eager resharding) through `add_forward_hooks`, which also records them; `register_fsdp_forward_method`
-wraps the method in the recorded ones, in the order `nn.Module` runs them. The user's own hooks are not run, as in
-FSDP2.
+another method too (a `generate`, a `features`). `shard` adds two kinds:
+
+- forward hooks (`add_forward_hooks`: the mixed-precision input and output casts), registered on the module and
+  recorded;
+- eager scopes (`add_eager_scope`: the eager read scope, eager resharding), context managers the sharded class's
+  `forward` enters when it is not being compiled (`in_eager_scopes`). They are not hooks: hooks that do nothing
+  while Dynamo compiles would still be traced, for every block, by every launch.
+
+`register_fsdp_forward_method` wraps the method in both, in the order `nn.Module` runs them. The user's own hooks
+are not run, as in FSDP2.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 import weakref
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 
-__all__ = ["add_forward_hooks", "register_fsdp_forward_method"]
+__all__ = ["add_eager_scope", "add_forward_hooks", "in_eager_scopes", "register_fsdp_forward_method"]
 
 PreHook = Callable[[nn.Module, tuple, dict], "tuple[tuple, dict] | None"]
 PostHook = Callable[[nn.Module, tuple, Any], Any]
+Scope = Callable[[], contextlib.AbstractContextManager]
 
-_HOOKS: weakref.WeakKeyDictionary[nn.Module, list[tuple[PreHook | None, PostHook | None]]] = weakref.WeakKeyDictionary()
-"""By sharded module: the (pre, post) pairs `add_forward_hooks` registered on it, in order."""
+
+@dataclasses.dataclass
+class _Around:
+    hooks: list[tuple[PreHook | None, PostHook | None]] = dataclasses.field(default_factory=list)
+    """The (pre, post) pairs `add_forward_hooks` registered, in order."""
+    scopes: list[Scope] = dataclasses.field(default_factory=list)
+    """What the eager forward runs inside (`add_eager_scope`), outermost first."""
+
+
+_AROUND: weakref.WeakKeyDictionary[nn.Module, _Around] = weakref.WeakKeyDictionary()
+"""By sharded module: what `shard` runs around its forward."""
 
 
 def add_forward_hooks(module: nn.Module, pre: PreHook | None = None, post: PostHook | None = None) -> None:
@@ -33,7 +52,35 @@ def add_forward_hooks(module: nn.Module, pre: PreHook | None = None, post: PostH
         module.register_forward_pre_hook(pre, with_kwargs=True)
     if post is not None:
         module.register_forward_hook(post, always_call=True)
-    _HOOKS.setdefault(module, []).append((pre, post))
+    _AROUND.setdefault(module, _Around()).hooks.append((pre, post))
+
+
+def add_eager_scope(module: nn.Module, scope: Scope) -> None:
+    """Run `module`'s forward inside `scope()` when it is not being compiled (its class's `forward` is
+    `in_eager_scopes`)."""
+    _AROUND.setdefault(module, _Around()).scopes.append(scope)
+
+
+def _run_in_scopes(module: nn.Module, call: Callable[[], Any]) -> Any:
+    scopes = _AROUND[module].scopes if module in _AROUND else ()
+    if not scopes or torch.compiler.is_compiling():
+        return call()
+    with contextlib.ExitStack() as stack:
+        for scope in scopes:
+            stack.enter_context(scope())
+        return call()
+
+
+def in_eager_scopes(forward: Callable) -> Callable:
+    """`forward` (a module class's), run inside the scopes `add_eager_scope` gave the module, unless compiling."""
+
+    @functools.wraps(forward)
+    def forward_in_eager_scopes(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return forward(self, *args, **kwargs)
+        return _run_in_scopes(self, lambda: forward(self, *args, **kwargs))
+
+    return forward_in_eager_scopes
 
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
@@ -41,9 +88,9 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     parameters gathered once for the call in eager mode and released after, the output cast (FSDP2's function of
     the same name). A module `shard` did not shard is left as it is, as FSDP2 leaves a module that is not an
     `FSDPModule`."""
-    hooks = _HOOKS.get(module)
-    if hooks is None:
+    if module not in _AROUND:
         return
+    hooks = _AROUND[module].hooks
     method = getattr(module, method_name, None)
     if not callable(method):
         raise ValueError(f"{type(module).__name__} has no method {method_name!r} to register as a forward method")
@@ -56,7 +103,7 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
                 args, kwargs = changed
         output = None
         try:
-            output = method(*args, **kwargs)
+            output = _run_in_scopes(module, lambda: method(*args, **kwargs))
         finally:
             for _, post in hooks:
                 changed = post(module, args, output) if post is not None else None

@@ -74,9 +74,10 @@ class TPLayout:
         )
 
 
-ANONYMOUS_SPECS: dict[str, ParamSpec] = dropped_with_groups({})
-"""`ParamInfo.spec(anonymous=True)` by its text (`ParamInfo.anonymous_key`): identical blocks' parameters
-share one entry."""
+SPECS: dict[str, ParamSpec] = dropped_with_groups({})
+"""`ParamInfo.spec()` and `spec(anonymous=True)` by their text (`ParamInfo.spec_key`, `anonymous_key`), what a
+compiled forward reads: Dynamo guards one text per parameter, not every field `spec` reads; identical blocks'
+parameters share one anonymous entry."""
 
 
 _SERIALS = itertools.count()
@@ -191,12 +192,12 @@ class ParamInfo:
         self._refresh_keys()
 
     def _refresh_keys(self) -> None:
-        """Keep `anonymous_key` naming this parameter's `spec(anonymous=True)` in `ANONYMOUS_SPECS`, and a float8
-        weight's `float8_key` naming its spec and cast for `float8.gather_float8`."""
-        spec = self.spec(anonymous=True)
-        key = repr(spec)
-        ANONYMOUS_SPECS.setdefault(key, spec)
-        object.__setattr__(self, "anonymous_key", key)
+        """Keep `spec_key` and `anonymous_key` naming this parameter's `spec()` and `spec(anonymous=True)` in
+        `SPECS`, and a float8 weight's `float8_key` naming its spec and cast for `float8.gather_float8`."""
+        for attr, spec in (("spec_key", self.spec()), ("anonymous_key", self.spec(anonymous=True))):
+            key = repr(spec)
+            SPECS.setdefault(key, spec)
+            object.__setattr__(self, attr, key)
         # `read_managed`'s shortest path: a block traced once, nothing kept or delivered, no TP layout to wrap
         plain = (
             self.compiled_once
@@ -215,7 +216,9 @@ class ParamInfo:
         if self.compiled_once and torch.compiler.is_compiling():
             # One guarded text per parameter; the spec is read from a global, whose guards Dynamo does not
             # evaluate again for each block it stamps out.
-            spec = ANONYMOUS_SPECS[self.anonymous_key]
+            spec = SPECS[self.anonymous_key]
+        elif torch.compiler.is_compiling() and not (self.prefetch_forward or self.prefetch_backward):
+            spec = SPECS[self.spec_key]  # (explicit prefetch: its targets' buckets are read as the graph is traced)
         else:
             spec = self.spec()
         if not spec.grad_key:
@@ -252,7 +255,7 @@ class ParamInfo:
     def spec(self, anonymous: bool = False) -> ParamSpec:
         """The `ParamSpec` of this parameter's `fsdp2::unshard`. `anonymous`: without what differs between
         identical blocks — the parameter's and its group's names, the keys of its kept state, the groups it
-        prefetches — so that one trace serves every block (`ANONYMOUS_SPECS`)."""
+        prefetches — so that one trace serves every block (`SPECS`)."""
         return ParamSpec(
             self.dim0,
             self.world_size,
@@ -332,7 +335,7 @@ def read_managed(info: ParamInfo, param: nn.Parameter) -> torch.Tensor:
     shortest path: Dynamo guards one text of the parameter's (`traced_key`), not every field and method `gather`
     reads, and finds fewer guards to check again for each block it stamps out (32-layer GPT: guards 1.5 -> 0.9 s)."""
     if torch.compiler.is_compiling() and info.traced_key and not _SHARDED_ACCESS.active and isinstance(param, DTensor):
-        return unshard(param.to_local(), ANONYMOUS_SPECS[info.traced_key])
+        return unshard(param.to_local(), SPECS[info.traced_key])
     return info.gather(param)
 
 

@@ -24,10 +24,10 @@ from fsdp2_compile._torch_private import (
 )
 from fsdp2_compile.config import MixedPrecisionPolicy
 from fsdp2_compile.core.group_caches import forget_destroyed_groups
-from fsdp2_compile.runtime.eager_reads import register_read_scope
-from fsdp2_compile.runtime.eager_reshard import register_reshard_hooks
+from fsdp2_compile.runtime.eager_reads import read_once_in_eager_forward
+from fsdp2_compile.runtime.eager_reshard import reshard_in_eager_forward
 from fsdp2_compile.runtime.float8 import float8_cast_of, high_precision
-from fsdp2_compile.runtime.forward_hooks import add_forward_hooks
+from fsdp2_compile.runtime.forward_hooks import add_forward_hooks, in_eager_scopes
 from fsdp2_compile.runtime.fsdp_module import FSDPModule, noting_size_mismatches
 from fsdp2_compile.runtime.param_state import (
     IGNORED_ATTR,
@@ -186,6 +186,7 @@ def _make_sharded_class(base: type, names: tuple[str, ...], fsdp_module: bool, c
     if compiled_once:
         namespace["forward"] = traced_once(base.forward)
     if fsdp_module:  # named as fully_shard names its FSDP{class}; a submodule under one keeps its class's name
+        namespace["forward"] = in_eager_scopes(namespace.get("forward", base.forward))
         namespace["load_state_dict"] = noting_size_mismatches(base.load_state_dict)
         return type(f"Sharded{base.__name__}", (base, FSDPModule), namespace)
     return type(base.__name__, (base,), namespace)
@@ -358,9 +359,9 @@ def shard(
     for member in members:
         _install_properties(member, {}, fsdp_module=True)
         _register_mp_hooks(member, mp_policy)
-        register_reshard_hooks(member)  # acts only on parameters gathered with reshard_after_forward on
+        reshard_in_eager_forward(member)  # acts only on parameters gathered with reshard_after_forward on
         if taken:
-            register_read_scope(member, taken[0].bucket)  # eager: a parameter read twice is gathered once
+            read_once_in_eager_forward(member, taken[0].bucket)  # a parameter read twice is gathered once
         object.__setattr__(member, STATE_ATTR, state)
         SHARDED_MODULES.add(member)
     register_state_views(state)  # what torch's pipeline schedules reach (`pipeline_stages.py`)
