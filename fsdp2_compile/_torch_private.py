@@ -60,7 +60,6 @@ __all__ = [
     "in_compile_context",
     "inductor_compile",
     "inductor_decompositions",
-    "inductor_takes_nested_regions",
     "log_softmax_backward",
     "mark_boxed",
     "min_cut_partition",
@@ -188,13 +187,6 @@ nested_regions_take_blocks = _TORCH_RELEASE >= (2, 13)
 """Whether `shard` may make identical blocks one nested compile region (`runtime/traced_blocks.py`). Before torch
 2.13 Dynamo cannot trace a nested region inside a graph with DTensor inputs (`_collect_fake_inputs`: "Expected
 FakeTensor, got DTensor"): each block is traced inline instead, as blocks with tensor parallelism are."""
-
-inductor_takes_nested_regions = _TORCH_RELEASE < (2, 14)
-"""Whether the fsdp2 backend may hand Inductor blocks traced once (nested compile regions). On torch 2.14 Inductor
-runs the backward of such a region wrongly when it keeps gradients unsynced (`fsdp2::stash_grad` inside the
-region receives gradients other than the region's: `set_requires_gradient_sync(False)` accumulated wrong values);
-there, with `CompileConfig(compiler="inductor")`, blocks are traced inline. No feature test shows it: the release
-decides."""
 
 # Resolved at import (their modules are loaded by these imports, or by `import torch`).
 _functorch_config = _resolve("torch._functorch.config")

@@ -251,10 +251,10 @@ def hsdp_accumulation(rank: int, world_size: int) -> dict:
     return out
 
 
-def blocks_traced_once(rank: int, world_size: int, last_block_keeps: bool) -> dict:
+def blocks_traced_once(rank: int, world_size: int, last_block_keeps: bool, compiler: str = "aot_eager") -> dict:
     """The test GPT with 3 blocks, sharded then the root, the last block with `reshard_after_forward=False` when
-    `last_block_keeps`, on fully_shard and on ours: both systems' losses; of ours, the block subgraphs each graph
-    calls, its all-gathers, and the gathered parameters its forward saves for backward."""
+    `last_block_keeps`, on fully_shard and on ours (`compiler`): both systems' losses; of ours, the block subgraphs
+    each graph calls, its all-gathers, and the gathered parameters its forward saves for backward."""
     import dataclasses
 
     from gpt import GPT
@@ -270,7 +270,10 @@ def blocks_traced_once(rank: int, world_size: int, last_block_keeps: bool) -> di
         for i, block in enumerate(model.blocks):
             keep = last_block_keeps and i == len(model.blocks) - 1
             (fully_shard if system == "fsdp2" else fc.shard)(block, reshard_after_forward=not keep)
-        (fully_shard if system == "fsdp2" else fc.shard_compile)(model)
+        if system == "fsdp2":
+            fully_shard(model)
+        else:
+            fc.shard_compile(model, compile_config=fc.CompileConfig(compiler=compiler))
         out[system] = _gpt_steps(model, make_optimizer(model), rank, world_size, range(STEPS))
     graphs = {r.kind: r.gm for r in compiled_graphs()}
     out["calls"] = {

@@ -42,7 +42,11 @@ from fsdp2_compile._torch_private import (
     subgraph_schemas_reused,
 )
 from fsdp2_compile.compiler import compile_cache
-from fsdp2_compile.compiler.block_gathers import gather_again_in_backward, gather_outside_blocks
+from fsdp2_compile.compiler.block_gathers import (
+    gather_again_in_backward,
+    gather_outside_blocks,
+    saved_inputs_from_callers,
+)
 from fsdp2_compile.compiler.compile_gc import full_collections_deferred
 from fsdp2_compile.compiler.graph_records import (
     GraphRecord,
@@ -212,6 +216,7 @@ def _rng_states_before_opaques(fw: fx.GraphModule, bw: fx.GraphModule) -> None:
 def _partition(joint: fx.GraphModule, joint_inputs: Any, *, config: CompileConfig, **kwargs: Any):
     split_unshard_groups(joint)
     gather_again_in_backward(joint)
+    saved_inputs_from_callers(joint)
     decision = _tag_unshards(joint, config)
     fw, bw = min_cut_partition(joint, joint_inputs, **kwargs)
     split_reduce_groups(bw)

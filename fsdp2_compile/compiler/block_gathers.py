@@ -8,11 +8,12 @@ from typing import Any
 
 from torch import fx
 
+from fsdp2_compile._torch_private import op_schema
 from fsdp2_compile.core.grouped_unshard import gather_group, group_key
 from fsdp2_compile.core.ir import UNSHARD, SubgraphCall, UnshardArgs, output_of
 from fsdp2_compile.runtime.param_state import ParamInfo, infos_of_values
 
-__all__ = ["gather_again_in_backward", "gather_outside_blocks"]
+__all__ = ["gather_again_in_backward", "gather_outside_blocks", "saved_inputs_from_callers"]
 
 PARTITIONED_FW, PARTITIONED_BW = "partitioned_fw", "partitioned_bw"
 """How AOTAutograd (torch 2.13) names the halves of a partitioned subgraph in the joint graph's calls."""
@@ -36,6 +37,9 @@ PARTITIONED_FW, PARTITIONED_BW = "partitioned_fw", "partitioned_bw"
 # - `gather_again_in_backward` (before the partitioner): what the block's forward subgraph saves for its backward
 #   that it computed from gathered parameters alone is computed in the backward subgraph instead, from the
 #   parameter passed in, so that the partitioner gathers it again (resharding after forward) instead of saving it.
+# - `saved_inputs_from_callers` (before the partitioner): what the block's forward saves that is one of its inputs
+#   (or a view of one) is read from the calling graph, not from the call's outputs, which Inductor takes to alias
+#   nothing.
 #
 # Blocks that differ (other shapes, other settings) get a subgraph each; Dynamo inlines one called once.
 def gather_outside_blocks(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:
@@ -276,3 +280,58 @@ def _ancestors(node: fx.Node) -> set[fx.Node]:
                 found.add(arg)
                 stack.append(arg)
     return found
+
+
+def saved_inputs_from_callers(joint: fx.GraphModule) -> None:
+    """After AOTAutograd partitioned a block's subgraph: what a forward call saves for its backward that is one of
+    the call's own inputs (the block's input activation), or a view of one, is read from the calling graph instead
+    of from the call's outputs.
+
+    The partitioned forward subgraph returns such a tensor as an output aliasing its input, and Inductor lowers each
+    output of an `invoke_subgraph` call as a buffer of its own (`ir.InvokeSubgraph.create`): the calling graph frees
+    the input after the call and reuses its memory while the output saved for backward still points at it, so the
+    backward reads whatever was written there later (wrong gradients for every block below the last). Read from the
+    caller, the input itself is saved (or recomputed) and stays alive until the backward."""
+    graph = joint.graph
+    for fw in [c for c in map(SubgraphCall.of, graph.nodes) if c is not None]:
+        if not fw.identifier.startswith(PARTITIONED_FW):
+            continue
+        body = fw.module()
+        placeholders = list(body.graph.find_nodes(op="placeholder"))
+        (outputs,) = body.graph.output_node().args
+        for out in list(fw.node.users):
+            source = output_of(out)
+            chain = None if source is None or not out.users else _view_chain(outputs[source[1]])
+            value = None if chain is None else fw.operands[placeholders.index(chain[0])]
+            if not isinstance(value, fx.Node):
+                continue
+            for view in chain[1:]:
+                with graph.inserting_before(out):
+                    value = graph.node_copy(view, lambda _, base=value: base)
+            out.replace_all_uses_with(value)
+            graph.erase_node(out)
+    graph.lint()
+    joint.recompile()
+
+
+def _view_chain(node: fx.Node) -> list[fx.Node] | None:
+    """[placeholder, view of it, view of that, ..., `node`] when `node` is a placeholder or a chain of views of one
+    (each taking no other node), else None."""
+    if not isinstance(node, fx.Node):
+        return None
+    chain = [node]
+    while node.op != "placeholder":
+        if node.op != "call_function" or not _is_view(node) or node.all_input_nodes != [node.args[0]]:
+            return None
+        node = node.args[0]
+        chain.append(node)
+    return chain[::-1]
+
+
+def _is_view(node: fx.Node) -> bool:
+    """Whether `node` calls an operator whose one result aliases its first argument without writing it."""
+    schema = op_schema(node.target)
+    if schema is None or len(schema.returns) != 1 or not schema.arguments:
+        return False
+    result, first = schema.returns[0].alias_info, schema.arguments[0].alias_info
+    return result is not None and first is not None and not result.is_write and result.before_set == first.before_set

@@ -42,21 +42,16 @@ _WARNED: set[str] = set()
 
 @torch.compiler.assume_constant_result
 def _fsdp2_backend_tracing() -> bool:
-    """Whether blocks are traced once: the backend Dynamo traces for is fsdp2's and its compiler takes nested
-    regions; run (not traced) by Dynamo, its result a constant. A sharded module compiled with another backend gets
-    a warning, once per backend."""
-    from fsdp2_compile._torch_private import (  # AOTAutograd's imports wait for a compile
-        inductor_takes_nested_regions,
-        tracing_backend,
-    )
-    from fsdp2_compile.config import CompileConfig, compiler_for
-    from fsdp2_compile.runtime.validation import default_device_type
+    """Whether blocks are traced once: the backend Dynamo traces for is fsdp2's (whichever compiler it hands the
+    graph to: Inductor's handling of a block's saved inputs is worked around in `block_gathers.py`); run (not
+    traced) by Dynamo, its result a constant. A sharded module compiled with another backend gets a warning, once
+    per backend."""
+    from fsdp2_compile._torch_private import tracing_backend  # AOTAutograd's imports wait for a compile
 
     backend = tracing_backend()
     fn = getattr(backend, "func", backend)  # make_backend's functools.partial
     if getattr(fn, TRACES_BLOCKS_ONCE, False):
-        config = getattr(backend, "keywords", {}).get("config") or CompileConfig()
-        return inductor_takes_nested_regions or compiler_for(config, default_device_type()) != "inductor"
+        return True
     if backend is None:
         return False
     name = getattr(fn, "__name__", repr(fn))
