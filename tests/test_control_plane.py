@@ -127,9 +127,9 @@ def test_the_step_watch_names_every_place_and_the_absent_rank_at_a_constant_cost
         for message in out.errors.values():
             assert f"rank(s) [{_lower(n)}] in forward 3 (forwards 3, backwards 2)" in message, message
             assert f"[{absent}] not seen in a compiled step" in message, message
-        # each rank reads the round, appends, counts, waits, tries the claim, waits, reads (7); the one claiming reads
-        # the list, writes
-        assert sorted(out.ops)[-2] == 7 and max(out.ops) == 9, out.ops
+        # each rank reads the round, appends, counts, waits, tries the claim, waits, reads (7; fewer where the verdict
+        # is written before it tries the claim); the one claiming reads the list, writes
+        assert sorted(out.ops)[-2] <= 7 and max(out.ops) == 9, out.ops
 
 
 def _lower(n: int) -> str:

@@ -25,6 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from fsdp2_compile._torch_private import traced_only_inlined
+
 __all__ = ["add_eager_scope", "add_forward_hooks", "in_eager_scopes", "register_fsdp_forward_method"]
 
 PreHook = Callable[[nn.Module, tuple, dict], "tuple[tuple, dict] | None"]
@@ -61,24 +63,28 @@ def add_eager_scope(module: nn.Module, scope: Scope) -> None:
     _AROUND.setdefault(module, _Around()).scopes.append(scope)
 
 
-def _run_in_scopes(module: nn.Module, call: Callable[[], Any]) -> Any:
-    scopes = _AROUND[module].scopes if module in _AROUND else ()
-    if not scopes or torch.compiler.is_compiling():
-        return call()
+@traced_only_inlined
+def _entered_scopes(module: nn.Module) -> contextlib.AbstractContextManager:
+    """The scopes `add_eager_scope` gave `module`, entered (none while compiling); leaving it leaves them."""
+    if torch.compiler.is_compiling() or module not in _AROUND:
+        return contextlib.nullcontext()
     with contextlib.ExitStack() as stack:
-        for scope in scopes:
+        for scope in _AROUND[module].scopes:
             stack.enter_context(scope())
-        return call()
+        return stack.pop_all()
 
 
 def in_eager_scopes(forward: Callable) -> Callable:
-    """`forward` (a module class's), run inside the scopes `add_eager_scope` gave the module, unless compiling."""
+    """`forward` (a module class's), run inside the scopes `add_eager_scope` gave the module, unless compiling. A
+    compiled module's own call starts Dynamo's trace at `forward`, inside the scopes, as its hooks would."""
 
+    @traced_only_inlined
     @functools.wraps(forward)
     def forward_in_eager_scopes(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():
             return forward(self, *args, **kwargs)
-        return _run_in_scopes(self, lambda: forward(self, *args, **kwargs))
+        with _entered_scopes(self):
+            return forward(self, *args, **kwargs)
 
     return forward_in_eager_scopes
 
@@ -103,7 +109,8 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
                 args, kwargs = changed
         output = None
         try:
-            output = _run_in_scopes(module, lambda: method(*args, **kwargs))
+            with _entered_scopes(module):
+                output = method(*args, **kwargs)
         finally:
             for _, post in hooks:
                 changed = post(module, args, output) if post is not None else None

@@ -198,16 +198,13 @@ class ParamInfo:
             key = repr(spec)
             SPECS.setdefault(key, spec)
             object.__setattr__(self, attr, key)
-        # `read_managed`'s shortest path: a block traced once, nothing kept or delivered, no TP layout to wrap
-        plain = (
-            self.compiled_once
-            and not self.kept_key
-            and not self.grad_key
-            and self.tp is None
-            and not self.shard_dim
-            and self.float8 is None
-        )
-        object.__setattr__(self, "traced_key", key if plain else "")
+        # `read_managed`'s shortest path: nothing kept or delivered, no TP layout to wrap, no dim moved; the
+        # anonymous spec in a block traced once, else the full one (not with explicit prefetch targets, whose
+        # buckets are read as the graph is traced)
+        plain = not (self.kept_key or self.grad_key or self.shard_dim) and self.tp is None and self.float8 is None
+        explicit_prefetch = bool(self.prefetch_forward or self.prefetch_backward)
+        traced = self.anonymous_key if self.compiled_once else "" if explicit_prefetch else self.spec_key
+        object.__setattr__(self, "traced_key", traced if plain else "")
         object.__setattr__(self, "float8_key", gather_key(self.spec(), self.float8) if self.float8 else "")
 
     def _unshard(self, param: DTensor, kept: torch.Tensor | None = None) -> torch.Tensor:
@@ -331,9 +328,9 @@ class ShardState:
 
 def read_managed(info: ParamInfo, param: nn.Parameter) -> torch.Tensor:
     """What a managed parameter's attribute (`module.weight`) returns: `info.gather(param)`. While Dynamo traces a
-    block traced once whose parameter is neither kept gathered nor delivered its gradient, the same op by the
-    shortest path: Dynamo guards one text of the parameter's (`traced_key`), not every field and method `gather`
-    reads, and finds fewer guards to check again for each block it stamps out (32-layer GPT: guards 1.5 -> 0.9 s)."""
+    parameter neither kept gathered nor delivered its gradient, the same op by the shortest path: Dynamo traces a
+    few instructions and guards one text of the parameter's (`traced_key`), not every field and method `gather`
+    reads, and finds fewer guards to check again for each block it stamps out."""
     if torch.compiler.is_compiling() and info.traced_key and not _SHARDED_ACCESS.active and isinstance(param, DTensor):
         return unshard(param.to_local(), SPECS[info.traced_key])
     return info.gather(param)
