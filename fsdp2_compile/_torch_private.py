@@ -94,7 +94,6 @@ __all__ = [
     "TorchDispatchMode",
     "trace_graph_artifact",
     "traced_frame_of",
-    "traced_only_inlined",
     "tracing_backend",
     "tree_leaves",
     "unsafe_view",
@@ -362,17 +361,6 @@ def fake_output_by_meta_kernel(fn: Callable[..., torch.Tensor], args: tuple, kwa
     if out is None:  # `fn` declined
         return None
     return fake_mode.fake_tensor_converter.from_meta_and_device(fake_mode, out, tensors[0].device)
-
-
-_skip_code = _resolve("torch._dynamo.eval_frame:skip_code")
-
-
-def traced_only_inlined(fn: Callable) -> Callable:
-    """`fn`, whose frame Dynamo does not start a trace at: called as the compiled function, it runs as plain Python
-    and Dynamo starts at the functions it calls (a module's `forward`, whose parameters name the graph's inputs);
-    reached from a frame Dynamo traces, it is inlined as any function is. (torch marks its own markers this way.)"""
-    _skip_code(fn.__code__)
-    return fn
 
 
 _dynamo_tls = _resolve("torch._dynamo.symbolic_convert:tls")

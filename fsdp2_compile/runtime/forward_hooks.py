@@ -5,9 +5,11 @@ another method too (a `generate`, a `features`). `shard` adds two kinds:
 
 - forward hooks (`add_forward_hooks`: the mixed-precision input and output casts), registered on the module and
   recorded;
-- eager scopes (`add_eager_scope`: the eager read scope, eager resharding), context managers the sharded class's
-  `forward` enters when it is not being compiled (`in_eager_scopes`). They are not hooks: hooks that do nothing
-  while Dynamo compiles would still be traced, for every block, by every launch.
+- eager scopes (`add_eager_scope`: the eager read scope, eager resharding), context managers entered around an
+  eager forward only: by a pair of forward hooks, or, for a block traced once (`scopes_in_forward`), by its class's
+  `forward` (`in_eager_scopes`), since hooks that do nothing while Dynamo compiles would still be traced, for every
+  block, by every launch. (A module a user compiles by itself keeps its hooks: Dynamo runs them and starts its
+  trace at `forward`, whose parameters name the graph's inputs.)
 
 `register_fsdp_forward_method` wraps the method in both, in the order `nn.Module` runs them. The user's own hooks
 are not run, as in FSDP2.
@@ -25,9 +27,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from fsdp2_compile._torch_private import traced_only_inlined
-
-__all__ = ["add_eager_scope", "add_forward_hooks", "in_eager_scopes", "register_fsdp_forward_method"]
+__all__ = [
+    "add_eager_scope",
+    "add_forward_hooks",
+    "in_eager_scopes",
+    "register_fsdp_forward_method",
+    "scopes_in_forward",
+]
 
 PreHook = Callable[[nn.Module, tuple, dict], "tuple[tuple, dict] | None"]
 PostHook = Callable[[nn.Module, tuple, Any], Any]
@@ -40,6 +46,10 @@ class _Around:
     """The (pre, post) pairs `add_forward_hooks` registered, in order."""
     scopes: list[Scope] = dataclasses.field(default_factory=list)
     """What the eager forward runs inside (`add_eager_scope`), outermost first."""
+    scope_hooks: list = dataclasses.field(default_factory=list)
+    """The handles of the hooks that enter and leave the scopes (none once `scopes_in_forward`)."""
+    entered: list[contextlib.ExitStack] = dataclasses.field(default_factory=list)
+    """The scopes the hooks entered, by running forward (innermost last)."""
 
 
 _AROUND: weakref.WeakKeyDictionary[nn.Module, _Around] = weakref.WeakKeyDictionary()
@@ -58,27 +68,46 @@ def add_forward_hooks(module: nn.Module, pre: PreHook | None = None, post: PostH
 
 
 def add_eager_scope(module: nn.Module, scope: Scope) -> None:
-    """Run `module`'s forward inside `scope()` when it is not being compiled (its class's `forward` is
-    `in_eager_scopes`)."""
-    _AROUND.setdefault(module, _Around()).scopes.append(scope)
+    """Run `module`'s forward inside `scope()` when it is not being compiled."""
+    around = _AROUND.setdefault(module, _Around())
+    if not around.scopes:
+        around.scope_hooks = [
+            module.register_forward_pre_hook(lambda m, _args: _enter_scopes(m)),
+            module.register_forward_hook(lambda m, _args, _output: _leave_scopes(m), always_call=True),
+        ]
+    around.scopes.append(scope)
 
 
-@traced_only_inlined
-def _entered_scopes(module: nn.Module) -> contextlib.AbstractContextManager:
-    """The scopes `add_eager_scope` gave `module`, entered (none while compiling); leaving it leaves them."""
-    if torch.compiler.is_compiling() or module not in _AROUND:
-        return contextlib.nullcontext()
+def scopes_in_forward(module: nn.Module) -> None:
+    """`module`'s class's forward is `in_eager_scopes`: its scopes are entered there, its scope hooks go."""
+    around = _AROUND.get(module)
+    if around is not None:
+        for handle in around.scope_hooks:
+            handle.remove()
+        around.scope_hooks = []
+
+
+def _enter_scopes(module: nn.Module) -> None:
+    if not torch.compiler.is_compiling():
+        _AROUND[module].entered.append(_entered_scopes(module))
+
+
+def _leave_scopes(module: nn.Module) -> None:
+    if not torch.compiler.is_compiling() and _AROUND[module].entered:
+        _AROUND[module].entered.pop().close()
+
+
+def _entered_scopes(module: nn.Module) -> contextlib.ExitStack:
+    """The scopes `add_eager_scope` gave `module`, entered; closing it leaves them."""
     with contextlib.ExitStack() as stack:
-        for scope in _AROUND[module].scopes:
+        for scope in _AROUND[module].scopes if module in _AROUND else ():
             stack.enter_context(scope())
         return stack.pop_all()
 
 
 def in_eager_scopes(forward: Callable) -> Callable:
-    """`forward` (a module class's), run inside the scopes `add_eager_scope` gave the module, unless compiling. A
-    compiled module's own call starts Dynamo's trace at `forward`, inside the scopes, as its hooks would."""
+    """`forward` (a module class's), run inside the scopes `add_eager_scope` gave the module, unless compiling."""
 
-    @traced_only_inlined
     @functools.wraps(forward)
     def forward_in_eager_scopes(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():
@@ -109,8 +138,11 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
                 args, kwargs = changed
         output = None
         try:
-            with _entered_scopes(module):
+            if torch.compiler.is_compiling():
                 output = method(*args, **kwargs)
+            else:
+                with _entered_scopes(module):
+                    output = method(*args, **kwargs)
         finally:
             for _, post in hooks:
                 changed = post(module, args, output) if post is not None else None

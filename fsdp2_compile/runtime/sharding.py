@@ -27,7 +27,7 @@ from fsdp2_compile.core.group_caches import forget_destroyed_groups
 from fsdp2_compile.runtime.eager_reads import read_once_in_eager_forward
 from fsdp2_compile.runtime.eager_reshard import reshard_in_eager_forward
 from fsdp2_compile.runtime.float8 import float8_cast_of, high_precision
-from fsdp2_compile.runtime.forward_hooks import add_forward_hooks, in_eager_scopes
+from fsdp2_compile.runtime.forward_hooks import add_forward_hooks, in_eager_scopes, scopes_in_forward
 from fsdp2_compile.runtime.fsdp_module import FSDPModule, noting_size_mismatches
 from fsdp2_compile.runtime.param_state import (
     IGNORED_ATTR,
@@ -184,9 +184,8 @@ def _make_sharded_class(base: type, names: tuple[str, ...], fsdp_module: bool, c
     namespace.update(_fsdp2_generated=True, _fsdp2_compiled_once=compiled_once, __module__=base.__module__)
     namespace.update(__reduce_ex__=_not_copied, __deepcopy__=_not_copied)
     if compiled_once:
-        namespace["forward"] = traced_once(base.forward)
+        namespace["forward"] = in_eager_scopes(traced_once(base.forward))
     if fsdp_module:  # named as fully_shard names its FSDP{class}; a submodule under one keeps its class's name
-        namespace["forward"] = in_eager_scopes(namespace.get("forward", base.forward))
         namespace["load_state_dict"] = noting_size_mismatches(base.load_state_dict)
         return type(f"Sharded{base.__name__}", (base, FSDPModule), namespace)
     return type(base.__name__, (base,), namespace)
@@ -443,6 +442,7 @@ def _trace_blocks_once(members: list[nn.Module]) -> None:
             for info in infos:
                 info.compiled_once = True
             _install_properties(mod, {}, fsdp_module=True, compiled_once=True)
+            scopes_in_forward(mod)
 
 
 def _compute_device(mesh: DeviceMesh) -> torch.device:
